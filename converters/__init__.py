@@ -1,0 +1,1 @@
+"""Checkpoint layout conversion between hub formats and the fused in-memory layouts."""

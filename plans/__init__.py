@@ -1,0 +1,1 @@
+"""The zoo: one small declarative module per architecture, each defining ``PLAN``."""

@@ -1,0 +1,16 @@
+"""xpar_zoo: train Hugging Face transformers models with extra parallelism (EP, vocab, any named plan) + FSDP2."""
+
+from .clip import clip_grad_norm_
+from .errors import MeshError, PlanError, UnknownArchitectureError, XparError
+from .mesh import Mesh
+from .parallelize import parallelize
+from .plan import ExtraPlan, Plan
+from .registry import get_plan, supported_architectures
+from .state import full_state_dict
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExtraPlan", "Mesh", "MeshError", "Plan", "PlanError", "UnknownArchitectureError", "XparError",
+    "clip_grad_norm_", "full_state_dict", "get_plan", "parallelize", "supported_architectures",
+]

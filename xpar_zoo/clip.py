@@ -1,0 +1,56 @@
+"""Gradient clipping over parameters that live on different meshes (dense FSDP, and one mesh per extra plan)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _copies(g: torch.Tensor) -> int:
+    """How many ranks hold this rank's piece of ``g`` (the product of its Replicate mesh dims)."""
+    if not isinstance(g, DTensor):
+        return dist.get_world_size() if dist.is_initialized() else 1
+    return math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if isinstance(p, Replicate))
+
+
+def clip_grad_norm_(
+    model_or_params: nn.Module | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip gradients in place by their total norm over *all* parameters, as single-process training would, and
+    return that norm. Works across meshes: each rank adds up its local pieces (a replicated piece counts once over
+    its copies) and one all-reduce over the world combines them. A collective: every rank must call it."""
+    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    acc = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        local = _local(g).detach().float()
+        if local.numel() == 0:
+            continue
+        if math.isinf(norm_type):
+            acc = torch.maximum(acc, local.abs().max())
+        else:
+            acc = acc + local.norm(norm_type) ** norm_type / _copies(g)
+    if dist.is_initialized():
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    total = acc if math.isinf(norm_type) else acc ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = _local(g)
+        local.mul_(coef.to(local.device, local.dtype))
+    return total

@@ -1,0 +1,21 @@
+"""Error types. Every error names the problem (the plan, the tensor, the numbers) and is raised before
+expensive work. They subclass the builtin a caller would naturally catch (``ValueError``, ``KeyError``…)."""
+
+
+class XparError(Exception):
+    """Base class of every error xpar_zoo raises on bad input."""
+
+
+class MeshError(XparError, ValueError):
+    """A mesh that cannot be built over this world, or that does not fit the model's tensors."""
+
+
+class PlanError(XparError, ValueError):
+    """An unknown architecture or plan name, or a plan that does not match the model."""
+
+
+class UnknownArchitectureError(PlanError, KeyError):
+    """A ``model_type`` with no plan in the registry."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,65 @@
+"""Start N local processes with a gloo (CPU) process group — for the demo, the tests and the benchmarks.
+
+``run(fn, world_size, *args)`` calls ``fn(*args)`` on every rank and returns rank 0's result. A failure on any rank
+raises in the caller with that rank's traceback; collectives time out instead of hanging forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, queue, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(*args)
+        if rank == 0:
+            queue.put(("ok", result))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> Any:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks (spawned processes); return rank 0's result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    try:
+        mp.start_processes(_worker, args=(world_size, port, timeout_s, queue, fn, args), nprocs=world_size,
+                           join=True, start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        errors = []
+        while not queue.empty():
+            kind, payload = queue.get()
+            if kind == "error":
+                errors.append(payload)
+        raise RuntimeError("distributed run failed:\n" + ("\n".join(errors) or str(e))) from None
+    while not queue.empty():
+        kind, payload = queue.get()
+        if kind == "ok":
+            return payload
+    raise RuntimeError("distributed run finished without a result from rank 0")

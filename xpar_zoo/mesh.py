@@ -1,0 +1,171 @@
+"""The device mesh of a run: FSDP2 over all ranks for dense parameters, and one 2-D ``[p_fsdp, p]`` mesh per
+named extra plan ``p`` (``ep``, ``emb``, ``head``, or any user name).
+
+A plan of size ``s`` groups ``s`` ranks that split planned tensors on dim 0; the ``p_fsdp = world / (replicate·s)``
+ranks that hold the same slice shard it on dim 1 with FSDP2. ``innermost=True`` puts the ``s`` ranks of a group on
+consecutive global ranks (the all-to-all stays inside a node); ``False`` strides them by ``p_fsdp``.
+With ``replicate > 1`` (HSDP) every mesh gets an outermost ``replicate`` dimension.
+
+There is no global state: build a :class:`Mesh` after ``torch.distributed.init_process_group`` and pass it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+
+from .errors import MeshError
+
+RESERVED_NAMES = frozenset({"replicate", "fsdp", "extra", "innermost", "device_type"})
+
+
+def _device_type() -> str:
+    backend = dist.get_backend()
+    return "cuda" if backend in ("nccl", "cuda:nccl") or backend.startswith("cuda") else "cpu"
+
+
+def plan_rank_layout(world: int, replicate: int, size: int, innermost: bool) -> torch.Tensor:
+    """Global ranks arranged as ``[replicate, p_fsdp, p]`` for a plan of ``size`` (no process groups built)."""
+    fsdp = world // (replicate * size)
+    ranks = torch.arange(world)
+    if innermost:
+        return ranks.view(replicate, fsdp, size)
+    return ranks.view(replicate, size, fsdp).transpose(1, 2).contiguous()
+
+
+def validate_sizes(world: int, sizes: Mapping[str, int], replicate: int) -> None:
+    """Check that the plan sizes and ``replicate`` fit a world of ``world`` ranks; raise :class:`MeshError`."""
+    if not isinstance(replicate, int) or replicate < 1:
+        raise MeshError(f"replicate must be a positive integer, got {replicate!r}")
+    if world % replicate:
+        raise MeshError(f"replicate={replicate} does not divide the world size {world}")
+    shard = world // replicate
+    for name, size in sizes.items():
+        if name in RESERVED_NAMES or not name.isidentifier():
+            raise MeshError(f"{name!r} cannot name a plan (reserved or not an identifier)")
+        if not isinstance(size, int) or size < 1:
+            raise MeshError(f"plan {name!r}: size must be a positive integer, got {size!r}")
+        if size > world:
+            raise MeshError(f"plan {name!r} of size {size} is larger than the world ({world} ranks)")
+        if shard % size:
+            raise MeshError(
+                f"plan {name!r} of size {size} does not divide the dense shard size {shard} "
+                f"(world {world} / replicate {replicate})"
+            )
+
+
+class Mesh:
+    """Named extra-parallel plan sizes over the current process group, plus FSDP2 (or HSDP) for the rest.
+
+    ``Mesh(ep=4, emb=2)`` or ``Mesh(extra={"ep": 4}, innermost={"ep": False}, replicate=2)``. A plan of size 1 is
+    the same as no plan. Raises :class:`MeshError` when the sizes do not fit the world.
+    """
+
+    def __init__(
+        self,
+        extra: Mapping[str, int] | None = None,
+        innermost: Mapping[str, bool] | None = None,
+        replicate: int = 1,
+        *,
+        device_type: str | None = None,
+        **sizes: int,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise MeshError("xpar_zoo.Mesh needs torch.distributed to be initialised (init_process_group) first")
+        both = set(extra or {}) & set(sizes)
+        if both:
+            raise MeshError(f"plan size given twice (extra= and keyword): {sorted(both)}")
+        all_sizes = {**dict(extra or {}), **sizes}
+        innermost = dict(innermost or {})
+        unknown = set(innermost) - set(all_sizes)
+        if unknown:
+            raise MeshError(f"innermost names plans without a size: {sorted(unknown)}")
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        validate_sizes(self.world_size, all_sizes, replicate)
+        self.replicate = replicate
+        self.sizes: dict[str, int] = all_sizes
+        self.innermost: dict[str, bool] = {n: bool(innermost.get(n, True)) for n in all_sizes}
+        self.device_type = device_type or _device_type()
+        self.shard_size = self.world_size // replicate
+        self.dense = self._build_dense()
+        self._plan_meshes: dict[str, DeviceMesh] = {
+            name: self._build_plan_mesh(name) for name, size in all_sizes.items() if size > 1
+        }
+
+    @classmethod
+    def from_lists(
+        cls,
+        sizes: Sequence[int],
+        names: Sequence[str],
+        innermost: Sequence[bool] | None = None,
+        replicate: int = 1,
+        **kwargs,
+    ) -> Mesh:
+        """Build from VeOmni-style ``extra_parallel_sizes / _names / _placement_innermost`` lists."""
+        if len(sizes) != len(names) or (innermost is not None and len(innermost) != len(names)):
+            raise MeshError(
+                f"sizes ({len(sizes)}), names ({len(names)}) and innermost "
+                f"({'-' if innermost is None else len(innermost)}) must have the same length"
+            )
+        if len(set(names)) != len(names):
+            raise MeshError(f"plan names repeat: {list(names)}")
+        inner = dict(zip(names, innermost)) if innermost is not None else None
+        return cls(extra=dict(zip(names, sizes)), innermost=inner, replicate=replicate, **kwargs)
+
+    # ---- building -------------------------------------------------------------------------------------------
+    def _build_dense(self) -> DeviceMesh:
+        ranks = torch.arange(self.world_size)
+        if self.replicate > 1:
+            return DeviceMesh(self.device_type, ranks.view(self.replicate, self.shard_size),
+                              mesh_dim_names=("replicate", "fsdp"))
+        return DeviceMesh(self.device_type, ranks, mesh_dim_names=("fsdp",))
+
+    def _build_plan_mesh(self, name: str) -> DeviceMesh:
+        layout = plan_rank_layout(self.world_size, self.replicate, self.sizes[name], self.innermost[name])
+        if self.replicate > 1:
+            return DeviceMesh(self.device_type, layout, mesh_dim_names=("replicate", f"{name}_fsdp", name))
+        return DeviceMesh(self.device_type, layout[0], mesh_dim_names=(f"{name}_fsdp", name))
+
+    # ---- queries ----------------------------------------------------------------------------------------------
+    @property
+    def active(self) -> dict[str, int]:
+        """The plans that really split tensors (size > 1), in declaration order."""
+        return {n: s for n, s in self.sizes.items() if s > 1}
+
+    def size(self, name: str) -> int:
+        """The size of plan ``name`` (1 when the mesh does not use it)."""
+        return self.sizes.get(name, 1)
+
+    def plan_mesh(self, name: str) -> DeviceMesh:
+        """The ``([replicate,] {name}_fsdp, {name})`` DeviceMesh of an active plan."""
+        if name not in self._plan_meshes:
+            raise MeshError(f"plan {name!r} is not active in {self}")
+        return self._plan_meshes[name]
+
+    def plan_group(self, name: str) -> dist.ProcessGroup:
+        """The process group of the ranks that split plan ``name``'s tensors on dim 0."""
+        return self.plan_mesh(name).get_group(name)
+
+    def plan_rank(self, name: str) -> int:
+        """This rank's coordinate (0 … size-1) within its ``name`` group."""
+        return self.plan_mesh(name).get_local_rank(name)
+
+    def fsdp_dims(self, name: str) -> DataParallelMeshDims:
+        """The data-parallel dims of plan ``name``'s mesh, for ``fully_shard(..., dp_mesh_dims=...)``."""
+        return DataParallelMeshDims(shard=f"{name}_fsdp", replicate="replicate" if self.replicate > 1 else None)
+
+    def describe(self) -> dict:
+        """A JSON-able description (saved beside checkpoints, printed by the CLI)."""
+        return {"world_size": self.world_size, "replicate": self.replicate, "extra": dict(self.sizes),
+                "innermost": dict(self.innermost)}
+
+    def __repr__(self) -> str:
+        parts = [f"{n}={s}" + ("" if self.innermost[n] else "(strided)") for n, s in self.sizes.items()]
+        if self.replicate > 1:
+            parts.append(f"replicate={self.replicate}")
+        return f"Mesh({', '.join(parts)}; world={self.world_size})"

@@ -1,0 +1,160 @@
+"""Expert parallelism: the ``experts`` style.
+
+Registered in transformers' ``ExpertsInterface`` as ``"xpar_zoo"``, so any experts class decorated with
+``@use_experts_implementation`` (fused ``gate_up_proj`` / ``down_proj``, optional biases, transposed or interleaved
+layouts) runs through here without touching the modeling file. Per layer:
+
+1. sort the (token, k) pairs by expert; count tokens per expert;
+2. EP only: exchange counts, then send each row to the rank that owns its expert (all-to-all);
+3. regroup the received rows by local expert and run two grouped GEMMs with the activation between;
+4. EP only: send the results back (all-to-all); unsort, weight by the router and sum over k.
+
+Without an EP group (a plan of size 1, or plain FSDP) steps 2 and 4 vanish and every expert is local.
+The grouped GEMM is ``torch._grouped_mm`` on CUDA for bf16 with 16-byte aligned shapes and an exact per-expert
+``mm`` loop everywhere else (CPU tests run fp32, which ``_grouped_mm`` refuses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers.integrations.moe import ExpertsInterface
+
+from .collectives import all_to_all, all_to_all_counts
+
+EXPERTS_IMPLEMENTATION = "xpar_zoo"
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """An experts module's EP group: ``size`` ranks each own ``num_local`` consecutive global experts."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    num_local: int
+
+    @property
+    def first_expert(self) -> int:
+        return self.rank * self.num_local
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and w.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and x.shape[-1] % 8 == 0
+        and w.shape[-1] % 8 == 0
+        and w.shape[-2] % 8 == 0
+    )
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, transposed: bool = False,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows of ``x`` sorted by group, ``counts[g]`` rows for group ``g``; ``y[rows of g] = x[rows] @ W_g^T (+ b_g)``.
+
+    ``weight`` is ``[G, out, in]`` (``[G, in, out]`` when ``transposed``); ``bias`` is ``[G, out]``."""
+    w_in_out = weight if transposed else weight.transpose(-2, -1)  # [G, in, out]
+    if _use_grouped_mm(x, weight):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        out = torch._grouped_mm(x, w_in_out, offs=offs)
+    else:
+        sizes = counts.tolist()
+        pieces, start = [], 0
+        for g, n in enumerate(sizes):
+            # Always touch group 0 so the weight joins the graph (its grad exists) even with no tokens at all.
+            if n or g == 0:
+                pieces.append(x[start:start + n] @ w_in_out[g])
+            start += n
+        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    if bias is not None:
+        out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
+    return out
+
+
+def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first: int, num: int) -> torch.Tensor:
+    """The expert MLPs for rows grouped by local expert (``counts`` rows each), experts ``first … first+num-1``."""
+    has_gate = getattr(module, "has_gate", True)
+    has_bias = getattr(module, "has_bias", False)
+    transposed = getattr(module, "is_transposed", False)
+    up_name = "gate_up_proj" if has_gate else "up_proj"
+    up_w = _local(getattr(module, up_name))
+    down_w = _local(module.down_proj)
+    up_b = _local(getattr(module, f"{up_name}_bias")) if has_bias else None
+    down_b = _local(module.down_proj_bias) if has_bias else None
+    if up_w.shape[0] != num:  # not EP-sharded: every expert is local
+        up_w, down_w = up_w[first:first + num], down_w[first:first + num]
+        up_b = up_b[first:first + num] if up_b is not None else None
+        down_b = down_b[first:first + num] if down_b is not None else None
+    h = grouped_linear(x, up_w, counts, transposed=transposed, bias=up_b)
+    h = module._apply_gate(h) if has_gate else module.act_fn(h)
+    y = grouped_linear(h, down_w, counts, transposed=transposed, bias=down_b)
+    if getattr(module, "has_post_expert_norm", False):
+        y = module.post_expert_norm(y)
+    return y
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def _source_major_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """Rows arrive as ``[source rank][local expert]`` blocks of sizes ``recv[s, e]``; the index that reorders them
+    as ``[local expert][source rank]``."""
+    sizes = recv.reshape(-1)
+    starts = torch.cumsum(sizes, 0) - sizes
+    order = torch.arange(sizes.numel(), device=recv.device).view_as(recv).t().reshape(-1)
+    sizes_e, starts_e = sizes[order], starts[order]
+    total = int(sizes.sum())
+    # position p inside the output block b maps to starts_e[b] + (p - block_start_e[b])
+    block_start_e = torch.cumsum(sizes_e, 0) - sizes_e
+    shift = torch.repeat_interleave(starts_e - block_start_e, sizes_e, output_size=total)
+    return torch.arange(total, device=recv.device) + shift
+
+
+def experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """``ExpertsInterface`` entry: the MoE experts of one layer for ``hidden_states [T, H]`` routed by
+    ``top_k_index / top_k_weights [T, k]``, with expert parallelism when the module has an EP group."""
+    ep: ExpertParallel | None = getattr(self, "_xpar_ep", None)
+    num_tokens, top_k = top_k_index.shape
+    num_experts = _local(self.down_proj).shape[0] * (ep.size if ep else 1)
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    rows = hidden_states[order // top_k]
+    if ep is None:
+        out = _experts_mlp(self, rows, counts, 0, num_experts)
+    else:
+        send = counts.view(ep.size, ep.num_local)
+        recv = all_to_all_counts(send, ep.group)
+        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        received = all_to_all(rows, recv_splits, send_splits, ep.group)
+        regroup = _source_major_to_expert_major(recv)
+        out = _experts_mlp(self, received[regroup], recv.sum(0), ep.first_expert, ep.num_local)
+        out = all_to_all(out[_inverse(regroup)], send_splits, recv_splits, ep.group)
+    out = out[_inverse(order)] * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+ExpertsInterface.register(EXPERTS_IMPLEMENTATION, experts_forward)
+
+
+def install_expert_parallel(module: nn.Module, ep: ExpertParallel | None) -> None:
+    """Give an experts module its EP group (``None``: all experts local)."""
+    module._xpar_ep = ep

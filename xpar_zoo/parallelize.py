@@ -1,0 +1,212 @@
+"""``parallelize(model, mesh)``: a readable sequence of steps over a transformers model (meta or real weights).
+
+1. ``plan_parameters``     match the plan against the model and check every size — before any tensor is touched;
+2. ``split_planned``       each planned tensor becomes a DTensor split on dim 0 over its plan's ranks;
+3. ``install_styles``      planned modules get their forward style (EP dispatch, vocab-parallel lookup, …);
+4. ``shard_planned``       ``fully_shard`` planned modules on dim 1 over ``<plan>_fsdp``, deepest first;
+5. ``shard_units``         ``fully_shard`` decoder layers, then the root, over all ranks (HSDP with replicate);
+6. ``set_prefetch``        explicit forward/backward prefetch across the nested units.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .errors import PlanError
+from .mesh import Mesh
+from .moe import EXPERTS_IMPLEMENTATION, ExpertParallel, install_expert_parallel
+from .plan import Plan, match_parameters
+from .registry import get_plan
+
+
+@dataclass(frozen=True)
+class PlannedModule:
+    """A module whose parameters one extra plan splits on dim 0."""
+
+    fqn: str
+    plan_name: str
+    style: str
+    params: tuple[str, ...]  # local names on the module
+
+
+@dataclass
+class ParallelState:
+    """What ``parallelize`` did, kept on the model as ``model._xpar``: the mesh, the plan and the planned modules."""
+
+    mesh: Mesh
+    plan: Plan
+    planned: list[PlannedModule] = field(default_factory=list)
+
+    def planned_params(self) -> dict[str, str]:
+        """``{parameter FQN: plan name}`` for every planned parameter."""
+        return {f"{m.fqn}.{p}" if m.fqn else p: m.plan_name for m in self.planned for p in m.params}
+
+
+def _split(fqn: str) -> tuple[str, str]:
+    mod, _, name = fqn.rpartition(".")
+    return mod, name
+
+
+def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedModule]:
+    """Match ``plan`` against ``model`` for the plans ``mesh`` activates; raise :class:`PlanError` on any mismatch."""
+    unknown = [n for n in mesh.active if n not in plan.extra]
+    if unknown:
+        raise PlanError(
+            f"mesh uses plan(s) {unknown} that the {plan.model_type!r} plan does not define; "
+            f"its plans: {', '.join(plan.extra) or 'none'}"
+        )
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise PlanError("model is already parallelized (it has DTensor parameters)")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    owner: dict[str, str] = {}
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for name, size in mesh.active.items():
+        extra = plan.extra[name]
+        fqns = match_parameters(model, extra.params)
+        if not fqns:
+            raise PlanError(f"plan {name!r} matched no parameter of {type(model).__name__} (patterns {extra.params})")
+        fsdp = mesh.shard_size // size
+        for fqn in fqns:
+            if fqn in owner:
+                raise PlanError(f"{fqn} is claimed by two plans: {owner[fqn]!r} and {name!r}")
+            owner[fqn] = name
+            shape = tuple(params[fqn].shape)
+            if len(shape) < 2:
+                raise PlanError(f"plan {name!r}: {fqn} has shape {shape}; planned tensors need ≥ 2 dims")
+            if shape[0] % size:
+                raise PlanError(
+                    f"plan {name!r}: {fqn} has {shape[0]} {extra.dim0 or 'rows'} on dim 0 "
+                    f"(shape {list(shape)}), not divisible by {name}={size}"
+                )
+            if shape[1] % fsdp:
+                raise PlanError(
+                    f"plan {name!r}: {fqn} has {shape[1]} on dim 1 (shape {list(shape)}), not divisible by "
+                    f"{name}_fsdp={fsdp} (FSDP2 shards planned tensors evenly on dim 1)"
+                )
+            by_module[(_split(fqn)[0], name)].append(_split(fqn)[1])
+    planned = []
+    for (mod_fqn, name), names in by_module.items():
+        module = model.get_submodule(mod_fqn)
+        others = [n for n, _ in module.named_parameters(recurse=False) if n not in names]
+        if others:
+            raise PlanError(
+                f"plan {name!r} splits {mod_fqn}.{names} but not {others} of the same module; "
+                "a planned module's own parameters must all be planned"
+            )
+        planned.append(PlannedModule(mod_fqn, name, plan.extra[name].style, tuple(names)))
+    modules = [p.fqn for p in planned]
+    if len(set(modules)) != len(modules):
+        raise PlanError(f"a module is planned by two plans: {sorted(m for m in modules if modules.count(m) > 1)}")
+    return planned
+
+
+def split_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -> None:
+    """Replace each planned parameter by this rank's dim-0 slice, as a DTensor at its global shape."""
+    for pm in planned:
+        module = model.get_submodule(pm.fqn)
+        device_mesh = mesh.plan_mesh(pm.plan_name)
+        size, rank = mesh.size(pm.plan_name), mesh.plan_rank(pm.plan_name)
+        placements = [Replicate()] * (device_mesh.ndim - 1) + [Shard(0)]
+        for name in pm.params:
+            full = getattr(module, name)
+            rows = full.shape[0] // size
+            local = full.detach().narrow(0, rank * rows, rows)
+            if not local.is_meta:
+                local = local.clone()
+            dt = DTensor.from_local(local, device_mesh, placements, run_check=False,
+                                    shape=full.shape, stride=full.stride())
+            setattr(module, name, nn.Parameter(dt, requires_grad=full.requires_grad))
+
+
+def install_styles(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -> None:
+    """Give each planned module the forward of its style; experts modules use xpar_zoo's experts path."""
+    for pm in planned:
+        module = model.get_submodule(pm.fqn)
+        if pm.style == "experts":
+            size = mesh.size(pm.plan_name)
+            install_expert_parallel(module, ExpertParallel(
+                mesh.plan_group(pm.plan_name), size, mesh.plan_rank(pm.plan_name),
+                getattr(module, pm.params[0]).shape[0] // size))
+        else:
+            raise PlanError(f"plan style {pm.style!r} ({pm.fqn}) is not implemented yet")
+    if type(model)._can_set_experts_implementation() and getattr(model.config, "_experts_implementation", None):
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+
+
+def shard_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule], **fsdp_kwargs) -> None:
+    """``fully_shard`` each planned module on dim 1 over its plan's FSDP ranks, submodules before parents."""
+    for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
+        module = model.get_submodule(pm.fqn)
+        fully_shard(module, mesh=mesh.plan_mesh(pm.plan_name), dp_mesh_dims=mesh.fsdp_dims(pm.plan_name),
+                    shard_placement_fn=lambda p: Shard(1), **fsdp_kwargs)
+        # FSDP averages over the ranks it reduces across (world / size); every rank saw its own micro-batch, so
+        # the data-parallel average is over the whole world: without this, gradients are `size` times too large.
+        module.set_gradient_divide_factor(float(mesh.world_size))
+        # gloo has no PREMUL_SUM: reduce with SUM, then divide. Only where a reduce-scatter really runs: with a
+        # single FSDP rank, torch 2.13 divides once in the local copy and again after it when sums are forced.
+        if mesh.device_type == "cpu" and mesh.shard_size // mesh.size(pm.plan_name) > 1:
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_units(model: nn.Module, mesh: Mesh, plan: Plan, **fsdp_kwargs) -> list[nn.Module]:
+    """``fully_shard`` the decoder layers (the plan's FSDP unit classes), then the root, over the dense mesh."""
+    classes = set(plan.unit_classes(model))
+    units = [m for m in model.modules() if type(m).__name__ in classes and not isinstance(m, FSDPModule)]
+    for unit in units:
+        fully_shard(unit, mesh=mesh.dense, **fsdp_kwargs)
+    root_kwargs = {k: v for k, v in fsdp_kwargs.items() if k != "reshard_after_forward"}
+    fully_shard(model, mesh=mesh.dense, **root_kwargs)
+    return units
+
+
+def set_prefetch(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]) -> None:
+    """Forward: layer i prefetches its planned modules (overlapping attention) and layer i+1.
+    Backward: layer i prefetches its planned modules; the last of those prefetches layer i-1."""
+    planned_modules = [model.get_submodule(p.fqn) for p in planned]
+    inside = {id(u): [m for m in u.modules() if m is not u and any(m is q for q in planned_modules)] for u in units}
+    for i, unit in enumerate(units):
+        own = inside[id(unit)]
+        unit.set_modules_to_forward_prefetch(own + units[i + 1:i + 2])
+        if own:
+            unit.set_modules_to_backward_prefetch(own)
+            if i > 0:
+                own[-1].set_modules_to_backward_prefetch([units[i - 1]])
+        elif i > 0:
+            unit.set_modules_to_backward_prefetch([units[i - 1]])
+    if units:
+        model.set_modules_to_forward_prefetch([units[0]])
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    plan: Plan | None = None,
+    mixed_precision: bool | MixedPrecisionPolicy = False,
+    reshard_after_forward: bool = True,
+    prefetch: bool = True,
+) -> nn.Module:
+    """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (dim 1 for planned
+    tensors) to a transformers model in place; returns it. ``plan`` defaults to the registry's plan for
+    ``model.config.model_type``; ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction."""
+    plan = plan or get_plan(model.config.model_type)
+    planned = plan_parameters(model, mesh, plan)
+    if mixed_precision is True:
+        mixed_precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp_kwargs = {"reshard_after_forward": reshard_after_forward}
+    if mixed_precision:
+        fsdp_kwargs["mp_policy"] = mixed_precision
+    split_planned(model, mesh, planned)
+    install_styles(model, mesh, planned)
+    shard_planned(model, mesh, planned, **fsdp_kwargs)
+    units = shard_units(model, mesh, plan, **fsdp_kwargs)
+    if prefetch:
+        set_prefetch(model, units, planned)
+    model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned)
+    return model

@@ -1,0 +1,128 @@
+"""Parity against single-process transformers: tiny models, data, the reference run and the parallel run.
+
+Shared by the demo, the tests and the benchmarks so that the claim ("the parallel model equals the single-process
+model") and its tolerances have one source of truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# fp32 tolerances: loss |Δ| and each parameter's |Δ| relative to the norm of its own update.
+LOSS_TOL = 1e-5
+PARAM_REL_TOL = 1e-4
+
+
+def tiny_config(model_type: str = "qwen3_moe", **overrides):
+    """A tiny transformers config of ``model_type`` (≥ 2 layers, 8 experts, top-2 for MoE types)."""
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+                rms_norm_eps=1e-6)
+    if model_type == "qwen3_moe":
+        base.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                    mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False)
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def build_model(config, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
+    """The transformers causal-LM for ``config`` with weights drawn from ``seed`` (identical on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    return model.train()
+
+
+def make_batches(vocab_size: int, steps: int, world: int, batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
+    """Token ids ``[steps, world, batch, seq]``: rank ``r`` trains on ``[step, r]``; the reference on all of a step."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (steps, world, batch, seq), generator=g)
+
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+OPTIMIZERS: dict[str, OptimizerFactory] = {"sgd": sgd, "adamw": adamw}
+
+
+@dataclass
+class RunRecord:
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor]  # full parameters after the last step
+    local_shapes: dict[str, tuple[int, ...]]  # this rank's local shard shapes (parallel run only)
+
+
+def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0) -> RunRecord:
+    """Single-process transformers (HF's own eager experts) on every rank's data at once."""
+    model = build_model(config, seed, experts_implementation="eager")
+    opt = OPTIMIZERS[optimizer](list(model.parameters()))
+    losses, norms = [], []
+    for step in range(data.shape[0]):
+        ids = data[step].reshape(-1, data.shape[-1])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return RunRecord(losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, {})
+
+
+def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str, max_norm: float | None,
+                   seed: int = 0) -> RunRecord:
+    """The same training under xpar_zoo on ``mesh_kwargs``; every rank calls it, rank 0's record is complete."""
+    import xpar_zoo
+
+    mesh = xpar_zoo.Mesh(**mesh_kwargs)
+    model = xpar_zoo.parallelize(build_model(config, seed), mesh)
+    opt = OPTIMIZERS[optimizer](list(model.parameters()))
+    rank = dist.get_rank()
+    losses, norms = [], []
+    for step in range(data.shape[0]):
+        ids = data[step, rank]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norm = xpar_zoo.clip_grad_norm_(model, max_norm if max_norm else float("inf"))
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+        norms.append(norm.item())
+    local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if hasattr(p, "to_local")}
+    return RunRecord(losses, norms, xpar_zoo.full_state_dict(model), local)
+
+
+def param_errors(par: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], before: dict[str, torch.Tensor]
+                 ) -> dict[str, float]:
+    """Per parameter: ``|p_par − p_ref| / |p_ref − p_before|`` (absolute error where the update is zero)."""
+    missing = set(ref) ^ set(par)
+    if missing:
+        raise AssertionError(f"parameter names differ from the reference: {sorted(missing)}")
+    out = {}
+    for name, r in ref.items():
+        p = par[name]
+        if p.shape != r.shape:
+            raise AssertionError(f"{name}: parallel shape {tuple(p.shape)} vs reference {tuple(r.shape)}")
+        update = (r - before[name]).norm().item()
+        out[name] = (p - r).norm().item() / (update if update > 0 else 1.0)
+    return out
