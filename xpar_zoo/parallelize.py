@@ -143,7 +143,10 @@ def shard_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule], **
     """``fully_shard`` each planned module on dim 1 over its plan's FSDP ranks, submodules before parents."""
     for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
         module = model.get_submodule(pm.fqn)
-        fully_shard(module, mesh=mesh.plan_mesh(pm.plan_name), dp_mesh_dims=mesh.fsdp_dims(pm.plan_name),
+        # The DTensor's own mesh object: torch may hand back an equal mesh cached from an earlier Mesh, and
+        # fully_shard insists on identity.
+        device_mesh = getattr(module, pm.params[0]).device_mesh
+        fully_shard(module, mesh=device_mesh, dp_mesh_dims=mesh.fsdp_dims(pm.plan_name),
                     shard_placement_fn=lambda p: Shard(1), **fsdp_kwargs)
         # FSDP averages over the ranks it reduces across (world / size); every rank saw its own micro-batch, so
         # the data-parallel average is over the whole world: without this, gradients are `size` times too large.
