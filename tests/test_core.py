@@ -83,3 +83,28 @@ def test_expert_shards_hold_E_over_ep_on_dim0_and_fsdp_on_dim1(results, mesh, ex
     assert local[f"{EXPERTS}.gate_up_proj"] == (experts_dim0, 2 * cfg.moe_intermediate_size // fsdp_dim1,
                                                 cfg.hidden_size)
     assert local[f"{EXPERTS}.down_proj"] == (experts_dim0, cfg.hidden_size // fsdp_dim1, cfg.moe_intermediate_size)
+
+
+def _mixed_precision_job() -> dict:
+    """Mesh(ep=2) with bf16 parameters and fp32 reduction: one step's loss against the fp32 reference."""
+    import torch.distributed as dist
+
+    import xpar_zoo
+
+    cfg = parity.tiny_config("qwen3_moe")
+    data = parity.make_batches(cfg.vocab_size, 1, WORLD, seed=1)
+    model = xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(ep=2), mixed_precision=True)
+    ids = data[0, dist.get_rank()]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grad = model.model.layers[0].mlp.experts.gate_up_proj.grad
+    dist.all_reduce(loss := loss.detach().float())
+    ref = parity.train_reference(cfg, data, "sgd", None).losses[0] if dist.get_rank() == 0 else None
+    return {"loss": loss.item() / WORLD, "ref": ref, "grad_dtype": str(grad.dtype),
+            "param_dtype": str(model.model.layers[0].mlp.experts.gate_up_proj.dtype)}
+
+
+def test_mixed_precision_bf16_params_fp32_reduce_trains_close_to_fp32():
+    row = launch.run(_mixed_precision_job, WORLD)
+    assert row["param_dtype"] == "torch.float32" and row["grad_dtype"] == "torch.float32"  # sharded fp32 masters
+    assert abs(row["loss"] - row["ref"]) < 2e-2, row
