@@ -19,3 +19,7 @@ class UnknownArchitectureError(PlanError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class CheckpointError(XparError, ValueError):
+    """A checkpoint that is incomplete, unreadable, or does not fit the model (names the tensors and shapes)."""
