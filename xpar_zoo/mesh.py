@@ -28,6 +28,26 @@ def _device_type() -> str:
     return "cuda" if backend in ("nccl", "cuda:nccl") or backend.startswith("cuda") else "cpu"
 
 
+# DeviceMeshes are canonical per process group: torch caches DTensor specs by mesh *equality* and fully_shard
+# demands mesh *identity*, so two equal meshes built by two Mesh objects would break the second parallelize.
+# Reusing them also avoids creating new process groups for every Mesh. Keyed by the default group, so a new
+# init_process_group starts afresh.
+_DEVICE_MESHES: dict[int, tuple[object, dict[tuple, DeviceMesh]]] = {}
+
+
+def _device_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+    world = dist.distributed_c10d._get_default_group()
+    owner, cache = _DEVICE_MESHES.get(id(world), (None, None))
+    if owner is not world:
+        owner, cache = world, {}
+        _DEVICE_MESHES.clear()
+        _DEVICE_MESHES[id(world)] = (owner, cache)
+    key = (device_type, tuple(layout.shape), tuple(layout.flatten().tolist()), names)
+    if key not in cache:
+        cache[key] = DeviceMesh(device_type, layout, mesh_dim_names=names)
+    return cache[key]
+
+
 def plan_rank_layout(world: int, replicate: int, size: int, innermost: bool) -> torch.Tensor:
     """Global ranks arranged as ``[replicate, p_fsdp, p]`` for a plan of ``size`` (no process groups built)."""
     fsdp = world // (replicate * size)
@@ -121,15 +141,14 @@ class Mesh:
     def _build_dense(self) -> DeviceMesh:
         ranks = torch.arange(self.world_size)
         if self.replicate > 1:
-            return DeviceMesh(self.device_type, ranks.view(self.replicate, self.shard_size),
-                              mesh_dim_names=("replicate", "fsdp"))
-        return DeviceMesh(self.device_type, ranks, mesh_dim_names=("fsdp",))
+            return _device_mesh(self.device_type, ranks.view(self.replicate, self.shard_size), ("replicate", "fsdp"))
+        return _device_mesh(self.device_type, ranks, ("fsdp",))
 
     def _build_plan_mesh(self, name: str) -> DeviceMesh:
         layout = plan_rank_layout(self.world_size, self.replicate, self.sizes[name], self.innermost[name])
         if self.replicate > 1:
-            return DeviceMesh(self.device_type, layout, mesh_dim_names=("replicate", f"{name}_fsdp", name))
-        return DeviceMesh(self.device_type, layout[0], mesh_dim_names=(f"{name}_fsdp", name))
+            return _device_mesh(self.device_type, layout, ("replicate", f"{name}_fsdp", name))
+        return _device_mesh(self.device_type, layout[0], (f"{name}_fsdp", name))
 
     # ---- queries ----------------------------------------------------------------------------------------------
     @property

@@ -23,6 +23,7 @@ from .mesh import Mesh
 from .moe import EXPERTS_IMPLEMENTATION, ExpertParallel, install_expert_parallel
 from .plan import Plan, match_parameters
 from .registry import get_plan
+from .vocab import VocabShard, install_gathered, install_vocab_embedding, install_vocab_lm_head
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedMod
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise PlanError("model is already parallelized (it has DTensor parameters)")
     params = dict(model.named_parameters(remove_duplicate=False))
+    names_of: dict[int, list[str]] = defaultdict(list)
+    for n, p in params.items():
+        names_of[id(p)].append(n)
     owner: dict[str, str] = {}
     by_module: dict[str, list[str]] = defaultdict(list)
     for name, size in mesh.active.items():
@@ -76,6 +80,12 @@ def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedMod
             if fqn in owner:
                 raise PlanError(f"{fqn} is claimed by two plans: {owner[fqn]!r} and {name!r}")
             owner[fqn] = name
+            tied = [n for n in names_of[id(params[fqn])] if n != fqn]
+            if tied:
+                raise PlanError(
+                    f"plan {name!r}: {fqn} is tied to {', '.join(tied)} (e.g. tie_word_embeddings=True); a split "
+                    "tensor can have only one compute style: untie the weights or leave this plan out of the mesh"
+                )
             shape = tuple(params[fqn].shape)
             if len(shape) < 2:
                 raise PlanError(f"plan {name!r}: {fqn} has shape {shape}; planned tensors need ≥ 2 dims")
@@ -128,13 +138,19 @@ def install_styles(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -
     """Give each planned module the forward of its style; experts modules use xpar_zoo's experts path."""
     for pm in planned:
         module = model.get_submodule(pm.fqn)
+        size = mesh.size(pm.plan_name)
+        shard = VocabShard(mesh.plan_group(pm.plan_name), size, mesh.plan_rank(pm.plan_name),
+                           getattr(module, pm.params[0]).shape[0] // size)
         if pm.style == "experts":
-            size = mesh.size(pm.plan_name)
-            install_expert_parallel(module, ExpertParallel(
-                mesh.plan_group(pm.plan_name), size, mesh.plan_rank(pm.plan_name),
-                getattr(module, pm.params[0]).shape[0] // size))
+            install_expert_parallel(module, ExpertParallel(shard.group, size, shard.rank, shard.rows))
+        elif pm.style == "embedding":
+            install_vocab_embedding(module, shard)
+        elif pm.style == "lm_head":
+            install_vocab_lm_head(model, module, shard)
+        elif pm.style == "gathered":
+            install_gathered(module, pm.params, shard)
         else:
-            raise PlanError(f"plan style {pm.style!r} ({pm.fqn}) is not implemented yet")
+            raise PlanError(f"plan style {pm.style!r} ({pm.fqn}) is not implemented")
     if type(model)._can_set_experts_implementation() and getattr(model.config, "_experts_implementation", None):
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
 
@@ -143,10 +159,7 @@ def shard_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule], **
     """``fully_shard`` each planned module on dim 1 over its plan's FSDP ranks, submodules before parents."""
     for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
         module = model.get_submodule(pm.fqn)
-        # The DTensor's own mesh object: torch may hand back an equal mesh cached from an earlier Mesh, and
-        # fully_shard insists on identity.
-        device_mesh = getattr(module, pm.params[0]).device_mesh
-        fully_shard(module, mesh=device_mesh, dp_mesh_dims=mesh.fsdp_dims(pm.plan_name),
+        fully_shard(module, mesh=mesh.plan_mesh(pm.plan_name), dp_mesh_dims=mesh.fsdp_dims(pm.plan_name),
                     shard_placement_fn=lambda p: Shard(1), **fsdp_kwargs)
         # FSDP averages over the ranks it reduces across (world / size); every rank saw its own micro-batch, so
         # the data-parallel average is over the whole world: without this, gradients are `size` times too large.

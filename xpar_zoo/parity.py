@@ -19,15 +19,16 @@ PARAM_REL_TOL = 1e-4
 
 
 def tiny_config(model_type: str = "qwen3_moe", **overrides):
-    """A tiny transformers config of ``model_type`` (≥ 2 layers, 8 experts, top-2 for MoE types)."""
+    """A tiny transformers config of ``model_type``: shared small dims plus the plan's own ``tiny`` overrides
+    (≥ 2 layers; 8 experts, top-2 for MoE types)."""
     from transformers import AutoConfig
 
     base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
                 rms_norm_eps=1e-6)
-    if model_type == "qwen3_moe":
-        base.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-                    mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False)
+    from .registry import get_plan
+
+    base.update(get_plan(model_type).tiny)
     base.update(overrides)
     return AutoConfig.for_model(model_type, **base)
 
@@ -88,12 +89,13 @@ def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float 
 
 
 def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str, max_norm: float | None,
-                   seed: int = 0) -> RunRecord:
-    """The same training under xpar_zoo on ``mesh_kwargs``; every rank calls it, rank 0's record is complete."""
+                   seed: int = 0, plan=None) -> RunRecord:
+    """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's); every rank
+    calls it, rank 0's record is complete."""
     import xpar_zoo
 
     mesh = xpar_zoo.Mesh(**mesh_kwargs)
-    model = xpar_zoo.parallelize(build_model(config, seed), mesh)
+    model = xpar_zoo.parallelize(build_model(config, seed), mesh, plan=plan)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     rank = dist.get_rank()
     losses, norms = [], []

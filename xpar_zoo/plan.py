@@ -69,10 +69,12 @@ class Plan:
     hub_ids: tuple[str, ...] = ()
     notes: str = ""
     auto: bool = False
+    tiny: Mapping[str, object] = field(default_factory=dict)  # config overrides of a tiny test model (≥ 8 experts)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
         object.__setattr__(self, "layouts", MappingProxyType(dict(self.layouts)))
+        object.__setattr__(self, "tiny", MappingProxyType(dict(self.tiny)))
         object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
         object.__setattr__(self, "hub_ids", tuple(self.hub_ids))
 

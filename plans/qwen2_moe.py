@@ -1,0 +1,16 @@
+"""Qwen2-MoE: routed experts fused ``[E, 2I, H]`` / ``[E, H, I]``, plus a dense shared expert and its sigmoid gate
+(both stay plain FSDP)."""
+
+from xpar_zoo.plan import Plan, experts
+
+PLAN = Plan(
+    model_type="qwen2_moe",
+    extra={"ep": experts("model.layers.*.mlp.experts")},
+    layouts={
+        "model.layers.*.mlp.experts.gate_up_proj": "[E, 2I, H]",
+        "model.layers.*.mlp.experts.down_proj": "[E, H, I]",
+    },
+    hub_ids=("Qwen/Qwen1.5-MoE-A2.7B", "Qwen/Qwen2-57B-A14B"),
+    tiny=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+              decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False),
+)
