@@ -31,6 +31,42 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(world=args.world, ep=args.ep, steps=args.steps) else 1
 
 
+def _load_config(name: str):
+    """A model_type (transformers' default config of that architecture), or a local dir / hub id with config.json."""
+    from transformers import AutoConfig
+
+    from .registry import supported_architectures
+
+    if name in supported_architectures():
+        return AutoConfig.for_model(name)
+    return AutoConfig.from_pretrained(name)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from . import planner
+
+    config = _load_config(args.model)
+    common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer)
+    if args.ep is not None or args.replicate != 1 or not args.suggest:
+        sizes = {"ep": args.ep} if args.ep and args.ep > 1 else {}
+        estimates = [planner.estimate(config, args.world, sizes, args.replicate, **common)]
+    else:
+        budget = args.memory_gib * 2**30 if args.memory_gib else None
+        estimates = planner.suggest(config, args.world, memory_budget=budget, **common)
+    if args.json:
+        print(json.dumps([{"mesh": e.mesh, "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
+    else:
+        print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "
+              f"{args.dtype} compute, {args.optimizer}")
+        for e in estimates:
+            print(planner.format_estimate(e))
+            if args.memory_gib and e.memory_total > args.memory_gib * 2**30:
+                print(f"  (over the {args.memory_gib:g} GiB budget: no mesh of {args.world} ranks fits)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xpar-zoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("plan", help="per-rank memory and per-step communication of a mesh; suggest meshes")
+    p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
+    p.add_argument("--world", type=int, required=True, help="number of ranks")
+    p.add_argument("--ep", type=int, help="expert-parallel size (omit with --suggest to rank meshes)")
+    p.add_argument("--replicate", type=int, default=1, help="HSDP replicas")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="compute dtype")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
+    p.add_argument("--suggest", action="store_true", help="rank the meshes that fit --world")
+    p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_plan)
     return parser
 
 

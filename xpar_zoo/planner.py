@@ -1,0 +1,235 @@
+"""The mesh planner behind ``xpar-zoo plan``: per-rank memory and per-step communication of a model on a mesh,
+computed from the real model built on the meta device (exact parameter counts per FSDP unit and per plan), and
+a ranking of the meshes that fit a world size.
+
+Communication is counted as the bytes each rank *sends* per training step (forward + backward), per collective:
+
+- all-gather of a unit over ``F`` ranks: ``(F-1)/F ×`` the unsharded (dim-0 padded) bytes; non-root units gather
+  twice (forward, and again in backward since they reshard after forward), the root once;
+- reduce-scatter of its gradients: ``(F-1)/F ×`` the unsharded bytes in the reduce dtype, once;
+- HSDP all-reduce over ``R`` replicas: ``2(R-1)/R ×`` the sharded gradient bytes;
+- EP all-to-all per MoE layer: dispatch + combine in forward and both again in backward, each
+  ``(s-1)/s × tokens·top_k × H`` activations (uniform routing expected), plus the ``E`` token counts.
+
+Memory per rank: sharded parameters, gradients and optimizer states (exact), the largest unsharded unit twice
+(current + prefetched), and an activation estimate (documented in :func:`activation_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .mesh import validate_sizes
+from .plan import Plan, match_parameters
+from .registry import get_plan
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+@dataclass
+class Unit:
+    """One FSDP communication group: ``numel_padded`` elements all-gathered over ``group`` ranks."""
+
+    name: str
+    numel: int
+    numel_padded: int
+    group: int
+    replicate: int
+    root: bool = False
+
+
+@dataclass
+class Estimate:
+    """Per-rank memory (bytes) and per-step communication (bytes sent per rank, by collective)."""
+
+    mesh: dict
+    memory: dict[str, float] = field(default_factory=dict)
+    comm: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def comm_total(self) -> float:
+        return sum(self.comm.values())
+
+
+def meta_model(config) -> nn.Module:
+    """The transformers causal-LM of ``config`` on the meta device (no memory, exact shapes)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _padded(shape: torch.Size, ranks: int) -> int:
+    if not shape:
+        return ranks
+    return math.ceil(shape[0] / ranks) * ranks * math.prod(shape[1:])
+
+
+def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], replicate: int) -> list[Unit]:
+    """The FSDP units ``parallelize`` builds for this mesh, with their sizes (no process group needed)."""
+    shard = world // replicate
+    active = {n: s for n, s in sizes.items() if s > 1}
+    planned_params: dict[str, str] = {}
+    for name in active:
+        for fqn in match_parameters(model, plan.extra[name].params):
+            planned_params[fqn] = name
+    planned_modules: dict[str, str] = {fqn.rpartition(".")[0]: n for fqn, n in planned_params.items()}
+    params = dict(model.named_parameters())
+    units: list[Unit] = []
+    claimed: set[str] = set()
+    for mod_fqn, name in sorted(planned_modules.items(), key=lambda kv: -kv[0].count(".")):
+        s = active[name]
+        own = [f for f in params if f.rpartition(".")[0] == mod_fqn]
+        numel = sum(params[f].numel() // s for f in own)
+        units.append(Unit(mod_fqn, numel, numel, shard // s, replicate))  # dim-1 shards are even
+        claimed.update(own)
+    classes = set(plan.unit_classes(model))
+    unit_fqns = [n for n, m in model.named_modules() if type(m).__name__ in classes]
+    for ufqn in unit_fqns:
+        own = [f for f in params if f.startswith(ufqn + ".") and f not in claimed]
+        units.append(Unit(ufqn, sum(params[f].numel() for f in own),
+                          sum(_padded(params[f].shape, shard) for f in own), shard, replicate))
+        claimed.update(own)
+    rest = [f for f in params if f not in claimed]
+    units.append(Unit("<root>", sum(params[f].numel() for f in rest),
+                      sum(_padded(params[f].shape, shard) for f in rest), shard, replicate, root=True))
+    return units
+
+
+def activation_bytes(config, tokens: int, seq: int, dtype_bytes: int) -> float:
+    """A rough activation estimate per rank without recomputation: per layer ``34·T·H`` half-precision bytes
+    (Korthikanti et al. 2022, with a memory-efficient attention kernel so no ``seq²`` scores; scaled by
+    ``dtype_bytes/2``) plus, for MoE layers, ``T·k·(H + 3·I)`` values kept for the experts; plus ``T·V`` fp32 logits
+    for the loss."""
+    hidden = config.hidden_size
+    layers = config.num_hidden_layers
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0
+    inter = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0)
+    per_layer = tokens * 34 * hidden * dtype_bytes / 2
+    per_layer += tokens * top_k * (hidden + 3 * inter) * dtype_bytes
+    return layers * per_layer + tokens * config.vocab_size * 4
+
+
+def _moe_layers(model: nn.Module, plan: Plan) -> list[tuple[str, int, int]]:
+    """``(experts module, E, H)`` for every experts module the ``ep`` plan covers."""
+    if "ep" not in plan.extra:
+        return []
+    out = {}
+    for fqn in match_parameters(model, plan.extra["ep"].params):
+        mod = fqn.rpartition(".")[0]
+        module = model.get_submodule(mod)
+        down = module.down_proj
+        hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None) or down.shape[1]
+        out[mod] = (mod, down.shape[0], hidden)
+    return list(out.values())
+
+
+def estimate(
+    config,
+    world: int,
+    sizes: dict[str, int] | None = None,
+    replicate: int = 1,
+    *,
+    micro_batch: int = 1,
+    seq: int = 4096,
+    param_dtype: str = "bf16",
+    reduce_dtype: str = "fp32",
+    optimizer: str = "adamw",
+    plan: Plan | None = None,
+    model: nn.Module | None = None,
+) -> Estimate:
+    """Per-rank memory and per-step communication of ``config`` on a mesh of ``world`` ranks with extra-plan
+    ``sizes`` and ``replicate`` (HSDP). Master weights, gradients and optimizer states are fp32."""
+    sizes = dict(sizes or {})
+    validate_sizes(world, sizes, replicate)
+    plan = plan or get_plan(config.model_type)
+    model = model if model is not None else meta_model(config)
+    pbytes, rbytes = DTYPE_BYTES[param_dtype], DTYPE_BYTES[reduce_dtype]
+    units = fsdp_units(model, plan, world, sizes, replicate)
+    est = Estimate(mesh={"world": world, "replicate": replicate, **sizes})
+    shard_numel = sum(u.numel_padded / u.group for u in units)
+    est.memory["parameters (fp32 shards)"] = shard_numel * 4
+    est.memory["gradients (fp32 shards)"] = shard_numel * 4
+    est.memory[f"optimizer states ({optimizer})"] = shard_numel * 4 * OPTIMIZER_STATES[optimizer]
+    biggest = max((u.numel_padded for u in units if not u.root), default=0)
+    root = next(u for u in units if u.root)
+    est.memory["unsharded parameters (2 units + root)"] = (2 * biggest + root.numel_padded) * pbytes
+    tokens = micro_batch * seq
+    est.memory["activations (estimate)"] = activation_bytes(config, tokens, seq, pbytes)
+    gather = reduce = allreduce = 0.0
+    for u in units:
+        frac = (u.group - 1) / u.group
+        gather += (1 if u.root else 2) * frac * u.numel_padded * pbytes
+        reduce += frac * u.numel_padded * rbytes
+        if u.replicate > 1:
+            allreduce += 2 * (u.replicate - 1) / u.replicate * (u.numel_padded / u.group) * rbytes
+    est.comm["all_gather (FSDP params)"] = gather
+    est.comm["reduce_scatter (FSDP grads)"] = reduce
+    est.comm["all_reduce (HSDP grads)"] = allreduce
+    s = sizes.get("ep", 1)
+    a2a = 0.0
+    if s > 1:
+        top_k = config.num_experts_per_tok
+        for _, experts, hidden in _moe_layers(model, plan):
+            a2a += 4 * (s - 1) / s * tokens * top_k * hidden * pbytes + (s - 1) / s * experts * 8
+    est.comm["all_to_all (EP tokens)"] = a2a
+    return est
+
+
+def candidate_meshes(config, world: int, plan: Plan | None = None) -> list[dict]:
+    """Every ``{ep, replicate}`` that fits ``world`` and the model's shapes (dim 0 by ``ep``, dim 1 by
+    ``ep_fsdp``)."""
+    plan = plan or get_plan(config.model_type)
+    model = meta_model(config)
+    out = []
+    for replicate in [r for r in range(1, world + 1) if world % r == 0]:
+        shard = world // replicate
+        eps = [e for e in range(1, shard + 1) if shard % e == 0] if "ep" in plan.extra else [1]
+        for ep in eps:
+            if ep > 1:
+                shapes = [p.shape for _, p in model.named_parameters()
+                          if _ in set(match_parameters(model, plan.extra["ep"].params))]
+                if any(sh[0] % ep or sh[1] % (shard // ep) for sh in shapes):
+                    continue
+            out.append({"replicate": replicate, "ep": ep})
+    return out
+
+
+def suggest(config, world: int, *, memory_budget: float | None = None, top: int = 5, **kwargs) -> list[Estimate]:
+    """The best meshes for ``world`` ranks: those within ``memory_budget`` bytes per rank (if given), by per-step
+    communication, then memory."""
+    model = meta_model(config)
+    ests = []
+    for cand in candidate_meshes(config, world):
+        sizes = {"ep": cand["ep"]} if cand["ep"] > 1 else {}
+        ests.append(estimate(config, world, sizes, cand["replicate"], model=model, **kwargs))
+    fits = [e for e in ests if memory_budget is None or e.memory_total <= memory_budget] or ests
+    return sorted(fits, key=lambda e: (e.comm_total, e.memory_total))[:top]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_estimate(est: Estimate) -> str:
+    """A human-readable table of one estimate."""
+    lines = [f"mesh {est.mesh}", "  memory per rank:"]
+    lines += [f"    {k:<40} {format_bytes(v):>12}" for k, v in est.memory.items()]
+    lines.append(f"    {'total':<40} {format_bytes(est.memory_total):>12}")
+    lines.append("  communication per step (bytes sent per rank):")
+    lines += [f"    {k:<40} {format_bytes(v):>12}" for k, v in est.comm.items() if v]
+    lines.append(f"    {'total':<40} {format_bytes(est.comm_total):>12}")
+    return "\n".join(lines)
