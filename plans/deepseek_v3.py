@@ -2,11 +2,11 @@
 ``[E, 2I, H]`` / ``[E, H, I]`` plus shared experts (plain FSDP), group-limited routing with an
 ``e_score_correction_bias`` buffer."""
 
-from xpar_zoo.plan import Plan, experts
+from xpar_zoo.plan import Plan, embedding, experts, lm_head
 
 PLAN = Plan(
     model_type="deepseek_v3",
-    extra={"ep": experts("model.layers.*.mlp.experts")},
+    extra={"ep": experts("model.layers.*.mlp.experts"), "emb": embedding(), "head": lm_head()},
     layouts={
         "model.layers.*.mlp.experts.gate_up_proj": "[E, 2I, H]",
         "model.layers.*.mlp.experts.down_proj": "[E, H, I]",

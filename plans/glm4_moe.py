@@ -1,11 +1,11 @@
 """GLM-4.5 (glm4_moe): first layers dense, routed experts fused ``[E, 2I, H]`` / ``[E, H, I]`` plus shared experts,
 partial rotary embeddings."""
 
-from xpar_zoo.plan import Plan, experts
+from xpar_zoo.plan import Plan, embedding, experts, lm_head
 
 PLAN = Plan(
     model_type="glm4_moe",
-    extra={"ep": experts("model.layers.*.mlp.experts")},
+    extra={"ep": experts("model.layers.*.mlp.experts"), "emb": embedding(), "head": lm_head()},
     layouts={
         "model.layers.*.mlp.experts.gate_up_proj": "[E, 2I, H]",
         "model.layers.*.mlp.experts.down_proj": "[E, H, I]",

@@ -2,12 +2,12 @@
 ``down_proj [E, I, H]``, and per-expert biases ``[E, 2I]`` / ``[E, H]`` — all split on dim 0 by EP. The hub stores
 them fused already (MXFP4 blocks/scales on the official checkpoints)."""
 
-from xpar_zoo.plan import Plan, experts
+from xpar_zoo.plan import Plan, embedding, experts, lm_head
 
 PLAN = Plan(
     model_type="gpt_oss",
     extra={"ep": experts("model.layers.*.mlp.experts", "gate_up_proj", "gate_up_proj_bias", "down_proj",
-                         "down_proj_bias")},
+                         "down_proj_bias"), "emb": embedding(), "head": lm_head()},
     layouts={
         "model.layers.*.mlp.experts.gate_up_proj": "[E, H, 2I] interleaved",
         "model.layers.*.mlp.experts.gate_up_proj_bias": "[E, 2I] interleaved",

@@ -1,11 +1,11 @@
 """Mixtral: fused experts ``[E, 2I, H]`` / ``[E, H, I]`` in memory; the hub stores
 ``block_sparse_moe.experts.{j}.w1/w3/w2`` per expert (transformers' conversion rules map them)."""
 
-from xpar_zoo.plan import Plan, experts
+from xpar_zoo.plan import Plan, embedding, experts, lm_head
 
 PLAN = Plan(
     model_type="mixtral",
-    extra={"ep": experts("model.layers.*.mlp.experts")},
+    extra={"ep": experts("model.layers.*.mlp.experts"), "emb": embedding(), "head": lm_head()},
     layouts={
         "model.layers.*.mlp.experts.gate_up_proj": "[E, 2I, H]",
         "model.layers.*.mlp.experts.down_proj": "[E, H, I]",

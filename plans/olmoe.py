@@ -1,10 +1,10 @@
 """OLMoE: fused experts ``[E, 2I, H]`` / ``[E, H, I]``; q/k norms in attention."""
 
-from xpar_zoo.plan import Plan, experts
+from xpar_zoo.plan import Plan, embedding, experts, lm_head
 
 PLAN = Plan(
     model_type="olmoe",
-    extra={"ep": experts("model.layers.*.mlp.experts")},
+    extra={"ep": experts("model.layers.*.mlp.experts"), "emb": embedding(), "head": lm_head()},
     layouts={
         "model.layers.*.mlp.experts.gate_up_proj": "[E, 2I, H]",
         "model.layers.*.mlp.experts.down_proj": "[E, H, I]",

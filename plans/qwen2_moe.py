@@ -1,11 +1,11 @@
 """Qwen2-MoE: routed experts fused ``[E, 2I, H]`` / ``[E, H, I]``, plus a dense shared expert and its sigmoid gate
 (both stay plain FSDP)."""
 
-from xpar_zoo.plan import Plan, experts
+from xpar_zoo.plan import Plan, embedding, experts, lm_head
 
 PLAN = Plan(
     model_type="qwen2_moe",
-    extra={"ep": experts("model.layers.*.mlp.experts")},
+    extra={"ep": experts("model.layers.*.mlp.experts"), "emb": embedding(), "head": lm_head()},
     layouts={
         "model.layers.*.mlp.experts.gate_up_proj": "[E, 2I, H]",
         "model.layers.*.mlp.experts.down_proj": "[E, H, I]",

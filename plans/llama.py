@@ -1,0 +1,11 @@
+"""Llama (dense): vocab-parallel input embedding (``emb``) and output head with vocab-parallel cross-entropy
+(``head``), both ``[V, H]`` split on dim 0; everything else plain FSDP2."""
+
+from xpar_zoo.plan import Plan, embedding, lm_head
+
+PLAN = Plan(
+    model_type="llama",
+    extra={"emb": embedding(), "head": lm_head()},
+    layouts={"model.embed_tokens.weight": "[V, H]", "lm_head.weight": "[V, H]"},
+    hub_ids=("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B"),
+)
