@@ -8,26 +8,11 @@ import pytest
 import xpar_zoo
 from xpar_zoo import launch, parity
 
-WORLD = 4
-MOE_MESHES = {"fsdp": {}, "ep2": {"ep": 2}, "ep4": {"ep": 4}, "ep2_strided": {"ep": 2, "innermost": {"ep": False}},
-              "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2}}
-DENSE_MESHES = {"fsdp": {}, "emb2": {"emb": 2}, "emb2_head2": {"emb": 2, "head": 2},
-                "emb4_head2_strided": {"emb": 4, "head": 2, "innermost": {"head": False}}}
-AUTO_MESHES = {"fsdp": {}, "ep2": {"ep": 2}, "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2}}
-# MoE types with no curated plan: the automatic plan (derived from transformers' base_model_ep_plan) and the
-# config overrides of a tiny instance.
-AUTO = {
-    "dots1": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
-                  first_k_dense_replace=1, n_group=1, topk_group=1, num_hidden_layers=3),
-    "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=16, moe_layer_start_index=0),
-}
+from xpar_zoo.proofs import AUTO_PROVED as AUTO
+from xpar_zoo.proofs import PROOF_WORLD as WORLD
+from xpar_zoo.proofs import proof_meshes as _meshes
+
 CURATED = xpar_zoo.supported_architectures()
-
-
-def _meshes(arch: str) -> dict:
-    if arch in AUTO:
-        return AUTO_MESHES
-    return MOE_MESHES if "ep" in xpar_zoo.get_plan(arch).extra else DENSE_MESHES
 
 
 CASES = [(a, m) for a in CURATED + list(AUTO) for m in _meshes(a)]

@@ -15,9 +15,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
         plans = ", ".join(f"{n} ({e.style})" for n, e in plan.extra.items())
         rows.append((model_type, plans, ", ".join(plan.hub_ids)))
     if args.markdown:
-        print("| model_type | plans | example hub ids |\n|---|---|---|")
-        for r in rows:
-            print(f"| {' | '.join(r)} |")
+        from .model_cards import render
+
+        sys.stdout.write(render())
     else:
         width = max(len(r[0]) for r in rows) if rows else 0
         for model_type, plans, hub in rows:
