@@ -9,6 +9,8 @@ from xpar_zoo import launch, parity
 
 def _attempt(kind: str) -> str:
     """Run one bad setup on this rank; return the error text (or "no error")."""
+    import torch.distributed as dist
+
     cfg = parity.tiny_config("qwen3_moe", num_experts=6) if kind == "experts_6_ep4" else parity.tiny_config()
     model = parity.build_model(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -25,6 +27,11 @@ def _attempt(kind: str) -> str:
             xpar_zoo.Mesh(replicate=3)
         elif kind == "ep4_replicate2":
             xpar_zoo.Mesh(ep=4, replicate=2)
+        elif kind == "ranks_disagree_on_mesh":
+            xpar_zoo.Mesh(ep=2 if dist.get_rank() != 2 else 4)
+        elif kind == "ranks_disagree_on_model":
+            other = parity.build_model(parity.tiny_config(num_hidden_layers=3)) if dist.get_rank() == 1 else model
+            xpar_zoo.parallelize(other, xpar_zoo.Mesh(ep=2))
         elif kind == "from_lists_mismatch":
             xpar_zoo.Mesh.from_lists(sizes=[2, 2], names=["ep"])
         else:
@@ -56,6 +63,8 @@ CASES = {
     "replicate3": ["MeshError", "replicate=3 does not divide the world size 4"],
     "ep4_replicate2": ["MeshError", "plan 'ep' of size 4 does not divide the dense shard size 2"],
     "from_lists_mismatch": ["MeshError", "same length"],
+    "ranks_disagree_on_mesh": ["MeshError", "ranks were given different mesh arguments", "rank 2 has ({'ep': 4}"],
+    "ranks_disagree_on_model": ["PlanError", "ranks were given different models or plans", "rank 1 has"],
 }
 
 

@@ -48,6 +48,16 @@ def _device_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...])
     return cache[key]
 
 
+def check_same_on_all_ranks(value: object, what: str, error: type[Exception] = MeshError) -> None:
+    """Raise ``error`` on every rank (instead of a later deadlock) when ranks were given different ``value``s."""
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if any(v != values[0] for v in values):
+        differ = {r: v for r, v in enumerate(values) if v != values[0]}
+        raise error(f"ranks were given different {what}: rank 0 has {values[0]!r}, "
+                    + ", ".join(f"rank {r} has {v!r}" for r, v in differ.items()))
+
+
 def plan_rank_layout(world: int, replicate: int, size: int, innermost: bool) -> torch.Tensor:
     """Global ranks arranged as ``[replicate, p_fsdp, p]`` for a plan of ``size`` (no process groups built)."""
     fsdp = world // (replicate * size)
@@ -106,6 +116,7 @@ class Mesh:
             raise MeshError(f"innermost names plans without a size: {sorted(unknown)}")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        check_same_on_all_ranks((all_sizes, innermost, replicate), "mesh arguments (sizes, innermost, replicate)")
         validate_sizes(self.world_size, all_sizes, replicate)
         self.replicate = replicate
         self.sizes: dict[str, int] = all_sizes

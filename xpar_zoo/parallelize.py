@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import PlanError
-from .mesh import Mesh
+from .mesh import Mesh, check_same_on_all_ranks
 from .moe import EXPERTS_IMPLEMENTATION, ExpertParallel, install_expert_parallel
 from .plan import Plan, match_parameters
 from .registry import get_plan
@@ -199,6 +200,12 @@ def set_prefetch(model: nn.Module, units: list[nn.Module], planned: list[Planned
         model.set_modules_to_forward_prefetch([units[0]])
 
 
+def _fingerprint(model: nn.Module, plan: Plan) -> str:
+    """A short digest of the model's parameter names and shapes and of the plan, to compare across ranks."""
+    text = repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]) + repr(sorted(plan.extra.items()))
+    return f"{model.config.model_type}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
 def parallelize(
     model: nn.Module,
     mesh: Mesh,
@@ -212,6 +219,7 @@ def parallelize(
     tensors) to a transformers model in place; returns it. ``plan`` defaults to the registry's plan for
     ``model.config.model_type``; ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction."""
     plan = plan or get_plan(model.config.model_type)
+    check_same_on_all_ranks(_fingerprint(model, plan), "models or plans (parameter names/shapes, plan)", PlanError)
     planned = plan_parameters(model, mesh, plan)
     if mixed_precision is True:
         mixed_precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
