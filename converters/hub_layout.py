@@ -1,0 +1,431 @@
+"""Where every in-memory tensor of a transformers model lives in a hub checkpoint, derived from transformers' own
+conversion rules (``conversion_mapping.get_model_conversion_mapping``) and the safetensors headers — no tensor data.
+
+A model tensor is assembled from *pieces*: one checkpoint tensor each, placed in a box of the model tensor's global
+index space. A plain key is one piece covering everything; a per-expert key under ``WeightConverter(…,
+operations=[MergeModulelist(dim=0), Concatenate(dim=1)])`` is the piece ``[j, offset:offset+I, :]`` of the fused
+``[E, 2I, H]`` tensor. :meth:`HubLayout.reads` intersects the pieces with any region (a rank's local shard) and says
+which slice of which checkpoint tensor fills which part of it, so a loader reads only the bytes it keeps.
+
+Everything is checked here, before a byte of tensor data is read: every checkpoint key must land in the model, every
+parameter / persistent buffer must be covered exactly, every shape must fit — or :class:`CheckpointMismatchError`
+names the keys, their files and the shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from xpar_zoo.errors import XparError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# safetensors dtype names -> bytes per element
+DTYPE_SIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+               "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1}
+_MAX_HEADER = 100 * 1024 * 1024
+_LIST_LIMIT = 20
+
+
+class CheckpointMismatchError(XparError, ValueError):
+    """A checkpoint that does not fit the model: missing, unexpected or wrong-shape keys (each named with its file),
+    or a layout xpar_zoo cannot read slice-wise. Raised before any tensor data is read."""
+
+
+# ---- checkpoint headers ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorInfo:
+    """One checkpoint tensor as its safetensors header describes it."""
+
+    key: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+    offsets: tuple[int, int]  # byte range inside the file's data section
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets[1] - self.offsets[0]
+
+
+def read_header(path: str | Path) -> dict[str, TensorInfo]:
+    """The tensors of one ``.safetensors`` file, from its JSON header only."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointMismatchError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (size,) = struct.unpack("<Q", raw)
+        if size > _MAX_HEADER:
+            raise CheckpointMismatchError(f"{path}: not a safetensors file (header of {size} bytes)")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as e:
+            raise CheckpointMismatchError(f"{path}: unreadable safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    return {key: TensorInfo(key, path.name, tuple(entry["shape"]), entry["dtype"], tuple(entry["data_offsets"]))
+            for key, entry in header.items()}
+
+
+def checkpoint_files(directory: str | Path) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of a checkpoint directory (from its index, else the single file) and the index's
+    ``weight_map`` (``None`` without an index)."""
+    directory = Path(directory)
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        return sorted(set(weight_map.values())), weight_map
+    if (directory / SINGLE_FILE).is_file():
+        return [SINGLE_FILE], None
+    found = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not found:
+        raise CheckpointMismatchError(f"{directory}: no {INDEX_FILE}, no {SINGLE_FILE} and no *.safetensors file")
+    if len(found) > 1:
+        raise CheckpointMismatchError(f"{directory}: several safetensors files {found} but no {INDEX_FILE}")
+    return found, None
+
+
+def read_checkpoint_headers(directory: str | Path) -> dict[str, TensorInfo]:
+    """Every tensor of the checkpoint in ``directory``; checks the index against the file headers."""
+    directory = Path(directory)
+    files, weight_map = checkpoint_files(directory)
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        if not (directory / name).is_file():
+            raise CheckpointMismatchError(f"{directory / INDEX_FILE} lists {name}, which is not in {directory}")
+        for key, info in read_header(directory / name).items():
+            if key in tensors:
+                raise CheckpointMismatchError(f"{key} is in two files: {tensors[key].file} and {name}")
+            tensors[key] = info
+    if weight_map is not None:
+        wrong = [f"{k} (index: {f}, found in: {tensors[k].file if k in tensors else 'no file'})"
+                 for k, f in weight_map.items() if k not in tensors or tensors[k].file != f]
+        if wrong:
+            raise CheckpointMismatchError(f"{INDEX_FILE} disagrees with the file headers: {_listing(wrong)}")
+    return tensors
+
+
+# ---- layout -------------------------------------------------------------------------------------------------------
+Box = tuple[tuple[int, int], ...]  # one [start, stop) per dim
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A checkpoint tensor placed in a model tensor: it fills ``box`` (global coordinates of the model tensor);
+    ``stack_dim`` is the model dim the checkpoint tensor lacks (one expert of a ``MergeModulelist``)."""
+
+    source: TensorInfo
+    box: Box
+    stack_dim: int | None = None
+
+    def source_dim(self, dim: int) -> int:
+        return dim - (1 if self.stack_dim is not None and dim > self.stack_dim else 0)
+
+
+@dataclass(frozen=True)
+class Read:
+    """Fill ``dest`` (slices of a local shard) with ``source[slices]`` (unsqueezed at ``stack_dim``)."""
+
+    source: TensorInfo
+    slices: tuple[slice, ...]
+    dest: tuple[slice, ...]
+    stack_dim: int | None
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES.get(self.source.dtype, 1)
+        for s in self.slices:
+            n *= s.stop - s.start
+        return n
+
+
+@dataclass(frozen=True)
+class Target:
+    """A model tensor (parameter or persistent buffer) and the checkpoint pieces that cover it."""
+
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    rule: str  # how the pieces were derived, for messages: "key", "MergeModulelist(dim=0) + Concatenate(dim=1)", …
+
+
+@dataclass
+class HubLayout:
+    """Every model tensor's pieces, plus the checkpoint keys deliberately not read (ignored by the model's rules
+    or aliases of tied weights)."""
+
+    targets: dict[str, Target]
+    tensors: dict[str, TensorInfo]
+    ignored: tuple[str, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name whose target fills it
+    init_buffers: tuple[str, ...] = ()  # persistent buffers the model allows to be absent: initialised, not read
+
+    def reads(self, name: str, region: Box) -> list[Read]:
+        """What to read for the ``region`` (global ``[start, stop)`` per dim) of model tensor ``name``."""
+        out = []
+        for piece in self.targets[name].pieces:
+            inter = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(piece.box, region))
+            if any(a >= b for a, b in inter):
+                continue
+            src = tuple(slice(a - pa, b - pa) for d, ((a, b), (pa, _)) in enumerate(zip(inter, piece.box))
+                        if d != piece.stack_dim)
+            dest = tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, region))
+            out.append(Read(piece.source, src, dest, piece.stack_dim))
+        return out
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def _listing(items: Iterable[str]) -> str:
+    items = sorted(items)
+    more = f" … and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else ""
+    return "\n  " + "\n  ".join(items[:_LIST_LIMIT]) + more
+
+
+def _fusion(converter) -> tuple[int | None, int | None]:
+    """``(stack_dim, concat_dim)`` of a converter made of ``MergeModulelist`` then ``Concatenate``."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    stack = concat = None
+    for i, op in enumerate(converter.operations):
+        if isinstance(op, MergeModulelist) and i == 0:
+            stack = op.dim
+        elif isinstance(op, Concatenate) and concat is None:
+            concat = op.dim
+        else:
+            raise CheckpointMismatchError(
+                f"{converter!r} uses {type(op).__name__}, which xpar_zoo cannot read slice-wise yet "
+                "(supported: MergeModulelist, then Concatenate)")
+    if len(converter.target_patterns) != 1:
+        raise CheckpointMismatchError(f"{converter!r} has several targets; xpar_zoo reads many-to-one rules only")
+    if stack is not None and concat == stack:
+        raise CheckpointMismatchError(f"{converter!r} concatenates on its stacking dim {stack}")
+    return stack, concat
+
+
+def _index_regex(pattern: str) -> re.Pattern | None:
+    """A regex capturing the ``*`` of a converter source pattern as an integer (expert index)."""
+    if pattern.count("*") != 1:
+        return None
+    before, after = pattern.split("*")
+    return re.compile(re.escape(before) + r"(\d+)" + re.escape(after) + r"(?!\w)")
+
+
+@dataclass
+class _Group:
+    """Checkpoint keys collected for one model tensor under one converter: ``{source pattern: [(index, key)]}``."""
+
+    converter: object
+    by_pattern: dict[str, list[tuple[int | None, str]]] = field(default_factory=lambda: defaultdict(list))
+
+
+def _conversion_rules(model: nn.Module):
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    mapping = get_model_conversion_mapping(model) if hasattr(model, "base_model_prefix") else []
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    return renamings, converters
+
+
+def _ignore_regex(model: nn.Module, attr: str, extra: Iterable[str] = ()) -> re.Pattern | None:
+    patterns = [*(getattr(model, attr, None) or ()), *extra]
+    return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters shared under several names (tied weights), in ``named_parameters``
+    order: the canonical name is the first one."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def plan_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubLayout:
+    """Map checkpoint ``tensors`` (from :func:`read_checkpoint_headers`) onto ``model``'s parameters and persistent
+    buffers (a meta-device model is enough) with transformers' conversion rules; raise
+    :class:`CheckpointMismatchError` listing every missing, unexpected and wrong-shape key."""
+    from transformers.core_model_loading import apply_renamings, dot_natural_key, rename_source_key
+
+    state = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    aliases = tied_aliases(model)
+    renamings, converters = _conversion_rules(model)
+    pattern_to_converter = {p: c for c in converters for p in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", None) or None
+    has_rotary = any(n.endswith("rotary_emb.inv_freq") for n, _ in model.named_buffers())
+    ignore_unexpected = _ignore_regex(model, "_keys_to_ignore_on_load_unexpected",
+                                      [r"rotary_emb\.inv_freq"] if has_rotary else [])
+
+    direct: dict[str, list[TensorInfo]] = defaultdict(list)
+    groups: dict[str, _Group] = {}
+    unexpected, ignored, problems = [], [], []
+    for key in sorted(tensors, key=dot_natural_key):
+        info = tensors[key]
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if renamed not in state and key in state:
+            renamed, pattern = key, None
+        if renamed not in state:
+            if ignore_unexpected is not None and ignore_unexpected.search(key):
+                ignored.append(key)
+            else:
+                unexpected.append(f"{key} ({info.file})")
+            continue
+        if pattern is None:
+            direct[renamed].append(info)
+            continue
+        group = groups.setdefault(renamed, _Group(pattern_to_converter[pattern]))
+        regex = _index_regex(pattern)
+        match = regex.search(apply_renamings(key, renamings)) if regex else None
+        group.by_pattern[pattern].append((int(match.group(1)) if match else None, key))
+
+    targets: dict[str, Target] = {}
+    reported: set[str] = set()  # model tensors already named in a problem
+    for name, infos in direct.items():
+        reported.add(name)
+        if name in groups:
+            keys = [f"{i.key} ({i.file})" for i in infos]
+            problems.append(f"{name}: given both as {', '.join(keys)} and by the rule {groups[name].converter!r}")
+            continue
+        info = infos[0]
+        if len(infos) > 1:
+            problems.append(f"{name}: given by several keys {[f'{i.key} ({i.file})' for i in infos]}")
+        elif info.shape != state[name]:
+            problems.append(f"{info.key} ({info.file}): shape {list(info.shape)}, the model's {name} is "
+                            f"{list(state[name])}")
+        else:
+            targets[name] = Target(name, state[name], (Piece(info, tuple((0, n) for n in info.shape)),), "key")
+    missing_parts: list[str] = []
+    for name, group in groups.items():
+        if name in direct:
+            continue
+        reported.add(name)
+        target, errs, miss = _assemble(name, state[name], group, tensors)
+        problems += errs
+        missing_parts += miss
+        if target is not None:
+            targets[name] = target
+
+    # Tied weights: an alias is filled through its canonical parameter; either may carry the checkpoint data.
+    for alias, canonical in aliases.items():
+        if alias in targets and canonical not in targets:
+            targets[canonical] = targets[alias]
+        if alias in targets:
+            ignored.extend(p.source.key for p in targets.pop(alias).pieces)
+    ignore_missing = _ignore_regex(model, "_keys_to_ignore_on_load_missing")
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    missing = [f"{n} {list(state[n])}" for n in state
+               if n not in targets and n not in aliases
+               and not (n not in params and ignore_missing is not None and ignore_missing.search(n))
+               and not (n in reported and n not in targets)]
+    if unexpected or problems or missing or missing_parts:
+        parts = []
+        if missing or missing_parts:
+            parts.append(f"missing (no checkpoint key fills them):{_listing(missing + missing_parts)}")
+        if unexpected:
+            parts.append(f"unexpected (the model has no place for them):{_listing(unexpected)}")
+        if problems:
+            parts.append(f"mismatched:{_listing(problems)}")
+        raise CheckpointMismatchError(f"checkpoint does not fit {type(model).__name__}:\n" + "\n".join(parts))
+    init_buffers = tuple(n for n in state if n not in targets and n not in aliases and n not in params)
+    return HubLayout(targets, dict(tensors), tuple(ignored), dict(aliases), init_buffers)
+
+
+def _assemble(name: str, shape: tuple[int, ...], group: _Group, tensors: Mapping[str, TensorInfo]
+              ) -> tuple[Target | None, list[str], list[str]]:
+    """The pieces of ``name`` under one converter: expert ``j`` of source pattern ``p`` fills
+    ``[j, offset_p : offset_p + size_p, …]``. Returns ``(target or None, problems, missing)``."""
+    converter = group.converter
+    stack, concat = _fusion(converter)
+    rule = " + ".join(repr(op) for op in converter.operations)
+    problems, missing, pieces = [], [], []
+    offset = 0
+    ndim = len(shape)
+    for pattern in converter.source_patterns:
+        entries = group.by_pattern.get(pattern, [])
+        if not entries:
+            missing.append(f"{name}: no key matches {pattern!r} ({rule})")
+            continue
+        if stack is not None:
+            indices = [j for j, _ in entries]
+            if None in indices or len(set(indices)) != len(indices):
+                indices = list(range(len(entries)))  # transformers' own rule: natural key order
+            expected = set(range(shape[stack]))
+            if set(indices) != expected:
+                j0, k0 = entries[0]
+                absent = sorted(expected - set(indices))
+                if j0 is not None:
+                    names = [_with_index(k0, pattern, j0, j) for j in absent[:_LIST_LIMIT]]
+                else:
+                    names = [f"#{j}" for j in absent]
+                for n in names:
+                    missing.append(f"{name}: {n} ({rule})")
+                extra = sorted(set(indices) - expected)
+                for j, key in entries:
+                    if j in extra:
+                        problems.append(f"{key} ({tensors[key].file}): index {j} is beyond dim {stack} of {name} "
+                                        f"{list(shape)}")
+                continue
+        else:
+            if len(entries) != 1:
+                problems.append(f"{name}: several keys for {pattern!r}: {[k for _, k in entries]}")
+                continue
+            indices = [None]
+        shapes = Counter(tensors[k].shape for _, k in entries)
+        src_shape = shapes.most_common(1)[0][0]
+        if len(shapes) != 1:
+            problems += [f"{k} ({tensors[k].file}): shape {list(tensors[k].shape)}, its siblings under "
+                         f"{pattern!r} (→ {name}) are {list(src_shape)}"
+                         for _, k in entries if tensors[k].shape != src_shape]
+            continue
+        if len(src_shape) + (stack is not None) != ndim:
+            k = entries[0][1]
+            problems.append(f"{k} ({tensors[k].file}): shape {list(src_shape)} cannot be part of {name} "
+                            f"{list(shape)} ({rule})")
+            continue
+        full = list(src_shape)
+        if stack is not None:
+            full.insert(stack, shape[stack])
+        size = full[concat] if concat is not None else 0
+        bad = [d for d in range(ndim) if d != concat and full[d] != shape[d]]
+        if bad or (concat is not None and offset + size > shape[concat]):
+            k = entries[0][1]
+            problems.append(f"{k} ({tensors[k].file}): shape {list(src_shape)} does not fit {name} {list(shape)} "
+                            f"({rule})")
+            offset += size
+            continue
+        for j, (_, key) in zip(indices, entries):
+            box = [(0, n) for n in shape]
+            if stack is not None:
+                box[stack] = (j, j + 1)
+            if concat is not None:
+                box[concat] = (offset, offset + size)
+            pieces.append(Piece(tensors[key], tuple(box), stack))
+        if concat is not None:
+            offset += size
+    if concat is not None and not problems and not missing and offset != shape[concat]:
+        problems.append(f"{name}: the keys of {converter.source_patterns} cover {offset} of {shape[concat]} on dim "
+                        f"{concat} ({rule})")
+    if problems or missing:
+        return None, problems, missing
+    return Target(name, shape, tuple(pieces), rule), [], []
+
+
+def _with_index(key: str, pattern: str, have: int, want: int) -> str:
+    """``key`` (which matched ``pattern`` with index ``have``) with the index ``want`` instead."""
+    before, after = pattern.split("*")
+    return key.replace(f"{before}{have}{after}", f"{before}{want}{after}", 1)

@@ -1,0 +1,349 @@
+"""Loader: hub checkpoints (per-expert keys, ≥ 5 files) and fused ones load on 4 gloo ranks bit-identically to
+single-process transformers, each rank reading only its own slices; the hub is reached offline through a cache;
+bad checkpoints fail loudly, naming the key and the file, before any tensor data is read."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import xpar_zoo
+from xpar_zoo import launch, parity
+from xpar_zoo.converters.hub_layout import (CheckpointMismatchError, plan_hub_layout, read_checkpoint_headers)
+from xpar_zoo.loader import build_meta
+
+WORLD = 4
+REPO = "org/tiny-qwen3-moe"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+EXPERT = "model.layers.0.mlp.experts"
+IDS = torch.tensor([[3, 17, 99, 4, 64, 5, 127, 0], [8, 8, 42, 1, 2, 90, 33, 11]])
+
+# (case, checkpoint, mesh, dtype, revision): every one is loaded in the same 4-rank job.
+LOADS = [
+    ("hub_fsdp", "hub", {}, None, None),
+    ("hub_ep2", "hub", {"ep": 2}, None, None),
+    ("hub_ep4", "hub", {"ep": 4}, None, None),
+    ("hub_ep2_replicate2", "hub", {"ep": 2, "replicate": 2}, None, None),
+    ("hub_ep2_bf16", "hub", {"ep": 2}, "bfloat16", None),
+    ("fused_fsdp", "fused", {}, None, None),
+    ("fused_ep2", "fused", {"ep": 2}, None, None),
+    ("fused_ep4", "fused", {"ep": 4}, None, None),
+    ("offline_hub_ep2", REPO, {"ep": 2}, None, None),
+    ("offline_hub_commit_ep4", REPO, {"ep": 4}, None, COMMIT),
+]
+BAD = ["missing_expert", "unexpected_key", "wrong_shape", "wrong_expert_shape", "offline_unknown_repo"]
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------------
+def _rewrite(directory: Path, edit) -> None:
+    """Apply ``edit(key -> tensor dict of one file, file name)`` to each shard and rewrite the index to match."""
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    weight_map = {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors = load_file(directory / name)
+        edit(tensors, name)
+        save_file(tensors, directory / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+    index["weight_map"] = weight_map
+    index_path.write_text(json.dumps(index))
+
+
+def _bad_checkpoint(root: Path, hub: Path, kind: str) -> Path:
+    out = root / kind
+    shutil.copytree(hub, out)
+
+    def edit(tensors, name):
+        if kind == "missing_expert":
+            tensors.pop("model.layers.1.mlp.experts.3.up_proj.weight", None)
+        elif kind == "unexpected_key" and "model.norm.weight" in tensors:
+            tensors["model.layers.0.self_attn.extra_proj.weight"] = torch.zeros(4, 4)
+        elif kind == "wrong_shape" and "model.norm.weight" in tensors:
+            tensors["model.norm.weight"] = torch.ones(31)
+        elif kind == "wrong_expert_shape" and f"{EXPERT}.2.down_proj.weight" in tensors:
+            tensors[f"{EXPERT}.2.down_proj.weight"] = torch.zeros(32, 15)
+
+    _rewrite(out, edit)
+    return out
+
+
+def _file_of(directory: Path, key: str) -> str:
+    return json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"][key]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The tiny qwen3_moe as transformers saves it (hub layout, ≥ 5 files), fused, in an HF cache, and broken."""
+    root = tmp_path_factory.mktemp("loader")
+    cfg = parity.tiny_config("qwen3_moe")
+    model = parity.build_model(cfg).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    hub = root / "hub"
+    model.save_pretrained(hub, max_shard_size=total // 6)
+    fused = root / "fused"
+    fused.mkdir()
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    cfg.save_pretrained(fused)
+    cache = root / "hf_cache"
+    repo = cache / f"models--{REPO.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    shutil.copytree(hub, repo / "snapshots" / COMMIT)
+    paths = {"root": root, "hub": hub, "fused": fused, "cache": cache, "state": state, "total": total}
+    paths.update({kind: _bad_checkpoint(root, hub, kind) for kind in BAD if kind != "offline_unknown_repo"})
+    return paths
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """Single-process transformers ``from_pretrained`` of the hub checkpoint: state dicts and logits (fp32, bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(checkpoints["hub"], dtype=dtype).eval()
+        with torch.no_grad():
+            logits = model(input_ids=IDS).logits
+        out[dtype] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, logits)
+    return out
+
+
+# ---- the 4-rank job ---------------------------------------------------------------------------------------------------
+class _CountingSafeOpen:
+    """``safe_open`` that counts the bytes of every tensor it materialises (per rank)."""
+
+    read: dict = {}
+
+    def __init__(self, path, framework, device="cpu"):
+        self._inner = safe_open(path, framework=framework, device=device)
+
+    def __enter__(self):
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+    def _count(self, key, tensor):
+        self.read[key] = self.read.get(key, 0) + tensor.numel() * tensor.element_size()
+        return tensor
+
+    def get_tensor(self, key):
+        return self._count(key, self._inner.get_tensor(key))
+
+    def get_slice(self, key):
+        inner, outer = self._inner.get_slice(key), self
+
+        class _Slice:
+            def __getitem__(self, index):
+                return outer._count(key, inner[index])
+
+        return _Slice()
+
+
+def _job(out_dir: str, dirs: dict, loads: list, bad: list) -> dict:
+    import torch.distributed as dist
+
+    import xpar_zoo.loader
+
+    xpar_zoo.loader.safe_open = _CountingSafeOpen
+    rank = dist.get_rank()
+    results = {}
+    for case, ckpt, mesh_kwargs, dtype, revision in loads:
+        _CountingSafeOpen.read = {}
+        model = xpar_zoo.from_pretrained(dirs.get(ckpt, ckpt), mesh=xpar_zoo.Mesh(**mesh_kwargs),
+                                         dtype=dtype, revision=revision, progress=False)
+        with torch.no_grad():
+            logits = model(input_ids=IDS).logits.float()
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (dict(_CountingSafeOpen.read), model._xpar_load.bytes_read, logits.tolist()))
+        state = xpar_zoo.full_state_dict(model)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in state.items()}, f"{out_dir}/{case}.safetensors")
+            save_file({"logits": logits}, f"{out_dir}/{case}.logits.safetensors")
+            results[case] = {
+                "read": [r for r, _, _ in every], "stats_bytes": [b for _, b, _ in every],
+                "ranks_agree": all(lg == every[0][2] for _, _, lg in every),
+                "classes": [c.__name__ for c in type(model).__mro__], "training": model.training,
+                "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            }
+    for kind in bad:
+        _CountingSafeOpen.read = {}
+        name = dirs.get(kind, "org/not-in-the-cache")
+        try:
+            xpar_zoo.from_pretrained(name, mesh=xpar_zoo.Mesh(ep=2), progress=False)
+            outcome = ("no error", "", False)
+        except Exception as e:  # noqa: BLE001 — the test inspects the type
+            outcome = (type(e).__name__, str(e), isinstance(e, xpar_zoo.XparError))
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (outcome, sum(_CountingSafeOpen.read.values())))
+        if rank == 0:
+            results[kind] = {"outcome": outcome, "same_on_all_ranks": all(o == outcome for o, _ in every),
+                             "bytes_read": [b for _, b in every]}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(checkpoints):
+    dirs = {k: str(v) for k, v in checkpoints.items() if isinstance(v, Path)}
+    with pytest.MonkeyPatch.context() as mp:  # the spawned ranks inherit this environment
+        mp.setenv("HF_HUB_CACHE", str(checkpoints["cache"]))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        return launch.run(_job, WORLD, str(checkpoints["root"]), dirs, LOADS, BAD, timeout_s=240)
+
+
+# ---- the checkpoints are what they claim ------------------------------------------------------------------------------
+def test_save_pretrained_writes_per_expert_keys_in_at_least_5_files(checkpoints):
+    hub = checkpoints["hub"]
+    index = json.loads((hub / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 5
+    keys = set(index["weight_map"])
+    assert f"{EXPERT}.7.gate_proj.weight" in keys and f"{EXPERT}.0.down_proj.weight" in keys
+    assert not any(k.endswith("gate_up_proj") or k.endswith("experts.down_proj") for k in keys)
+    with safe_open(hub / _file_of(hub, f"{EXPERT}.3.up_proj.weight"), "pt") as f:
+        assert f.get_slice(f"{EXPERT}.3.up_proj.weight").get_shape() == [16, 32]  # [I, H]
+
+
+def test_fused_checkpoint_has_in_memory_names(checkpoints):
+    with safe_open(checkpoints["fused"] / "model.safetensors", "pt") as f:
+        assert f.get_slice(f"{EXPERT}.gate_up_proj").get_shape() == [8, 32, 32]  # [E, 2I, H]
+
+
+# ---- parity ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [c[0] for c in LOADS])
+def test_full_state_dict_is_bit_identical_to_transformers(results, reference, checkpoints, case):
+    dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
+    ref_state, _ = reference[dtype]
+    got = load_file(checkpoints["root"] / f"{case}.safetensors")
+    assert set(got) == set(ref_state)
+    different = [k for k in ref_state if got[k].dtype != ref_state[k].dtype or not torch.equal(got[k], ref_state[k])]
+    assert not different, f"{case}: differs from transformers.from_pretrained in {different}"
+    assert "Qwen3MoeForCausalLM" in results[case]["classes"] and results[case]["training"] is False
+    assert results[case]["dtypes"] == [str(dtype)]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in LOADS])
+def test_logits_match_single_process_transformers(results, reference, checkpoints, case):
+    dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
+    _, ref_logits = reference[dtype]
+    got = load_file(checkpoints["root"] / f"{case}.logits.safetensors")["logits"]
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref_logits.float(), rtol=tol, atol=tol)
+    assert results[case]["ranks_agree"]
+
+
+# ---- each rank reads only its own slices ------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["hub_fsdp", "hub_ep2", "hub_ep4", "fused_ep2", "fused_ep4"])
+def test_each_rank_reads_a_quarter_of_the_checkpoint(results, checkpoints, case):
+    total, state = checkpoints["total"], checkpoints["state"]
+    small = sum(v.numel() * v.element_size() for v in state.values() if v.dim() == 1)  # norms: split unevenly
+    per_rank = [sum(r.values()) for r in results[case]["read"]]
+    assert per_rank == results[case]["stats_bytes"]  # the loader's own count agrees with the instrumented one
+    assert max(per_rank) <= total / WORLD + small, f"{case}: per-rank bytes {per_rank} of {total}"
+    assert sum(per_rank) == total  # no replication: every byte is read exactly once, by one rank
+
+
+def _experts_read(read: dict, proj: str | None = None) -> set[int]:
+    return {int(k.split(".experts.")[1].split(".")[0]) for k in read if ".experts." in k and (proj is None or proj in k)}
+
+
+def test_ep4_ranks_read_only_their_own_experts(results):
+    for rank, read in enumerate(results["hub_ep4"]["read"]):  # 8 experts, ep=4: rank r owns experts 2r, 2r+1
+        assert _experts_read(read) == {2 * rank, 2 * rank + 1}
+
+
+def test_ep2_ranks_read_their_experts_and_their_half_of_gate_up(results):
+    # ranks [[0, 1], [2, 3]] = [ep_fsdp, ep]: rank r owns experts 4·(r % 2) … +3 and rows r // 2 of [2I] = gate | up
+    for rank, read in enumerate(results["hub_ep2"]["read"]):
+        own = set(range(4 * (rank % 2), 4 * (rank % 2) + 4))
+        assert _experts_read(read) == own
+        assert _experts_read(read, "gate_proj") == (own if rank < 2 else set())
+        assert _experts_read(read, "up_proj") == (own if rank >= 2 else set())
+
+
+def test_hsdp_replicas_each_read_their_half(results, checkpoints):
+    per_rank = [sum(r.values()) for r in results["hub_ep2_replicate2"]["read"]]
+    assert sum(per_rank) == 2 * checkpoints["total"]  # two replicas, each reads the checkpoint once in total
+    assert max(per_rank) <= checkpoints["total"] / 2 + 1024
+
+
+# ---- strictness -------------------------------------------------------------------------------------------------------
+def _outcome(results, kind):
+    row = results[kind]
+    assert row["same_on_all_ranks"], f"{kind}: ranks disagree"
+    assert row["bytes_read"] == [0] * WORLD, f"{kind}: tensor data was read before the error: {row['bytes_read']}"
+    name, message, is_xpar = row["outcome"]
+    assert is_xpar, f"{kind}: {name}: {message}"
+    return name, message
+
+
+def test_missing_expert_key_is_named(results, checkpoints):
+    name, message = _outcome(results, "missing_expert")
+    assert name == "CheckpointMismatchError"
+    assert "missing" in message and "model.layers.1.mlp.experts.3.up_proj.weight" in message
+    assert "model.layers.1.mlp.experts.gate_up_proj" in message
+
+
+def test_unexpected_key_is_named_with_its_file(results, checkpoints):
+    name, message = _outcome(results, "unexpected_key")
+    file = _file_of(checkpoints["unexpected_key"], "model.layers.0.self_attn.extra_proj.weight")
+    assert name == "CheckpointMismatchError" and "unexpected" in message
+    assert f"model.layers.0.self_attn.extra_proj.weight ({file})" in message
+
+
+def test_wrong_shape_is_named_with_file_and_shapes(results, checkpoints):
+    name, message = _outcome(results, "wrong_shape")
+    file = _file_of(checkpoints["wrong_shape"], "model.norm.weight")
+    assert name == "CheckpointMismatchError"
+    assert f"model.norm.weight ({file}): shape [31]" in message and "[32]" in message
+
+
+def test_wrong_expert_shape_is_named_with_file(results, checkpoints):
+    name, message = _outcome(results, "wrong_expert_shape")
+    file = _file_of(checkpoints["wrong_expert_shape"], f"{EXPERT}.2.down_proj.weight")
+    assert name == "CheckpointMismatchError"
+    assert f"{EXPERT}.2.down_proj.weight ({file})" in message and "[32, 15]" in message
+
+
+def test_offline_unknown_repo_is_a_clear_error(results):
+    name, message = _outcome(results, "offline_unknown_repo")
+    assert name == "HubResolutionError" and "org/not-in-the-cache" in message and "HF_HUB_OFFLINE" in message
+
+
+# ---- the layout is derived from transformers' own rules (single process, no tensor data) -----------------------------
+def test_mixtral_w1_w3_fuse_into_gate_up_by_transformers_rules(tmp_path):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("mixtral", vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
+                               num_experts_per_tok=2, tie_word_embeddings=False)
+    model = parity.build_model(cfg)
+    model.save_pretrained(tmp_path)
+    layout = plan_hub_layout(build_meta(cfg, torch.float32), read_checkpoint_headers(tmp_path))
+    target = layout.targets["model.layers.0.mlp.experts.gate_up_proj"]
+    assert [p.source.key for p in target.pieces[:1]] == ["model.layers.0.block_sparse_moe.experts.0.w1.weight"]
+    assert target.pieces[4].source.key == "model.layers.0.block_sparse_moe.experts.0.w3.weight"
+    # assembling every read over the whole tensor reproduces the in-memory fused tensor
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        for name, tensor in model.state_dict().items():
+            rebuilt = torch.empty_like(tensor)
+            for read in layout.reads(name, tuple((0, n) for n in tensor.shape)):
+                data = f.get_slice(read.source.key)[read.slices] if read.slices else f.get_tensor(read.source.key)
+                rebuilt[read.dest] = data.unsqueeze(read.stack_dim) if read.stack_dim is not None else data
+            assert torch.equal(rebuilt, tensor), name
+
+
+def test_layout_errors_list_every_problem_at_once(checkpoints):
+    tensors = read_checkpoint_headers(checkpoints["missing_expert"])
+    tensors.update(read_checkpoint_headers(checkpoints["unexpected_key"]))
+    tensors.pop("model.norm.weight")
+    with pytest.raises(CheckpointMismatchError) as err:
+        plan_hub_layout(build_meta(parity.tiny_config("qwen3_moe"), torch.float32), tensors)
+    message = str(err.value)
+    assert "model.norm.weight [32]" in message and "extra_proj" in message
+    assert isinstance(err.value, xpar_zoo.XparError)

@@ -1,0 +1,242 @@
+"""``from_pretrained``: a hub checkpoint straight into a parallelized model, each rank reading only its own slices.
+
+1. ``resolve``            the name → a local directory (hub id, HF cache, or a directory), once per node;
+2. ``build_meta``         the transformers model from its config, on the meta device (no memory, no init);
+3. ``plan_hub_layout``    checkpoint headers × transformers' conversion rules → every tensor's pieces, checked
+                          strictly (missing / unexpected / wrong shape) before any tensor data is read;
+4. ``parallelize``        extra plans on dim 0 and FSDP2 (dim 1 for planned tensors), still on meta;
+5. ``to_empty``           allocate only the local shards; non-persistent buffers (rotary ``inv_freq``) re-initialised
+                          by the model's own ``_init_weights``, as transformers does;
+6. ``fill_local_shards``  per file, per local shard: read exactly the slice this rank keeps (``safe_open(…)
+                          .get_slice``), fusing per-expert keys on the fly, casting to the model dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from xpar_zoo.converters.hub_layout import Box, HubLayout, Read, plan_hub_layout, read_checkpoint_headers
+
+from .errors import XparError
+from .hub import HubResolutionError, ResolvedModel, resolve
+from .mesh import Mesh
+from .parallelize import parallelize
+from .plan import Plan
+
+
+class LoadError(XparError, RuntimeError):
+    """A checkpoint that cannot be loaded into the model as asked (dtype, quantization, a tensor left unfilled)."""
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What one rank read: ``bytes_read`` of the checkpoint's ``checkpoint_bytes``, in ``reads`` slice reads from
+    ``files`` files, in ``seconds``. Kept on the model as ``model._xpar_load``."""
+
+    bytes_read: int
+    checkpoint_bytes: int
+    reads: int
+    files: int
+    seconds: float
+    directory: str
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def resolve_on_each_node(name: str | os.PathLike, revision: str | None = None, **kwargs) -> ResolvedModel:
+    """:func:`xpar_zoo.hub.resolve` on every rank, local rank 0 first (it downloads; the others then find the files
+    in the cache). A failure on any rank raises on every rank, so no rank is left waiting in a collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return resolve(name, revision, **kwargs)
+    first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    result, error = None, None
+    for turn in (True, False):
+        if first == turn:
+            try:
+                result = resolve(name, revision, **kwargs)
+            except XparError as e:
+                error = e
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else str(error))
+        if error is not None:
+            raise error
+        failed = [e for e in errors if e is not None]
+        if failed:  # the same error text on every rank
+            raise HubResolutionError(failed[0])
+    return result
+
+
+def _torch_dtype(dtype, config) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(value, torch.dtype):
+            raise LoadError(f"unknown dtype {dtype!r}")
+        dtype = value
+    if not dtype.is_floating_point:
+        raise LoadError(f"dtype must be a floating-point dtype, got {dtype}")
+    return dtype
+
+
+def build_meta(config, dtype: torch.dtype) -> nn.Module:
+    """The transformers causal-LM for ``config`` with every parameter and buffer on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
+    """This rank's local tensor of ``tensor`` and the global ``[start, stop)`` it holds on each dim."""
+    if not isinstance(tensor, DTensor):
+        return tensor, tuple((0, n) for n in tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    local = tensor.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise LoadError(f"local shard of shape {tuple(local.shape)} where the placements {tensor.placements} give "
+                        f"{tuple(shape)}: a layout the loader does not understand")
+    return local, tuple((o, o + n) for o, n in zip(offset, shape))
+
+
+def _live_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_buffers(remove_duplicate=False)),
+            **dict(model.named_parameters(remove_duplicate=False))}
+
+
+def initialise_buffers(model: nn.Module, names: set[str]) -> None:
+    """Give buffers that no checkpoint holds (non-persistent ``inv_freq`` & co.) their values through the model's
+    own ``_init_weights``, as transformers' ``from_pretrained`` does; parameters are left alone. Raises
+    :class:`LoadError` for a buffer the model's init does not set."""
+    from transformers import PreTrainedModel
+    from transformers import initialization as init
+
+    owners: dict[str, PreTrainedModel] = {}
+
+    def walk(module: nn.Module, prefix: str, owner) -> None:
+        if isinstance(module, PreTrainedModel):
+            owner = module
+        owners[prefix] = owner
+        for child_name, child in module.named_children():
+            walk(child, f"{prefix}.{child_name}" if prefix else child_name, owner)
+
+    walk(model, "", None)
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        mod, _, attr = name.rpartition(".")
+        by_module[mod].append(attr)
+    with torch.no_grad():
+        for mod_name, attrs in by_module.items():
+            module = model.get_submodule(mod_name)
+            for attr in attrs:  # a sentinel, so that a buffer the init skips is caught below
+                buf = getattr(module, attr)
+                buf.fill_(float("nan") if buf.is_floating_point() else torch.iinfo(buf.dtype).min
+                          if buf.dtype != torch.bool else False)
+            for p in module.parameters(recurse=False):
+                p._is_hf_initialized = True
+            with init.guard_torch_init_functions():
+                owners[mod_name]._init_weights(module)
+            for attr in attrs:
+                buf = getattr(module, attr)
+                left = (buf.isnan().any() if buf.is_floating_point()
+                        else (buf == torch.iinfo(buf.dtype).min).any() if buf.dtype != torch.bool else False)
+                if left:
+                    raise LoadError(f"buffer {mod_name}.{attr} is in no checkpoint and {type(owners[mod_name]).__name__}"
+                                    "._init_weights does not set it")
+
+
+def fill_local_shards(model: nn.Module, layout: HubLayout, directory: str | Path, *, progress: bool = True
+                      ) -> LoadStats:
+    """Read into every local shard of ``model`` (parallelized, allocated) the slices of the checkpoint in
+    ``directory`` that ``layout`` assigns to it, one file at a time; return what was read."""
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    live = _live_tensors(model)
+    work: dict[str, list[tuple[Read, torch.Tensor]]] = defaultdict(list)
+    for name, target in layout.targets.items():
+        if name not in live:
+            raise LoadError(f"{name} is in the checkpoint layout but not in the parallelized model")
+        local, region = local_region(live[name])
+        if tuple(live[name].shape) != target.shape:
+            raise LoadError(f"{name}: model tensor {tuple(live[name].shape)}, layout {target.shape}")
+        for read in layout.reads(name, region):
+            work[read.source.file].append((read, local))
+    total = sum(r.nbytes for reads in work.values() for r, _ in reads)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading shards", disable=not progress or _rank() != 0)
+    nbytes = nreads = 0
+    directory = Path(directory)
+    with torch.no_grad(), bar:
+        for file in sorted(work):
+            reads = sorted(work[file], key=lambda rl: (rl[0].source.offsets[0], [s.start for s in rl[0].slices]))
+            with safe_open(str(directory / file), framework="pt", device="cpu") as handle:
+                for read, local in reads:
+                    if read.slices:
+                        data = handle.get_slice(read.source.key)[read.slices]
+                    else:
+                        data = handle.get_tensor(read.source.key)
+                    if read.stack_dim is not None:
+                        data = data.unsqueeze(read.stack_dim)
+                    local[read.dest].copy_(data)
+                    nbytes += read.nbytes
+                    nreads += 1
+                    bar.update(read.nbytes)
+                    del data
+    return LoadStats(nbytes, layout.total_bytes(), nreads, len(work), time.perf_counter() - start, str(directory))
+
+
+def from_pretrained(
+    name: str | os.PathLike,
+    mesh: Mesh | None = None,
+    dtype: torch.dtype | str | None = None,
+    revision: str | None = None,
+    *,
+    plan: Plan | None = None,
+    device: torch.device | str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+    progress: bool = True,
+    **parallelize_kwargs,
+) -> nn.Module:
+    """Load hub id / cached repo / local directory ``name`` (safetensors) as the real transformers class,
+    parallelized over ``mesh`` (default: FSDP2 over all ranks) in ``dtype`` (default: the config's). Each rank
+    reads only the slices it keeps, fusing per-expert hub keys on the fly with transformers' own conversion rules.
+    Strict: a checkpoint that does not fill every parameter and persistent buffer exactly, or holds keys the model
+    has no place for, raises a :class:`~xpar_zoo.XparError` naming the keys and files before tensor data is read.
+    A collective: every rank calls it. Returns the model in eval mode, like transformers."""
+    from transformers import AutoConfig, GenerationConfig
+
+    mesh = mesh or Mesh()
+    resolved = resolve_on_each_node(name, revision, cache_dir=cache_dir, token=token)
+    config = AutoConfig.from_pretrained(resolved.directory)
+    if getattr(config, "quantization_config", None):
+        raise LoadError(f"{name}: quantized checkpoints ({config.quantization_config}) are not supported")
+    torch_dtype = _torch_dtype(dtype, config)
+    model = build_meta(config, torch_dtype)
+    layout = plan_hub_layout(model, read_checkpoint_headers(resolved.directory))
+    persistent = set(model.state_dict(keep_vars=True))
+    unread_buffers = {n for n, _ in model.named_buffers()} - persistent | set(layout.init_buffers)
+    parallelize(model, mesh, plan=plan, **parallelize_kwargs)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    model.to_empty(device=device)
+    initialise_buffers(model, unread_buffers)
+    stats = fill_local_shards(model, layout, resolved.directory, progress=progress)
+    if (resolved.directory / "generation_config.json").is_file() and model.can_generate():
+        model.generation_config = GenerationConfig.from_pretrained(resolved.directory)
+    model.config.name_or_path = str(name)
+    model._xpar_load = stats
+    return model.eval()
