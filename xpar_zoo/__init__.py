@@ -1,7 +1,9 @@
 """xpar_zoo: train Hugging Face transformers models with extra parallelism (EP, vocab, any named plan) + FSDP2."""
 
+from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
+                         save_checkpoint)
 from .clip import clip_grad_norm_
-from .errors import MeshError, PlanError, UnknownArchitectureError, XparError
+from .errors import CheckpointError, MeshError, PlanError, UnknownArchitectureError, XparError
 from .loader import from_pretrained
 from .mesh import Mesh
 from .parallelize import parallelize
@@ -12,6 +14,7 @@ from .state import full_state_dict
 __version__ = "0.1.0"
 
 __all__ = [
-    "ExtraPlan", "Mesh", "MeshError", "Plan", "PlanError", "UnknownArchitectureError", "XparError",
-    "clip_grad_norm_", "from_pretrained", "full_state_dict", "get_plan", "parallelize", "supported_architectures",
+    "CheckpointError", "CheckpointFuture", "ExtraPlan", "Mesh", "MeshError", "Plan", "PlanError",
+    "UnknownArchitectureError", "XparError", "clip_grad_norm_", "from_pretrained", "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint",
+    "parallelize", "read_checkpoint_metadata", "save_checkpoint", "supported_architectures",
 ]

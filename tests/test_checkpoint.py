@@ -1,0 +1,413 @@
+"""Checkpoints: DCP at global shapes saved on 4 ranks (EP=4) loads on 2 ranks (EP=2, EP=2 + vocab), in one process
+without plans, and resumes training exactly; saves are atomic under SIGKILL; wrong models are refused by name."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import xpar_zoo
+from xpar_zoo import checkpoint, launch, parity
+
+SAVE_WORLD, LOAD_WORLD = 4, 2
+STEPS, SAVE_AT = 4, 2
+MAX_NORM = 0.5
+RESUME_TOL = 1e-6
+EXPERTS = "model.layers.0.mlp.experts"
+HAS_EMB = "emb" in xpar_zoo.get_plan("qwen3_moe").extra
+LOAD_MESHES = {
+    "ep2": {"ep": 2},
+    # Mesh(ep=2, emb=2) once the vocab-parallel plan exists; until then a strided EP mesh stands in.
+    "ep2_emb2" if HAS_EMB else "ep2_strided": {"ep": 2, "emb": 2} if HAS_EMB else {"ep": 2, "innermost": {"ep": False}},
+}
+
+
+def _adamw(params, **kwargs):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **kwargs)
+
+
+def _global_loss(loss: torch.Tensor) -> float:
+    import torch.distributed as dist
+
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def _train(model, opt, data: torch.Tensor, steps: range) -> list[float]:
+    """Clipped AdamW steps; rank r of a world of W trains on its W-th of each step's global batch."""
+    import torch.distributed as dist
+
+    distributed = dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    per = data.shape[1] // world
+    losses = []
+    for s in steps:
+        ids = data[s, rank * per:(rank + 1) * per].reshape(-1, data.shape[-1])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if distributed:
+            xpar_zoo.clip_grad_norm_(model, MAX_NORM)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append(_global_loss(loss) if distributed else loss.item())
+    return losses
+
+
+def _pack(obj, path: str) -> str:
+    """Results travel as a file: tensors sent through the launch queue need their sender alive, and big bytes
+    would fill the pipe that the launcher only reads after joining."""
+    torch.save(obj, path)
+    return path
+
+
+def _unpack(path: str):
+    return torch.load(path, weights_only=True)
+
+
+def _full_optim(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"state": {k: {n: v.clone() for n, v in s.items()} for k, s in osd.get("state", {}).items()},
+            "param_groups": osd.get("param_groups")}
+
+
+def _save_job(root: str, result: str) -> str | None:
+    """4 ranks, Mesh(ep=4): 4 clipped AdamW steps, a sync save at step 2, an async save at step 4 (then a 5th step
+    while it writes); AdamW foreach/fused on the same meshes; a second save of a step is refused."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    cfg = parity.tiny_config("qwen3_moe")
+    data = parity.make_batches(cfg.vocab_size, STEPS + 1, SAVE_WORLD, seed=3)
+    model = xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(ep=4))
+    opt = _adamw(model.parameters())
+    out = {"local": {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if n.startswith(EXPERTS)}}
+    losses = _train(model, opt, data, range(SAVE_AT))
+    out["at_save"] = {"params": xpar_zoo.full_state_dict(model), "optim": _full_optim(model, opt)}
+    out["path"] = str(xpar_zoo.save_checkpoint(root, model, opt, {"step": SAVE_AT, "samples": SAVE_AT * 8}))
+    try:
+        xpar_zoo.save_checkpoint(root, model, opt, {"step": SAVE_AT})
+        out["resave"] = None
+    except xpar_zoo.CheckpointError as e:
+        out["resave"] = str(e)
+    losses += _train(model, opt, data, range(SAVE_AT, STEPS))
+    out["losses"] = losses
+    out["at_async"] = {"params": xpar_zoo.full_state_dict(model), "optim": _full_optim(model, opt)}
+    handle = xpar_zoo.save_checkpoint(root, model, opt, {"step": STEPS}, async_save=True)
+    _train(model, opt, data, range(STEPS, STEPS + 1))  # changes every parameter while the save may be writing
+    out["async_path"] = str(handle.result())
+    # foreach / fused AdamW over parameters on different meshes (dense fsdp + [ep_fsdp, ep]) vs the default path
+    for kind in ("foreach", "fused"):
+        m = xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(ep=4))
+        o = _adamw(m.parameters(), **{kind: True})
+        out[kind] = {"losses": _train(m, o, data, range(SAVE_AT)), "params": xpar_zoo.full_state_dict(m)}
+    return _pack(out, result) if rank == 0 else None
+
+
+def _load_job(root: str, meshes: dict, result: str) -> str | None:
+    """2 ranks: on each mesh, a differently initialised model and optimizer load step 2 and train steps 3-4."""
+    import torch.distributed as dist
+
+    cfg = parity.tiny_config("qwen3_moe")
+    data = parity.make_batches(cfg.vocab_size, STEPS + 1, SAVE_WORLD, seed=3)
+    out = {}
+    for name, mesh_kwargs in meshes.items():
+        model = xpar_zoo.parallelize(parity.build_model(cfg, seed=7), xpar_zoo.Mesh(**mesh_kwargs))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.5)  # hyper-parameters come from the checkpoint
+        extra = xpar_zoo.load_checkpoint(Path(root) / checkpoint.checkpoint_name(SAVE_AT), model, opt)
+        row = {"extra": extra, "loaded": {"params": xpar_zoo.full_state_dict(model), "optim": _full_optim(model, opt)},
+               "losses": _train(model, opt, data, range(SAVE_AT, STEPS))}
+        if name == "ep2":  # the latest (the async save of step 4), by root
+            xpar_zoo.load_checkpoint(root, model, opt)
+            row["latest"] = {"params": xpar_zoo.full_state_dict(model), "optim": _full_optim(model, opt)}
+        out[name] = row
+    return _pack(out, result) if dist.get_rank() == 0 else None
+
+
+def _single_process(root: Path) -> dict:
+    """One process, no process group, plain transformers model: load step 2 and train steps 3-4."""
+    cfg = parity.tiny_config("qwen3_moe")
+    data = parity.make_batches(cfg.vocab_size, STEPS + 1, SAVE_WORLD, seed=3)
+    model = parity.build_model(cfg, seed=7, experts_implementation="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    extra = xpar_zoo.load_checkpoint(root / checkpoint.checkpoint_name(SAVE_AT), model, opt)
+    loaded = {"params": {k: v.clone() for k, v in model.state_dict().items()}, "optim": _full_optim(model, opt)}
+    return {"extra": extra, "loaded": loaded, "losses": _train(model, opt, data, range(SAVE_AT, STEPS))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    results = tmp_path_factory.mktemp("results")
+    saved = _unpack(launch.run(_save_job, SAVE_WORLD, str(root), str(results / "saved.pt")))
+    loaded = _unpack(launch.run(_load_job, LOAD_WORLD, str(root), LOAD_MESHES, str(results / "loaded.pt")))
+    loaded["single"] = _single_process(root)
+    return {"root": root, "saved": saved, "loaded": loaded}
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert set(got["params"]) == set(want["params"])
+    for name, t in want["params"].items():
+        assert got["params"][name].shape == t.shape, name
+        assert torch.equal(got["params"][name], t), f"{name}: max |Δ| {(got['params'][name] - t).abs().max()}"
+    assert set(got["optim"]["state"]) == set(want["optim"]["state"])
+    for name, state in want["optim"]["state"].items():
+        for key, t in state.items():
+            assert torch.equal(got["optim"]["state"][name][key], t), f"optimizer {name}.{key}"
+    for g, w in zip(got["optim"]["param_groups"], want["optim"]["param_groups"]):
+        assert {k: v for k, v in g.items() if k != "params"} == {k: v for k, v in w.items() if k != "params"}
+
+
+# ---- global shapes and ids, metadata ----------------------------------------------------------------------------
+def test_ep4_checkpoint_stores_experts_at_global_shape(runs):
+    cfg = parity.tiny_config("qwen3_moe")
+    assert runs["saved"]["local"][f"{EXPERTS}.gate_up_proj"] == (2, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    md = checkpoint._SafeReader(runs["saved"]["path"]).read_metadata().state_dict_metadata
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    assert tuple(md[f"model.{EXPERTS}.gate_up_proj"].size) == (E, 2 * I, H)
+    assert tuple(md[f"model.{EXPERTS}.down_proj"].size) == (E, H, I)
+    assert tuple(md[f"optim.state.{EXPERTS}.gate_up_proj.exp_avg_sq"].size) == (E, 2 * I, H)
+    assert tuple(md["model.lm_head.weight"].size) == (cfg.vocab_size, H)
+    # global expert ids: row j of the stored tensor is expert j of the single-process layout
+    full = {f"model.{EXPERTS}.down_proj": torch.empty(E, H, I)}
+    dcp.load(full, checkpoint_id=runs["saved"]["path"], no_dist=True)
+    assert torch.equal(full[f"model.{EXPERTS}.down_proj"], runs["saved"]["at_save"]["params"][f"{EXPERTS}.down_proj"])
+
+
+def test_checkpoint_metadata_names_model_mesh_plans_and_version(runs):
+    path = Path(runs["saved"]["path"])
+    assert path.name == "step-00000002" and (path / "COMPLETE").is_file()
+    meta = xpar_zoo.read_checkpoint_metadata(path)
+    assert meta["model_type"] == "qwen3_moe" and meta["config"]["num_local_experts"] == 8
+    assert meta["mesh"] == {"world_size": 4, "replicate": 1, "extra": {"ep": 4}, "innermost": {"ep": True}}
+    assert sorted(meta["plans"]) == ["ep"] and f"{EXPERTS}.gate_up_proj" in meta["plans"]["ep"]
+    assert meta["xpar_zoo_version"] == xpar_zoo.__version__ and meta["step"] == SAVE_AT
+    assert meta["optimizer"]["class"] == "AdamW"
+    assert sorted(os.listdir(path / "rng")) == [f"rank-{r:05d}.safetensors" for r in range(SAVE_WORLD)]
+    assert json.loads((path / "extra_state.json").read_text()) == {"step": SAVE_AT, "samples": SAVE_AT * 8}
+
+
+# ---- resharding ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", [*LOAD_MESHES, "single"])
+def test_ep4_checkpoint_loads_identically(runs, target):
+    """Saved on 4 ranks with EP=4; loaded on 2 ranks (EP=2; EP=2 with vocab-parallel or strided) and in one
+    process without plans: identical full parameters, optimizer states and hyper-parameters."""
+    row = runs["loaded"][target]
+    assert row["extra"] == {"step": SAVE_AT, "samples": SAVE_AT * 8}
+    _assert_same_state(row["loaded"], runs["saved"]["at_save"])
+
+
+@pytest.mark.parametrize("target", [*LOAD_MESHES, "single"])
+def test_resume_on_other_mesh_reproduces_training(runs, target):
+    """4 steps straight on EP=4 x 4 ranks == 2 steps, save, load on another mesh / world size, 2 more steps."""
+    straight = runs["saved"]["losses"][SAVE_AT:]
+    resumed = runs["loaded"][target]["losses"]
+    for got, want in zip(resumed, straight, strict=True):
+        assert abs(got - want) < RESUME_TOL, f"resumed losses {resumed} vs straight {straight}"
+
+
+def test_async_save_snapshots_state_at_call_and_commits(runs):
+    path = Path(runs["saved"]["async_path"])
+    assert path.name == "step-00000004" and checkpoint._incomplete_reason(path) is None
+    assert xpar_zoo.latest_checkpoint(runs["root"]) == path
+    _assert_same_state(runs["loaded"]["ep2"]["latest"], runs["saved"]["at_async"])
+
+
+def test_saving_an_existing_step_is_refused(runs):
+    assert "already exists" in runs["saved"]["resave"]
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_adamw_foreach_and_fused_across_meshes_match_default(runs, kind):
+    """Plain torch.optim.AdamW(model.parameters(), foreach/fused=True) steps DTensors on the dense and the
+    [ep_fsdp, ep] meshes exactly like the default path."""
+    got = runs["saved"][kind]
+    assert got["losses"] == pytest.approx(runs["saved"]["losses"][:SAVE_AT], abs=1e-6)
+    for name, want in runs["saved"]["at_save"]["params"].items():
+        torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- single process: layout, errors, RNG --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = parity.tiny_config("qwen3_moe")
+    return cfg, parity.build_model(cfg)
+
+
+def _one_step(model, seed=0):
+    opt = _adamw(model.parameters())
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def test_keep_last_prunes_older_and_latest_skips_incomplete(tmp_path, tiny):
+    _, model = tiny
+    for step in range(1, 5):
+        xpar_zoo.save_checkpoint(tmp_path, model, extra_state={"step": step}, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004"]
+    broken = tmp_path / "step-00000009"
+    shutil.copytree(tmp_path / "step-00000004", broken)
+    (broken / "COMPLETE").unlink()
+    with pytest.warns(checkpoint.CheckpointWarning, match="step-00000009"):
+        assert xpar_zoo.latest_checkpoint(tmp_path) == tmp_path / "step-00000004"
+    with pytest.warns(checkpoint.CheckpointWarning, match="step-00000009"):
+        assert xpar_zoo.load_checkpoint(tmp_path, model) == {"step": 4}
+    with pytest.raises(xpar_zoo.CheckpointError, match="no COMPLETE marker"):
+        xpar_zoo.load_checkpoint(broken, model)
+    truncated = tmp_path / "step-00000004" / "__0_0.distcp"
+    with open(truncated, "r+b") as f:
+        f.truncate(100)
+    with pytest.warns(checkpoint.CheckpointWarning, match="step-00000004.*__0_0.distcp"):
+        assert xpar_zoo.latest_checkpoint(tmp_path) == tmp_path / "step-00000003"
+    xpar_zoo.save_checkpoint(tmp_path, model, keep_last=1)  # step 4 = one past the newest complete (3)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000004"]
+
+
+def test_step_defaults_and_json_only_extra_state(tmp_path, tiny):
+    _, model = tiny
+    assert xpar_zoo.save_checkpoint(tmp_path, model).name == "step-00000000"
+    assert xpar_zoo.save_checkpoint(tmp_path, model).name == "step-00000001"
+    assert xpar_zoo.save_checkpoint(tmp_path, model, step=10).name == "step-00000010"
+    with pytest.raises(xpar_zoo.CheckpointError, match="not JSON"):
+        xpar_zoo.save_checkpoint(tmp_path, model, extra_state={"sampler": object()})
+    assert xpar_zoo.latest_checkpoint(tmp_path).name == "step-00000010"
+
+
+def test_rng_state_is_restored(tmp_path, tiny):
+    import random
+
+    _, model = tiny
+    torch.manual_seed(123)
+    random.seed(5)
+    xpar_zoo.save_checkpoint(tmp_path, model)
+    want = (torch.rand(4), random.random())
+    torch.manual_seed(999)
+    random.seed(6)
+    xpar_zoo.load_checkpoint(tmp_path, model)
+    got = (torch.rand(4), random.random())
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory, tiny):
+    _, model = tiny
+    root = tmp_path_factory.mktemp("moe")
+    return xpar_zoo.save_checkpoint(root, model, _one_step(model))
+
+
+def test_other_shapes_are_refused_naming_the_tensors(moe_checkpoint):
+    other = parity.build_model(parity.tiny_config("qwen3_moe", num_experts=4))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(xpar_zoo.CheckpointError) as e:
+        xpar_zoo.load_checkpoint(moe_checkpoint, other)
+    msg = str(e.value)
+    assert "shape mismatch" in msg and f"{EXPERTS}.gate_up_proj [8, 32, 32] vs [4, 32, 32]" in msg
+    assert "model.layers.0.mlp.gate.weight [8, 32] vs [4, 32]" in msg
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items()), "nothing may be loaded"
+
+
+def test_other_architecture_is_refused_naming_the_tensors(moe_checkpoint):
+    dense = parity.build_model(parity.tiny_config("qwen3"))
+    with pytest.raises(xpar_zoo.CheckpointError) as e:
+        xpar_zoo.load_checkpoint(moe_checkpoint, dense, _adamw(dense.parameters()))
+    msg = str(e.value)
+    assert "'qwen3_moe' model, this model is 'qwen3'" in msg
+    assert "missing from the checkpoint" in msg and "model.layers.0.mlp.up_proj.weight" in msg
+    assert "not in the model" in msg and f"{EXPERTS}.down_proj" in msg
+
+
+def test_missing_optimizer_state_is_refused(tmp_path, tiny):
+    _, model = tiny
+    xpar_zoo.save_checkpoint(tmp_path, model)
+    with pytest.raises(xpar_zoo.CheckpointError, match="no optimizer state"):
+        xpar_zoo.load_checkpoint(tmp_path, model, _adamw(model.parameters()))
+
+
+def test_dcp_metadata_is_never_unpickled_beyond_dcp_classes(tmp_path, tiny):
+    import pickle
+
+    _, model = tiny
+    path = xpar_zoo.save_checkpoint(tmp_path, model)
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, ("echo pwned",)
+
+    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(xpar_zoo.CheckpointError, match="refusing to unpickle"):
+        checkpoint._SafeReader(str(path)).read_metadata()
+
+
+# ---- SIGKILL during a save ---------------------------------------------------------------------------------------
+KILL_PHASES = ["begin", "rng_written", "mid_write", "dcp_written", "before_rename", "before_marker", "pruning"]
+_KILLED_SAVE = textwrap.dedent("""
+    import os, signal, sys, torch
+    from xpar_zoo import checkpoint, parity
+    phase = sys.argv[2]
+    kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    if phase == "mid_write":  # after the first tensors of the DCP data file are written
+        import torch.distributed.checkpoint.filesystem as fs
+        write, count = fs._write_item, [0]
+        def _write_item(*args, **kwargs):
+            count[0] += 1
+            if count[0] == 5:
+                kill()
+            return write(*args, **kwargs)
+        fs._write_item = _write_item
+    else:
+        checkpoint._reached = lambda p: kill() if p == phase else None
+    model = parity.build_model(parity.tiny_config("qwen3_moe"), seed=1)
+    checkpoint.save_checkpoint(sys.argv[1], model, extra_state={"step": 2}, keep_last=1)
+""")
+
+
+def test_sigkill_at_any_point_of_a_save_keeps_the_last_checkpoint(tmp_path, tiny):
+    """A save killed (SIGKILL) at each phase: the previous checkpoint stays intact and loadable; the broken one is
+    reported by a warning naming it and never loaded."""
+    _, model = tiny
+    good = xpar_zoo.save_checkpoint(tmp_path / "good", model, extra_state={"step": 1})
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    roots = {}
+    for phase in KILL_PHASES:
+        roots[phase] = tmp_path / phase
+        shutil.copytree(tmp_path / "good", roots[phase])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {p: subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(r), p], env=env, stderr=subprocess.PIPE)
+             for p, r in roots.items()}
+    for phase, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, f"{phase}: exit {proc.returncode}\n{err.decode()[-2000:]}"
+    for phase, root in roots.items():
+        newest = "step-00000002" if phase == "pruning" else good.name
+        leftovers = sorted(set(os.listdir(root)) - {newest, good.name})
+        assert leftovers, f"{phase}: the killed save left nothing behind"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert xpar_zoo.latest_checkpoint(root) == root / newest
+        named = " ".join(str(w.message) for w in caught)
+        assert all(name in named for name in leftovers), f"{phase}: {leftovers} not reported: {named}"
+        if phase != "pruning":
+            fresh = parity.build_model(parity.tiny_config("qwen3_moe"), seed=3)
+            with pytest.warns(checkpoint.CheckpointWarning):
+                assert xpar_zoo.load_checkpoint(root, fresh) == {"step": 1}
+            assert all(torch.equal(want[k], v) for k, v in fresh.state_dict().items()), phase
+        for name in leftovers:
+            if (root / name).is_dir() and name.startswith("step-"):
+                with pytest.raises(xpar_zoo.CheckpointError, match="not a complete checkpoint"):
+                    xpar_zoo.load_checkpoint(root / name, model)

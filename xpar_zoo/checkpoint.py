@@ -1,0 +1,722 @@
+"""Checkpoints: torch DCP at global shapes (every expert, every vocab row), reshardable onto any mesh or world size,
+with the optimizer state, the RNG state and the user's JSON state, written atomically.
+
+Layout of a checkpoint root (``save_checkpoint(root, ...)`` writes one ``step-N`` directory per call)::
+
+    root/
+      step-00000010/                 a complete checkpoint: loadable on any mesh, any world size, or without plans
+        .metadata, __0_0.distcp, …   DCP, tensors only, at global shapes: "model.<fqn>", "optim.state.<fqn>.<name>"
+        xpar_checkpoint.json         format, step, model_type, config, mesh, plans, versions, optimizer hyper-params
+        extra_state.json             the user's ``extra_state`` (JSON)
+        rng/rank-00000.safetensors   each saving rank's RNG state (torch CPU, CUDA when initialised, Python random)
+        COMPLETE                     the commit marker (JSON: step and the size of every file), written last
+      .tmp-step-00000012-<id>/       a save in progress, or one that was interrupted: never loaded
+      .deleting-step-00000004-<id>/  a checkpoint being pruned (``keep_last``)
+
+Every rank writes under ``.tmp-…``; when all ranks have finished, rank 0 renames the directory to ``step-N`` and then
+writes ``COMPLETE``. A process killed at any moment leaves every earlier checkpoint untouched; whatever it was
+writing is reported (a :class:`CheckpointWarning` naming it) and skipped by :func:`latest_checkpoint`, and refused by
+:func:`load_checkpoint`. One writer per root at a time.
+
+Nothing is unpickled: non-tensor optimizer values and the user's state are JSON, RNG states are safetensors, DCP's
+tensor data is read with ``weights_only=True`` and its ``.metadata`` with an unpickler that admits only DCP's own
+metadata classes.
+
+RNG is saved per rank and restored on the rank with the same id; a rank that did not exist in the saving job keeps
+its RNG (a different world size draws different random streams anyway).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import threading
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from .errors import CheckpointError
+
+FORMAT = "xpar_zoo.checkpoint/1"
+STEP_PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+DELETING_PREFIX = ".deleting-"
+META_FILE = "xpar_checkpoint.json"
+EXTRA_FILE = "extra_state.json"
+COMPLETE_FILE = "COMPLETE"
+RNG_DIR = "rng"
+DCP_METADATA = ".metadata"
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_SHOW = 12  # how many tensor names an error lists before "… and N more"
+
+
+class CheckpointWarning(UserWarning):
+    """An incomplete or broken checkpoint directory was found and skipped."""
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint of ``step`` (``step-00000010``)."""
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def _reached(phase: str) -> None:
+    """Fault-injection point for tests (a no-op): ``begin``, ``rng_written``, ``dcp_written``, ``before_rename``,
+    ``before_marker``, ``committed``, ``pruning``."""
+
+
+# ---- scanning a root --------------------------------------------------------------------------------------------
+def _incomplete_reason(ckpt: Path) -> str | None:
+    """Why ``ckpt`` is not a complete checkpoint, or None when it is."""
+    marker = ckpt / COMPLETE_FILE
+    if not marker.is_file():
+        return "no COMPLETE marker (the save never committed)"
+    try:
+        record = json.loads(marker.read_text())
+        files = record["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable COMPLETE marker"
+    for rel, size in files.items():
+        f = ckpt / rel
+        if not f.is_file():
+            return f"file {rel} listed in COMPLETE is missing"
+        if f.stat().st_size != size:
+            return f"file {rel} has {f.stat().st_size} bytes, COMPLETE says {size}"
+    for required in (DCP_METADATA, META_FILE):
+        if required not in files:
+            return f"COMPLETE does not list {required}"
+    return None
+
+
+def _scan(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """Complete checkpoints ``[(step, dir)]`` sorted by step, and broken directories ``[(dir, reason)]``."""
+    complete, broken = [], []
+    if not root.is_dir():
+        return complete, broken
+    for child in sorted(root.iterdir()):
+        if not child.is_dir():
+            continue
+        if child.name.startswith(TMP_PREFIX):
+            broken.append((child, "an unfinished save (interrupted, or still running)"))
+        elif child.name.startswith(DELETING_PREFIX):
+            broken.append((child, "left over from an interrupted pruning"))
+        elif m := _STEP_RE.match(child.name):
+            why = _incomplete_reason(child)
+            if why:
+                broken.append((child, why))
+            else:
+                complete.append((int(m[1]), child))
+    complete.sort()
+    return complete, broken
+
+
+def _warn_broken(broken: list[tuple[Path, str]]) -> None:
+    for path, why in broken:
+        warnings.warn(f"xpar_zoo: skipping incomplete checkpoint {path}: {why}", CheckpointWarning, stacklevel=3)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directory under ``root`` (highest step), or None. Incomplete or broken
+    directories are reported with a :class:`CheckpointWarning` naming them, and skipped."""
+    complete, broken = _scan(Path(root))
+    _warn_broken(broken)
+    return complete[-1][1] if complete else None
+
+
+def _resolve(path: Path) -> Path:
+    """``path`` itself when it is a checkpoint directory (complete, or an error), else its newest complete one."""
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path} (not a directory)")
+    is_checkpoint = any((path / f).exists() for f in (COMPLETE_FILE, META_FILE, DCP_METADATA))
+    if is_checkpoint or path.name.startswith((TMP_PREFIX, DELETING_PREFIX)):
+        if not (path / META_FILE).exists() and (path / DCP_METADATA).exists():
+            raise CheckpointError(f"{path} is a DCP directory but not an xpar_zoo checkpoint (no {META_FILE})")
+        why = _incomplete_reason(path)
+        if why:
+            raise CheckpointError(f"{path} is not a complete checkpoint: {why}; it is never loaded")
+        return path
+    complete, broken = _scan(path)
+    _warn_broken(broken)
+    if not complete:
+        extra = f"; incomplete ones skipped: {', '.join(p.name for p, _ in broken)}" if broken else ""
+        raise CheckpointError(f"no complete checkpoint under {path}{extra}")
+    return complete[-1][1]
+
+
+def read_checkpoint_metadata(path: str | os.PathLike) -> dict:
+    """The ``xpar_checkpoint.json`` of a checkpoint directory (or of the newest complete one under a root):
+    format, step, model_type, config, mesh, plans, versions, optimizer hyper-parameters."""
+    return json.loads((_resolve(Path(path)) / META_FILE).read_text())
+
+
+# ---- safe reading of DCP ------------------------------------------------------------------------------------------
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+_ALLOWED_GLOBALS: dict[str, frozenset[str] | None] = {
+    "torch.distributed.checkpoint.metadata": None,  # every DCP metadata class
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "slice", "complex"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata`` only: its own dataclasses, torch sizes/dtypes/layouts, paths, builtin sets."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if name == "Size" or isinstance(obj, _TORCH_CONSTANTS):
+                return obj
+        elif module in _ALLOWED_GLOBALS:
+            allowed = _ALLOWED_GLOBALS[module]
+            if allowed is None or name in allowed:
+                return super().find_class(module, name)
+        raise CheckpointError(f"DCP .metadata refers to {module}.{name}, which a checkpoint never needs; refusing "
+                              "to unpickle it")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """A FileSystemReader whose ``.metadata`` goes through :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """Non-tensor DCP items (our checkpoints have none) are read with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        super().load_bytes(read_item, _bytes_of(obj))
+
+
+def _bytes_of(obj: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+# ---- JSON -------------------------------------------------------------------------------------------------------
+def _to_json(value: Any, what: str) -> Any:
+    """``value`` as JSON data; tuples are tagged so that they come back as tuples."""
+    if isinstance(value, tuple):
+        return {"__tuple__": [_to_json(v, what) for v in value]}
+    if isinstance(value, list):
+        return [_to_json(v, what) for v in value]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"{what}: key {k!r} is not a string (JSON)")
+            out[k] = _to_json(v, what)
+        return out
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(f"{what}: {type(value).__name__} value {value!r:.80} is not JSON-serialisable")
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(_from_json(v) for v in value["__tuple__"])
+        return {k: _from_json(v) for k, v in value.items()}
+    return value
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` durably (temporary name, fsync, rename)."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---- RNG --------------------------------------------------------------------------------------------------------
+def _rng_file(ckpt: Path, rank: int) -> Path:
+    return ckpt / RNG_DIR / f"rank-{rank:05d}.safetensors"
+
+
+def _save_rng(ckpt: Path, rank: int) -> None:
+    from safetensors.torch import save
+
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = state
+    version, internal, gauss = random.getstate()
+    tensors["python"] = torch.tensor(internal, dtype=torch.int64)
+    meta = {"python_version": str(version), "python_gauss_next": json.dumps(gauss)}
+    (ckpt / RNG_DIR).mkdir(exist_ok=True)
+    _write_file(_rng_file(ckpt, rank), save(tensors, metadata=meta))
+
+
+def _load_rng(ckpt: Path, rank: int) -> bool:
+    from safetensors import safe_open
+
+    path = _rng_file(ckpt, rank)
+    if not path.is_file():
+        return False
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = sorted(k for k in tensors if k.startswith("cuda_"))
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    if "python" in tensors and "python_version" in meta:
+        random.setstate((int(meta["python_version"]), tuple(int(x) for x in tensors["python"].tolist()),
+                         json.loads(meta.get("python_gauss_next", "null"))))
+    return True
+
+
+# ---- collectives --------------------------------------------------------------------------------------------------
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (our own small Python values between our own processes)."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _first_error(message: str | None, group: dist.ProcessGroup | None = None) -> str | None:
+    """Every rank's error message (or None) gathered; the first one, or None when all ranks succeeded."""
+    if not _distributed():
+        return message
+    messages: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, message, group=group)
+    errors = [f"rank {r}: {m}" for r, m in enumerate(messages) if m]
+    return "\n".join(errors) or None
+
+
+def _describe_error(e: BaseException) -> str:
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+# ---- state dicts --------------------------------------------------------------------------------------------------
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None):
+    """``(model state dict, optimizer state dict or None)``: sharded DTensors at global shapes, HF names."""
+    if optimizer is None:
+        return get_model_state_dict(model), None
+    return get_state_dict(model, optimizer)
+
+
+def _split_optimizer(osd: dict) -> tuple[dict, dict, list]:
+    """Optimizer state dict → (tensors ``{fqn: {name: tensor}}``, other values ``{fqn: {name: value}}``,
+    param_groups)."""
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, state in osd["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault(fqn, {})[name] = value
+            else:
+                scalars.setdefault(fqn, {})[name] = value
+    return tensors, scalars, osd["param_groups"]
+
+
+def _dcp_state(msd: dict, osd: dict | None) -> dict:
+    state: dict[str, Any] = {MODEL_KEY: msd}
+    if osd is not None:
+        state[OPTIM_KEY] = {"state": _split_optimizer(osd)[0]}
+    return state
+
+
+def _expected_shapes(msd: dict, osd: dict | None) -> dict[str, tuple[int, ...]]:
+    """``{DCP key: global shape}`` of every tensor the model (and optimizer) will load."""
+    out = {f"{MODEL_KEY}.{k}": tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
+    if osd is not None:
+        for fqn, state in _split_optimizer(osd)[0].items():
+            out.update({f"{OPTIM_KEY}.state.{fqn}.{n}": tuple(v.shape) for n, v in state.items()})
+    return out
+
+
+def _plain_name(key: str) -> str:
+    if key.startswith(f"{MODEL_KEY}."):
+        return key[len(MODEL_KEY) + 1:]
+    if key.startswith(f"{OPTIM_KEY}.state."):
+        return f"optimizer state {key[len(OPTIM_KEY) + 7:]}"
+    return key
+
+
+def _listing(keys: list[str]) -> str:
+    shown = ", ".join(_plain_name(k) for k in keys[:_SHOW])
+    return shown + (f", … and {len(keys) - _SHOW} more" if len(keys) > _SHOW else "")
+
+
+def _check_compatible(ckpt: Path, saved: dict[str, tuple[int, ...]], meta: dict, model: nn.Module,
+                      expected: dict[str, tuple[int, ...]], with_optimizer: bool) -> None:
+    """Raise :class:`CheckpointError` naming every mismatch between checkpoint and model, before loading."""
+    problems = []
+    saved_type = meta.get("model_type")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if saved_type and model_type and saved_type != model_type:
+        problems.append(f"architecture: the checkpoint holds a {saved_type!r} model, this model is {model_type!r}")
+    if with_optimizer and not any(k.startswith(f"{OPTIM_KEY}.") for k in saved) and any(
+            k.startswith(f"{OPTIM_KEY}.") for k in expected):
+        problems.append("the checkpoint has no optimizer state (saved without optimizer=)")
+        expected = {k: v for k, v in expected.items() if not k.startswith(f"{OPTIM_KEY}.")}
+    shapes = [k for k in expected if k in saved and saved[k] != expected[k]]
+    if shapes:
+        problems.append(f"shape mismatch ({len(shapes)}), checkpoint vs model: " + "; ".join(
+            f"{_plain_name(k)} {list(saved[k])} vs {list(expected[k])}" for k in shapes[:_SHOW])
+            + (f"; … and {len(shapes) - _SHOW} more" if len(shapes) > _SHOW else ""))
+    missing = [k for k in expected if k not in saved]
+    if missing:
+        problems.append(f"missing from the checkpoint ({len(missing)}): {_listing(missing)}")
+    scope = (f"{MODEL_KEY}.", f"{OPTIM_KEY}.") if with_optimizer else (f"{MODEL_KEY}.",)
+    unexpected = [k for k in saved if k.startswith(scope) and k not in expected]
+    if unexpected:
+        problems.append(f"not in the model ({len(unexpected)}): {_listing(unexpected)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt} does not fit {_model_class(model)}:\n  " + "\n  ".join(problems))
+
+
+def _model_class(model: nn.Module) -> str:
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next((c for c in type(model).__mro__ if not issubclass(c, FSDPModule)), type(model))
+    return cls.__name__
+
+
+def _metadata(model: nn.Module, step: int, optimizer, scalars: dict, param_groups: list | None) -> dict:
+    from . import __version__
+
+    try:
+        import transformers
+        tf_version = transformers.__version__
+    except ImportError:  # pragma: no cover
+        tf_version = None
+    config = getattr(model, "config", None)
+    xpar = getattr(model, "_xpar", None)
+    plans: dict[str, list[str]] = {}
+    if xpar is not None:
+        for fqn, name in xpar.planned_params().items():
+            plans.setdefault(name, []).append(fqn)
+    return {
+        "format": FORMAT,
+        "step": step,
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": dist.get_world_size() if _distributed() else 1,
+        "xpar_zoo_version": __version__,
+        "torch_version": torch.__version__,
+        "transformers_version": tf_version,
+        "model_class": _model_class(model),
+        "model_type": getattr(config, "model_type", None),
+        "config": json.loads(config.to_json_string(use_diff=False)) if config is not None else None,
+        "mesh": xpar.mesh.describe() if xpar is not None else None,
+        "plan_model_type": xpar.plan.model_type if xpar is not None else None,
+        "plans": plans,
+        "tensors": "DCP at global shapes; planned tensors hold every expert / vocab row in global order",
+        "rng": "per rank: rng/rank-NNNNN.safetensors (torch CPU, CUDA when initialised, Python random)",
+        "optimizer": None if optimizer is None else {
+            "class": type(optimizer).__name__,
+            "param_groups": _to_json(param_groups, "optimizer param_groups"),
+            "non_tensor_state": _to_json(scalars, "optimizer state"),
+        },
+    }
+
+
+# ---- committing -------------------------------------------------------------------------------------------------
+def _choose_step(root: Path, step: int | None, extra_state: Mapping) -> int:
+    if step is None and isinstance(extra_state.get("step"), int) and not isinstance(extra_state["step"], bool):
+        step = extra_state["step"]
+    if step is None:
+        complete, _ = _scan(root)
+        step = complete[-1][0] + 1 if complete else 0
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
+    return step
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory so that no half-deleted ``step-N`` is ever visible: rename, then delete."""
+    if not path.name.startswith(DELETING_PREFIX):
+        target = path.with_name(f"{DELETING_PREFIX}{path.name.removeprefix(TMP_PREFIX)}-{uuid.uuid4().hex[:8]}")
+        os.rename(path, target)
+        _fsync_dir(path.parent)
+        path = target
+    _reached("pruning")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    """Keep the ``keep_last`` newest complete checkpoints (always ``keep``, the one just committed); remove older
+    ones and leftovers of interrupted saves or prunings."""
+    complete, broken = _scan(root)
+    victims = [p for _, p in complete[:-keep_last] if p != keep] + [p for p, _ in broken]
+    for path in victims:
+        _remove(path)
+
+
+def _commit(tmp: Path, final: Path, keep_last: int | None) -> None:
+    """Rank 0, once every rank's data is on disk: rename ``tmp`` to ``final``, then write the COMPLETE marker."""
+    _reached("before_rename")
+    if final.exists():  # an incomplete leftover of the same step (a complete one was refused before writing)
+        _remove(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    _reached("before_marker")
+    files = {str(p.relative_to(final)): p.stat().st_size for p in sorted(final.rglob("*")) if p.is_file()}
+    _write_file(final / COMPLETE_FILE, json.dumps({"format": FORMAT, "step": int(final.name[len(STEP_PREFIX):]),
+                                                    "files": files}, indent=1).encode())
+    _fsync_dir(final)
+    _reached("committed")
+    if keep_last is not None:
+        _prune(final.parent, keep_last, final)
+
+
+class _Control:
+    """Per-model checkpoint bookkeeping: the side process group of async saves and the save in flight."""
+
+    def __init__(self) -> None:
+        self.group: dist.ProcessGroup | None = None
+        self.pending: CheckpointFuture | None = None
+
+
+def _control(model: nn.Module) -> _Control:
+    ctl = model.__dict__.get("_xpar_checkpoint")
+    if ctl is None:
+        ctl = _Control()
+        model.__dict__["_xpar_checkpoint"] = ctl
+    return ctl
+
+
+class CheckpointFuture:
+    """An asynchronous save in flight. Rank 0 commits it (rename, then COMPLETE) as soon as every rank's data is
+    written, whether or not anyone waits. ``result()`` waits for the commit and returns the checkpoint directory,
+    raising :class:`CheckpointError` if any rank failed; it is a collective (every rank calls it), and
+    ``save_checkpoint``/``load_checkpoint`` call it on the previous save of the same model."""
+
+    def __init__(self, tmp: Path, final: Path, keep_last: int | None, group: dist.ProcessGroup | None) -> None:
+        self.path = final
+        self._tmp, self._keep_last, self._group = tmp, keep_last, group
+        self._finished = threading.Event()
+        self._error: str | None = None
+        self._outcome: tuple[Path | None, str | None] | None = None
+
+    def _on_saved(self, fut) -> None:  # the saving thread, once this rank's part (rank 0: the whole save) is done
+        try:
+            fut.result()
+            if _rank() == 0:
+                _commit(self._tmp, self.path, self._keep_last)
+        except BaseException as e:  # reported by result() on every rank
+            self._error = _describe_error(e)
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        """Whether this rank's part has finished (rank 0: written and committed). Not a collective."""
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> Path:
+        """Wait until the checkpoint is committed; return its directory. A collective."""
+        if self._outcome is None:
+            if not self._finished.wait(timeout):
+                raise TimeoutError(f"checkpoint {self.path} not written within {timeout} s")
+            error = _first_error(self._error, self._group)
+            self._outcome = (None, error) if error else (self.path, None)
+        path, error = self._outcome
+        if error:
+            raise CheckpointError(f"saving {self.path} failed:\n{error}")
+        return path
+
+
+# ---- public API -------------------------------------------------------------------------------------------------
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra_state: Mapping[str, Any] | None = None,
+    *,
+    step: int | None = None,
+    async_save: bool = False,
+    keep_last: int | None = None,
+) -> Path | CheckpointFuture:
+    """Save ``model`` (and ``optimizer``, the RNG state and the JSON-able ``extra_state``) as the checkpoint
+    ``path/step-N`` — DCP at global shapes, loadable on any mesh or world size — atomically: written under a
+    temporary name and committed (renamed, then marked COMPLETE) only when every rank has finished. ``step``
+    defaults to ``extra_state["step"]``, else one past the newest checkpoint under ``path``. ``keep_last=N`` then
+    removes all but the N newest complete checkpoints. With ``async_save=True`` the state is copied and written in
+    the background: returns a :class:`CheckpointFuture` (else the checkpoint directory). A collective."""
+    root = Path(path)
+    extra = dict(extra_state or {})
+    extra_json = _to_json(extra, "extra_state")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+    ctl = _control(model)
+    if ctl.pending is not None:
+        pending, ctl.pending = ctl.pending, None
+        pending.result()
+    rank = _rank()
+
+    decision: tuple[str, Any, Any]
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            n = _choose_step(root, step, extra)
+            final = root / checkpoint_name(n)
+            if final.exists() and _incomplete_reason(final) is None:
+                raise CheckpointError(f"checkpoint {final} already exists; pass another step or remove it")
+            tmp = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
+            tmp.mkdir()
+            decision = ("ok", n, str(tmp))
+        except Exception as e:
+            decision = ("error", _describe_error(e), None)
+    else:
+        decision = ("", None, None)
+    decision = _broadcast(decision)
+    if decision[0] == "error":
+        raise CheckpointError(decision[1])
+    n, tmp = decision[1], Path(decision[2])
+    final = root / checkpoint_name(n)
+    _reached("begin")
+
+    error = None
+    try:
+        msd, osd = _state_dicts(model, optimizer)  # collective
+        _save_rng(tmp, rank)
+        _reached("rng_written")
+        if rank == 0:
+            scalars, groups = ({}, None) if osd is None else _split_optimizer(osd)[1:]
+            _write_file(tmp / META_FILE, json.dumps(_metadata(model, n, optimizer, scalars, groups),
+                                                    indent=1).encode())
+            _write_file(tmp / EXTRA_FILE, json.dumps(extra_json, indent=1).encode())
+    except Exception as e:
+        error = _describe_error(e)
+    error = _first_error(error)
+    if error:
+        raise CheckpointError(f"saving {final} failed before writing tensors:\n{error}")
+
+    writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+    state = _dcp_state(msd, osd)
+    if async_save:
+        if _distributed() and ctl.group is None:
+            ctl.group = dist.new_group(backend="gloo")
+        handle = CheckpointFuture(tmp, final, keep_last, ctl.group)
+        fut = dcp.async_save(state, storage_writer=writer, process_group=ctl.group, no_dist=not _distributed())
+        fut.add_done_callback(handle._on_saved)
+        ctl.pending = handle
+        return handle
+
+    dcp.save(state, storage_writer=writer, no_dist=not _distributed())  # returns on rank 0 after every rank's files are written
+    _reached("dcp_written")
+    error = None
+    if rank == 0:
+        try:
+            _commit(tmp, final, keep_last)
+        except Exception as e:
+            error = _describe_error(e)
+    error = _broadcast(error)
+    if error:
+        raise CheckpointError(f"committing {final} failed: {error}")
+    return final
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``model`` (and ``optimizer``) on any mesh or world size, or into a plain
+    single-process model (no process group needed), and return its ``extra_state``. ``path`` is a checkpoint
+    directory or a root, of which the newest complete checkpoint is taken (incomplete ones are reported and
+    skipped). Every tensor's name and global shape is checked against the DCP metadata before anything is
+    loaded: a checkpoint of another architecture or other shapes raises :class:`CheckpointError` naming them.
+    A collective when distributed."""
+    ctl = _control(model)
+    if ctl.pending is not None:
+        pending, ctl.pending = ctl.pending, None
+        pending.result()
+    rank = _rank()
+    found: tuple[str, str]
+    if rank == 0:
+        try:
+            found = ("ok", str(_resolve(Path(path))))
+        except Exception as e:
+            found = ("error", _describe_error(e))
+    else:
+        found = ("", "")
+    found = _broadcast(found)
+    if found[0] == "error":
+        raise CheckpointError(found[1])
+    ckpt = Path(found[1])
+
+    meta = json.loads((ckpt / META_FILE).read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT!r})")
+    reader = _SafeReader(str(ckpt))
+    saved = {k: tuple(v.size) for k, v in reader.read_metadata().state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    msd, osd = _state_dicts(model, optimizer)  # collective; initialises an optimizer that has no state yet
+    _check_compatible(ckpt, saved, meta, model, _expected_shapes(msd, osd), optimizer is not None)
+
+    dcp.load(_dcp_state(msd, osd), storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not _distributed())
+    if osd is None:
+        set_model_state_dict(model, msd)
+    else:
+        saved_opt = meta.get("optimizer") or {}
+        osd = {"state": {fqn: dict(state) for fqn, state in osd["state"].items()},
+               "param_groups": _from_json(saved_opt.get("param_groups", osd["param_groups"]))}
+        for fqn, values in _from_json(saved_opt.get("non_tensor_state", {})).items():
+            osd["state"].setdefault(fqn, {}).update(values)
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    if restore_rng:
+        _load_rng(ckpt, rank)
+    return _from_json(json.loads((ckpt / EXTRA_FILE).read_text()))
