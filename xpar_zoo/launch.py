@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -34,8 +35,11 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, queue, fn: 
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(*args)
+        dist.barrier()  # no rank tears the group down while another still connects or communicates
         if rank == 0:
-            queue.put(("ok", result))
+            # Plain pickle bytes: torch's queue reductions would share tensor memory with this process, which is
+            # about to exit. (Our own child process: trusted data.)
+            queue.put(("ok", pickle.dumps(result)))
     except BaseException:
         queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
         raise
@@ -48,18 +52,22 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
+    messages: list = []
+    procs = mp.start_processes(_worker, args=(world_size, port, timeout_s, queue, fn, args), nprocs=world_size,
+                               join=False, start_method="spawn")
     try:
-        mp.start_processes(_worker, args=(world_size, port, timeout_s, queue, fn, args), nprocs=world_size,
-                           join=True, start_method="spawn")
-    except mp.ProcessRaisedException as e:
-        errors = []
+        # Drain the queue while waiting: a result larger than the pipe's buffer would otherwise block rank 0.
+        while not procs.join(timeout=0.05):
+            while not queue.empty():
+                messages.append(queue.get())
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # a rank raised, or died
         while not queue.empty():
-            kind, payload = queue.get()
-            if kind == "error":
-                errors.append(payload)
+            messages.append(queue.get())
+        errors = [payload for kind, payload in messages if kind == "error"]
         raise RuntimeError("distributed run failed:\n" + ("\n".join(errors) or str(e))) from None
     while not queue.empty():
-        kind, payload = queue.get()
+        messages.append(queue.get())
+    for kind, payload in messages:
         if kind == "ok":
-            return payload
+            return pickle.loads(payload)
     raise RuntimeError("distributed run finished without a result from rank 0")
