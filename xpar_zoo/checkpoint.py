@@ -23,11 +23,19 @@ tensor data is read with ``weights_only=True`` and its ``.metadata`` with an unp
 metadata classes.
 
 RNG is saved per rank and restored on the rank with the same id; a rank that did not exist in the saving job keeps
-its RNG (a different world size draws different random streams anyway).
+its RNG (a different world size draws different random streams anyway). The root must be one filesystem that every
+rank sees (a shared filesystem across nodes).
+
+Optimizers: plain ``torch.optim.AdamW(model.parameters())`` steps a parallelized model exactly like single-process
+training although its parameters are DTensors on different meshes (dense ``[fsdp]`` and ``[ep_fsdp, ep]``…): the
+default (for-loop), ``foreach=True`` and ``fused=True`` paths all work on CPU (tests/test_checkpoint.py), so no
+per-mesh parameter groups are needed; :func:`xpar_zoo.clip_grad_norm_` clips across the meshes, and the optimizer
+state is saved by parameter name at global shapes (``get_state_dict``), so it reshards like the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import json
@@ -313,6 +321,14 @@ def _load_rng(ckpt: Path, rank: int) -> bool:
         random.setstate((int(meta["python_version"]), tuple(int(x) for x in tensors["python"].tolist()),
                          json.loads(meta.get("python_gauss_next", "null"))))
     return True
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it 'assumes a single process' even when told so (``no_dist=True``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)", category=UserWarning)
+        yield
 
 
 # ---- collectives --------------------------------------------------------------------------------------------------
@@ -648,12 +664,14 @@ def save_checkpoint(
         if _distributed() and ctl.group is None:
             ctl.group = dist.new_group(backend="gloo")
         handle = CheckpointFuture(tmp, final, keep_last, ctl.group)
-        fut = dcp.async_save(state, storage_writer=writer, process_group=ctl.group, no_dist=not _distributed())
+        with _quiet_single_process():
+            fut = dcp.async_save(state, storage_writer=writer, process_group=ctl.group, no_dist=not _distributed())
         fut.add_done_callback(handle._on_saved)
         ctl.pending = handle
         return handle
 
-    dcp.save(state, storage_writer=writer, no_dist=not _distributed())  # returns on rank 0 after every rank's files are written
+    with _quiet_single_process():  # returns on rank 0 once every rank's files are written
+        dcp.save(state, storage_writer=writer, no_dist=not _distributed())
     _reached("dcp_written")
     error = None
     if rank == 0:
@@ -707,7 +725,8 @@ def load_checkpoint(
     msd, osd = _state_dicts(model, optimizer)  # collective; initialises an optimizer that has no state yet
     _check_compatible(ckpt, saved, meta, model, _expected_shapes(msd, osd), optimizer is not None)
 
-    dcp.load(_dcp_state(msd, osd), storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not _distributed())
+    with _quiet_single_process():
+        dcp.load(_dcp_state(msd, osd), storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not _distributed())
     if osd is None:
         set_model_state_dict(model, msd)
     else:
