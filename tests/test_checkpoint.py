@@ -423,3 +423,29 @@ def test_sigkill_at_any_point_of_a_save_keeps_the_last_checkpoint(tmp_path, tiny
             if (root / name).is_dir() and name.startswith("step-"):
                 with pytest.raises(xpar_zoo.CheckpointError, match="not a complete checkpoint"):
                     xpar_zoo.load_checkpoint(root / name, model)
+
+
+def _rank1_killed_mid_write(root: str) -> None:
+    """2 ranks, Mesh(ep=2): a good save of step 1, then rank 1 dies (SIGKILL) writing its first tensor of step 2."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as fs
+
+    model = xpar_zoo.parallelize(parity.build_model(parity.tiny_config("qwen3_moe")), xpar_zoo.Mesh(ep=2))
+    xpar_zoo.save_checkpoint(root, model, extra_state={"step": 1})
+    if dist.get_rank() == 1:
+        fs._write_item = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    xpar_zoo.save_checkpoint(root, model, extra_state={"step": 2})
+
+
+def test_a_rank_killed_mid_save_never_lets_rank_0_commit(tmp_path):
+    with pytest.raises(RuntimeError, match="distributed run failed"):
+        launch.run(_rank1_killed_mid_write, 2, str(tmp_path), timeout_s=60)
+    leftovers = [n for n in os.listdir(tmp_path) if n != "step-00000001"]
+    assert leftovers and all(n.startswith(".tmp-step-00000002-") for n in leftovers), leftovers
+    with pytest.warns(checkpoint.CheckpointWarning, match=leftovers[0]):
+        assert xpar_zoo.latest_checkpoint(tmp_path) == tmp_path / "step-00000001"
+    model = parity.build_model(parity.tiny_config("qwen3_moe"), seed=3)
+    with pytest.warns(checkpoint.CheckpointWarning):
+        assert xpar_zoo.load_checkpoint(tmp_path, model) == {"step": 1}
+    want = parity.build_model(parity.tiny_config("qwen3_moe")).state_dict()
+    assert all(torch.equal(want[k], v) for k, v in model.state_dict().items())
