@@ -323,6 +323,17 @@ def moe_checkpoint(tmp_path_factory, tiny):
     return xpar_zoo.save_checkpoint(root, model, _one_step(model))
 
 
+def test_iter_model_tensors_streams_full_tensors_in_bounded_batches(moe_checkpoint, tiny):
+    _, model = tiny
+    want = model.state_dict()
+    got = dict(checkpoint.iter_model_tensors(moe_checkpoint, max_bytes=4096))
+    assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    names = [f"{EXPERTS}.down_proj", "lm_head.weight"]
+    assert [n for n, _ in checkpoint.iter_model_tensors(moe_checkpoint, names)] == names
+    with pytest.raises(xpar_zoo.CheckpointError, match="no model tensor"):
+        list(checkpoint.iter_model_tensors(moe_checkpoint, ["model.nope.weight"]))
+
+
 def test_other_shapes_are_refused_naming_the_tensors(moe_checkpoint):
     other = parity.build_model(parity.tiny_config("qwen3_moe", num_experts=4))
     before = {k: v.clone() for k, v in other.state_dict().items()}

@@ -18,6 +18,9 @@ writes ``COMPLETE``. A process killed at any moment leaves every earlier checkpo
 writing is reported (a :class:`CheckpointWarning` naming it) and skipped by :func:`latest_checkpoint`, and refused by
 :func:`load_checkpoint`. One writer per root at a time.
 
+:func:`iter_model_tensors` streams a checkpoint's full tensors (HF names, global shapes) in bounded memory, for
+export; :func:`read_checkpoint_metadata` returns its JSON metadata.
+
 Nothing is unpickled: non-tensor optimizer values and the user's state are JSON, RNG states are safetensors, DCP's
 tensor data is read with ``weights_only=True`` and its ``.metadata`` with an unpickler that admits only DCP's own
 metadata classes.
@@ -39,6 +42,7 @@ import contextlib
 import datetime
 import io
 import json
+import math
 import os
 import pickle
 import random
@@ -47,7 +51,7 @@ import shutil
 import threading
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +235,51 @@ def _bytes_of(obj: Any) -> io.BytesIO:
     torch.save(obj, buf)
     buf.seek(0)
     return buf
+
+
+def _read_dcp_metadata(reader: _SafeReader, ckpt: Path) -> Metadata:
+    try:
+        return reader.read_metadata()
+    except CheckpointError:
+        raise
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+
+
+def iter_model_tensors(path: str | os.PathLike, names: list[str] | None = None, *, max_bytes: int = 1 << 30
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(in-memory HF name, full CPU tensor at global shape)`` for the model tensors of a checkpoint
+    directory (or the newest complete one under a root), reading at most ``max_bytes`` of tensors at a time
+    (one tensor at least): bounded memory for export. Local file reads only (no process group): call it on one
+    rank. ``names`` restricts and orders the output; an unknown name raises :class:`CheckpointError`."""
+    ckpt = _resolve(Path(path))
+    reader = _SafeReader(str(ckpt))
+    prefix = f"{MODEL_KEY}."
+    tensors = {k[len(prefix):]: v for k, v in _read_dcp_metadata(reader, ckpt).state_dict_metadata.items()
+               if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    if names is None:
+        names = list(tensors)
+    unknown = [n for n in names if n not in tensors]
+    if unknown:
+        raise CheckpointError(f"{ckpt} has no model tensor(s) {_listing([prefix + n for n in unknown])}")
+
+    def nbytes(name: str) -> int:
+        md = tensors[name]
+        return math.prod(md.size) * md.properties.dtype.itemsize
+
+    batch: list[str] = []
+    size = 0
+    for i, name in enumerate(names):
+        batch.append(name)
+        size += nbytes(name)
+        if i + 1 < len(names) and size + nbytes(names[i + 1]) <= max_bytes:
+            continue
+        state = {prefix + n: torch.empty(tuple(tensors[n].size), dtype=tensors[n].properties.dtype) for n in batch}
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=_SafeReader(str(ckpt)), planner=_SafeLoadPlanner(), no_dist=True)
+        for n in batch:
+            yield n, state.pop(prefix + n)
+        batch, size = [], 0
 
 
 # ---- JSON -------------------------------------------------------------------------------------------------------
@@ -720,7 +769,7 @@ def load_checkpoint(
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT!r})")
     reader = _SafeReader(str(ckpt))
-    saved = {k: tuple(v.size) for k, v in reader.read_metadata().state_dict_metadata.items()
+    saved = {k: tuple(v.size) for k, v in _read_dcp_metadata(reader, ckpt).state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
     msd, osd = _state_dicts(model, optimizer)  # collective; initialises an optimizer that has no state yet
     _check_compatible(ckpt, saved, meta, model, _expected_shapes(msd, osd), optimizer is not None)
