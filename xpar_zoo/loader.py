@@ -59,8 +59,8 @@ def _rank() -> int:
 def resolve_on_each_node(name: str | os.PathLike, revision: str | None = None, **kwargs) -> ResolvedModel:
     """:func:`xpar_zoo.hub.resolve` on every rank, local rank 0 first (it downloads; the others then find the files
     in the cache). A failure on any rank raises on every rank, so no rank is left waiting in a collective."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return resolve(name, revision, **kwargs)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or Path(name).is_dir():
+        return resolve(name, revision, **kwargs)  # nothing to download: every rank on its own
     first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
     result, error = None, None
     for turn in (True, False):
