@@ -160,8 +160,9 @@ def _resolve(path: Path) -> Path:
     """``path`` itself when it is a checkpoint directory (complete, or an error), else its newest complete one."""
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {path} (not a directory)")
-    is_checkpoint = any((path / f).exists() for f in (COMPLETE_FILE, META_FILE, DCP_METADATA))
-    if is_checkpoint or path.name.startswith((TMP_PREFIX, DELETING_PREFIX)):
+    if path.name.startswith((TMP_PREFIX, DELETING_PREFIX)):
+        raise CheckpointError(f"{path} is an unfinished save or a checkpoint being deleted; it is never loaded")
+    if any((path / f).exists() for f in (COMPLETE_FILE, META_FILE, DCP_METADATA)):
         if not (path / META_FILE).exists() and (path / DCP_METADATA).exists():
             raise CheckpointError(f"{path} is a DCP directory but not an xpar_zoo checkpoint (no {META_FILE})")
         why = _incomplete_reason(path)
@@ -486,7 +487,8 @@ def _check_compatible(ckpt: Path, saved: dict[str, tuple[int, ...]], meta: dict,
     scope = (f"{MODEL_KEY}.", f"{OPTIM_KEY}.") if with_optimizer else (f"{MODEL_KEY}.",)
     unexpected = [k for k in saved if k.startswith(scope) and k not in expected]
     if unexpected:
-        problems.append(f"not in the model ({len(unexpected)}): {_listing(unexpected)}")
+        problems.append(f"not in the model{'/optimizer' if with_optimizer else ''} ({len(unexpected)}): "
+                        f"{_listing(unexpected)}")
     if problems:
         raise CheckpointError(f"checkpoint {ckpt} does not fit {_model_class(model)}:\n  " + "\n  ".join(problems))
 
