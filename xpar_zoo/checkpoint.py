@@ -247,6 +247,16 @@ def _read_dcp_metadata(reader: _SafeReader, ckpt: Path) -> Metadata:
         raise CheckpointError(f"{ckpt}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
 
 
+def model_tensor_specs(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{in-memory HF name: (global shape, dtype)}`` of a checkpoint's model tensors, in saved order, from the DCP
+    metadata alone (no tensor data)."""
+    ckpt = _resolve(Path(path))
+    prefix = f"{MODEL_KEY}."
+    return {k[len(prefix):]: (tuple(v.size), v.properties.dtype)
+            for k, v in _read_dcp_metadata(_SafeReader(str(ckpt)), ckpt).state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+
+
 def iter_model_tensors(path: str | os.PathLike, names: list[str] | None = None, *, max_bytes: int = 1 << 30
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(in-memory HF name, full CPU tensor at global shape)`` for the model tensors of a checkpoint

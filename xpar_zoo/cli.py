@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .errors import XparError
+
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from .registry import get_plan, supported_architectures
@@ -67,6 +69,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_to_hf(args: argparse.Namespace) -> int:
+    from xpar_zoo.converters.export import export_to_hf
+
+    out = export_to_hf(args.dcp_dir, args.out_dir, model=args.model, dtype=args.dtype,
+                       max_shard_size=args.max_shard_size, force=args.force)
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xpar-zoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("convert", help="convert checkpoints between the hub's format and xpar_zoo DCP")
+    convert = p.add_subparsers(dest="convert_command", required=True)
+    c = convert.add_parser("to-hf", help="an xpar_zoo DCP checkpoint -> hub-format safetensors + index + config")
+    c.add_argument("dcp_dir", help="a step-N checkpoint directory, or a root (its newest complete checkpoint)")
+    c.add_argument("out_dir")
+    c.add_argument("--model", help="source hub id or directory: generation/tokenizer files (and config if missing)")
+    c.add_argument("--dtype", help="cast floating tensors: bf16, fp16, fp32")
+    c.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    c.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    c.set_defaults(func=_cmd_to_hf)
     p = sub.add_parser("plan", help="per-rank memory and per-step communication of a mesh; suggest meshes")
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
     p.add_argument("--world", type=int, required=True, help="number of ranks")
@@ -100,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except XparError as e:  # bad input: the message names the problem; no traceback
+        print(f"xpar-zoo: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
