@@ -34,7 +34,12 @@ LOADS = [
     ("fused_ep4", "fused", {"ep": 4}, None, None),
     ("offline_hub_ep2", REPO, {"ep": 2}, None, None),
     ("offline_hub_commit_ep4", REPO, {"ep": 4}, None, COMMIT),
+    # other architectures, by the same derived rules: Mixtral's block_sparse_moe.experts.{j}.w1/w3/w2 (a renaming
+    # plus a fusion); DeepSeek-V3's shared experts, router correction-bias buffer and YaRN rotary buffers
+    ("mixtral_hub_ep2", "mixtral", {"ep": 2}, None, None),
+    ("deepseek_v3_hub_ep4", "deepseek_v3", {"ep": 4}, None, None),
 ]
+ARCHS = ("mixtral", "deepseek_v3")
 BAD = ["missing_expert", "unexpected_key", "wrong_shape", "wrong_expert_shape", "offline_unknown_repo"]
 
 
@@ -95,22 +100,37 @@ def checkpoints(tmp_path_factory):
     (repo / "refs" / "main").write_text(COMMIT)
     shutil.copytree(hub, repo / "snapshots" / COMMIT)
     paths = {"root": root, "hub": hub, "fused": fused, "cache": cache, "state": state, "total": total}
+    for arch in ARCHS:
+        other = parity.build_model(parity.tiny_config(arch))
+        with torch.no_grad():  # non-trivial persistent buffers (DeepSeek's router correction bias)
+            for name, buf in other.named_buffers():
+                if "correction_bias" in name:
+                    buf.uniform_(-0.5, 0.5)
+        other.save_pretrained(root / arch, max_shard_size=total // 6)
+        paths[arch] = root / arch
     paths.update({kind: _bad_checkpoint(root, hub, kind) for kind in BAD if kind != "offline_unknown_repo"})
     return paths
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    """Single-process transformers ``from_pretrained`` of the hub checkpoint: state dicts and logits (fp32, bf16)."""
+    """Single-process transformers ``from_pretrained`` of each hub checkpoint: ``{(checkpoint, dtype): (state dict,
+    logits)}``."""
     from transformers import AutoModelForCausalLM
 
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model = AutoModelForCausalLM.from_pretrained(checkpoints["hub"], dtype=dtype).eval()
+    for kind, dtype in [("hub", torch.float32), ("hub", torch.bfloat16), *((a, torch.float32) for a in ARCHS)]:
+        model = AutoModelForCausalLM.from_pretrained(checkpoints[kind], dtype=dtype).eval()
         with torch.no_grad():
             logits = model(input_ids=IDS).logits
-        out[dtype] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, logits)
+        out[kind, dtype] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, logits)
     return out
+
+
+def _reference(reference, case):
+    dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
+    arch = next((a for a in ARCHS if case.startswith(a)), "hub")
+    return dtype, *reference[arch, dtype]
 
 
 # ---- the 4-rank job ---------------------------------------------------------------------------------------------------
@@ -217,20 +237,22 @@ def test_fused_checkpoint_has_in_memory_names(checkpoints):
 # ---- parity ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", [c[0] for c in LOADS])
 def test_full_state_dict_is_bit_identical_to_transformers(results, reference, checkpoints, case):
-    dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
-    ref_state, _ = reference[dtype]
+    dtype, ref_state, _ = _reference(reference, case)
     got = load_file(checkpoints["root"] / f"{case}.safetensors")
     assert set(got) == set(ref_state)
+    if case.startswith("deepseek"):
+        assert any("correction_bias" in k for k in got)  # a persistent buffer, loaded like a parameter
     different = [k for k in ref_state if got[k].dtype != ref_state[k].dtype or not torch.equal(got[k], ref_state[k])]
     assert not different, f"{case}: differs from transformers.from_pretrained in {different}"
-    assert "Qwen3MoeForCausalLM" in results[case]["classes"] and results[case]["training"] is False
+    cls = {"mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}.get(case.rsplit("_hub", 1)[0],
+                                                                                       "Qwen3MoeForCausalLM")
+    assert cls in results[case]["classes"] and results[case]["training"] is False
     assert results[case]["dtypes"] == [str(dtype)]
 
 
 @pytest.mark.parametrize("case", [c[0] for c in LOADS])
 def test_logits_match_single_process_transformers(results, reference, checkpoints, case):
-    dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
-    _, ref_logits = reference[dtype]
+    dtype, _, ref_logits = _reference(reference, case)
     got = load_file(checkpoints["root"] / f"{case}.logits.safetensors")["logits"]
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, ref_logits.float(), rtol=tol, atol=tol)
@@ -347,3 +369,46 @@ def test_layout_errors_list_every_problem_at_once(checkpoints):
     message = str(err.value)
     assert "model.norm.weight [32]" in message and "extra_proj" in message
     assert isinstance(err.value, xpar_zoo.XparError)
+
+
+def test_unread_buffers_come_from_the_models_own_init_or_fail_loudly():
+    from xpar_zoo.loader import LoadError, initialise_buffers
+
+    model = parity.build_model(parity.tiny_config("qwen3_moe"))
+    expected = model.model.rotary_emb.inv_freq.clone()
+    model.model.rotary_emb.inv_freq.fill_(0)
+    initialise_buffers(model, {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"})
+    assert torch.equal(model.model.rotary_emb.inv_freq, expected)
+    model.model.norm.register_buffer("scale_cache", torch.ones(4), persistent=False)
+    with pytest.raises(LoadError, match=r"model\.norm\.scale_cache"):
+        initialise_buffers(model, {"model.norm.scale_cache"})
+
+
+def test_hub_download_asks_only_for_config_index_listed_shards_and_side_files(checkpoints, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    from xpar_zoo import hub
+
+    calls = []
+
+    def fake_file(repo_id, filename, **kwargs):
+        calls.append(("file", filename, kwargs.get("revision")))
+        path = checkpoints["hub"] / filename
+        if not path.is_file():
+            raise RemoteEntryNotFoundError(f"{filename} not in {repo_id}", response=None)
+        return str(path)
+
+    def fake_snapshot(repo_id, **kwargs):
+        calls.append(("snapshot", tuple(kwargs["allow_patterns"]), kwargs.get("revision")))
+        return str(checkpoints["hub"])
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_file)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    resolved = hub.resolve(REPO, revision="v1")
+    assert resolved.directory == checkpoints["hub"] and resolved.origin == REPO
+    shards = sorted(set(json.loads((checkpoints["hub"] / hub.INDEX_FILE).read_text())["weight_map"].values()))
+    (_, patterns, revision), = [c for c in calls if c[0] == "snapshot"]
+    assert revision == "v1"
+    assert list(patterns) == ["config.json", hub.INDEX_FILE, *shards, *hub.SIDE_FILES]
+    assert not any(p.endswith((".bin", ".pt", ".pth")) or "consolidated" in p for p in patterns)
