@@ -10,14 +10,16 @@ into a temporary directory beside the output and moved into place at the end: ne
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
+import struct
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from xpar_zoo.errors import XparError
 
@@ -99,47 +101,85 @@ def _tied_duplicates(model, config) -> set[str]:
     return set(tied) if isinstance(tied, dict) else set(tied)
 
 
-class _ShardWriter:
-    """Collects hub tensors and writes a safetensors file whenever the next tensor would overflow the shard."""
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
-        self.directory, self.max_bytes = directory, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[str, list[str]]] = []
-        self.total_bytes = 0
-        self.seen: set[str] = set()
 
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        if key in self.seen:
-            raise ExportError(f"two checkpoint tensors revert to the same hub key {key!r}")
-        self.seen.add(key)
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
-            self.flush()
-        self.pending[key] = tensor
-        self.pending_bytes += nbytes
+@dataclass
+class _Shard:
+    file: str
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    nbytes: int = 0
 
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        name = f"part-{len(self.files):05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in self.pending.items()}, str(self.directory / name),
-                  metadata={"format": "pt"})
-        self.files.append((name, list(self.pending)))
-        self.total_bytes += self.pending_bytes
-        self.pending, self.pending_bytes = {}, 0
 
-    def finish(self) -> dict:
-        """Rename the parts ``model-0000k-of-0000N.safetensors`` and return the index."""
-        self.flush()
-        n = len(self.files)
-        weight_map = {}
-        for i, (part, keys) in enumerate(self.files, 1):
-            final = f"model-{i:05d}-of-{n:05d}.safetensors"
-            (self.directory / part).rename(self.directory / final)
-            weight_map.update({k: final for k in keys})
-        return {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+def plan_shards(hub_tensors: list[tuple[str, tuple[int, ...], torch.dtype]], max_bytes: int) -> list[_Shard]:
+    """Split the hub tensors, in order, into shards of at most ``max_bytes`` (a larger tensor gets its own)."""
+    shards: list[_Shard] = []
+    for key, shape, dtype in hub_tensors:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not shards or (shards[-1].entries and shards[-1].nbytes + nbytes > max_bytes):
+            shards.append(_Shard(""))
+        shards[-1].entries.append((key, shape, dtype))
+        shards[-1].nbytes += nbytes
+    for i, shard in enumerate(shards, 1):
+        shard.file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    return shards
+
+
+class _StreamingShardWriter:
+    """Writes planned safetensors shards tensor by tensor: the header (all offsets known from the plan) first, then
+    each tensor's bytes as it arrives — no shard is ever held in memory. Checks every tensor against the plan."""
+
+    def __init__(self, directory: Path, shards: list[_Shard]) -> None:
+        self.directory = directory
+        self.queue = [(shard, entry) for shard in shards for entry in shard.entries]
+        self.position = 0
+        self.handle = None
+        self.current: _Shard | None = None
+
+    def _open(self, shard: _Shard) -> None:
+        if self.handle is not None:
+            self.handle.close()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for key, shape, dtype in shard.entries:
+            n = math.prod(shape) * dtype.itemsize
+            header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as safetensors does
+        self.handle = open(self.directory / shard.file, "wb", buffering=0)  # large writes: no extra copy
+        self.handle.write(struct.pack("<Q", len(raw)) + raw)
+        self.current = shard
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if self.position >= len(self.queue):
+            raise ExportError(f"unexpected extra hub tensor {key!r}")
+        shard, (want_key, shape, dtype) = self.queue[self.position]
+        if (key, tuple(tensor.shape), tensor.dtype) != (want_key, shape, dtype):
+            raise ExportError(f"hub tensor {key} {tuple(tensor.shape)} {tensor.dtype} does not match the planned "
+                              f"{want_key} {shape} {dtype}")
+        if shard is not self.current:
+            self._open(shard)
+        data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+        self.handle.write(memoryview(data))
+        self.position += 1
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+        if self.position != len(self.queue):
+            raise ExportError(f"export stopped after {self.position} of {len(self.queue)} hub tensors")
+
+
+def _revert(meta_model, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    from transformers.core_model_loading import revert_weight_conversion
+
+    hub = revert_weight_conversion(meta_model, {name: tensor})
+    if sum(t.numel() for t in hub.values()) != tensor.numel():
+        raise ExportError(f"reverting {name} {tuple(tensor.shape)} to hub keys {sorted(hub)} does not preserve its "
+                          "elements; this layout needs a converter xpar_zoo does not have")
+    return hub
 
 
 def export_to_hf(
@@ -156,7 +196,6 @@ def export_to_hf(
     root) to ``out_dir`` in the hub's own format. ``model`` (hub id or directory) supplies generation / tokenizer
     files (and the config if the checkpoint lacks one); ``dtype`` casts floating tensors. Returns ``out_dir``."""
     from tqdm.auto import tqdm
-    from transformers.core_model_loading import revert_weight_conversion
 
     from xpar_zoo.checkpoint import iter_model_tensors, model_tensor_specs, read_checkpoint_metadata
 
@@ -176,24 +215,36 @@ def export_to_hf(
     skip = _tied_duplicates(meta_model, config)
     names = [n for n in specs if n not in skip]
 
+    # Plan every hub tensor and shard on meta tensors first (no data), then stream the data into place.
+    hub_tensors, seen = [], set()
+    for name in names:
+        shape, dt = specs[name]
+        for key, t in _revert(meta_model, name, torch.empty(shape, dtype=dt, device="meta")).items():
+            if key in seen:
+                raise ExportError(f"two checkpoint tensors revert to the same hub key {key!r}")
+            seen.add(key)
+            out_dtype = cast if cast is not None and t.is_floating_point() else t.dtype
+            hub_tensors.append((key, tuple(t.shape), out_dtype))
+    shards = plan_shards(hub_tensors, shard_bytes)
+    index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
+             "weight_map": {key: s.file for s in shards for key, _, _ in s.entries}}
+
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        writer = _ShardWriter(tmp, shard_bytes)
-        bar = tqdm(total=sum(torch.Size(specs[n][0]).numel() * specs[n][1].itemsize for n in names), unit="B",
-                   unit_scale=True, desc="export to hub format", disable=not progress)
-        for name, tensor in iter_model_tensors(checkpoint, names, max_bytes=shard_bytes):
-            hub = revert_weight_conversion(meta_model, {name: tensor})
-            if sum(t.numel() for t in hub.values()) != tensor.numel():
-                raise ExportError(f"reverting {name} {tuple(tensor.shape)} to hub keys {sorted(hub)} does not "
-                                  "preserve its elements; this layout needs a converter xpar_zoo does not have")
-            for key, value in hub.items():
+        writer = _StreamingShardWriter(tmp, shards)
+        bar = tqdm(total=index["metadata"]["total_size"], unit="B", unit_scale=True, desc="export to hub format",
+                   disable=not progress)
+        # Read a quarter shard at a time: memory stays a fraction of a shard above the baseline.
+        for name, tensor in iter_model_tensors(checkpoint, names, max_bytes=max(1, shard_bytes // 4)):
+            for key, value in _revert(meta_model, name, tensor).items():
                 if cast is not None and value.is_floating_point():
                     value = value.to(cast)
-                writer.add(key, value)
-            bar.update(tensor.numel() * tensor.element_size())
+                writer.write(key, value)
+                bar.update(value.numel() * value.element_size())
+            del tensor
+        writer.close()
         bar.close()
-        index = writer.finish()
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         if cast is not None:
             config.dtype = cast

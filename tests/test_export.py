@@ -88,13 +88,13 @@ def test_a_killed_export_leaves_no_output_and_the_earlier_one_intact(exported):
     _, ckpt, out = exported
     before = _hub_tensors(out)
     script = textwrap.dedent(f"""
-        import time, safetensors.torch as st
+        import time
         from xpar_zoo import cli
-        real = st.save_file
-        def slow(*a, **k):
-            real(*a, **k); time.sleep(0.5)
         import xpar_zoo.converters.export as ex
-        ex.save_file = slow
+        real = ex._StreamingShardWriter.write
+        def slow(*a, **k):
+            real(*a, **k); time.sleep(0.05)
+        ex._StreamingShardWriter.write = slow
         cli.main(["convert", "to-hf", {str(ckpt)!r}, {str(out)!r}, "--force", "--max-shard-size", "10KB"])
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
