@@ -20,7 +20,7 @@ WORLD = 4
 REPO = "org/tiny-qwen3-moe"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 EXPERT = "model.layers.0.mlp.experts"
-IDS = torch.tensor([[3, 17, 99, 4, 64, 5, 127, 0], [8, 8, 42, 1, 2, 90, 33, 11]])
+IDS = torch.tensor([[3, 17, 99, 4, 64, 5, 120, 0], [8, 8, 42, 1, 2, 90, 33, 11]])
 
 # (case, checkpoint, mesh, dtype, revision): every one is loaded in the same 4-rank job.
 LOADS = [
@@ -35,11 +35,12 @@ LOADS = [
     ("offline_hub_ep2", REPO, {"ep": 2}, None, None),
     ("offline_hub_commit_ep4", REPO, {"ep": 4}, None, COMMIT),
     # other architectures, by the same derived rules: Mixtral's block_sparse_moe.experts.{j}.w1/w3/w2 (a renaming
-    # plus a fusion); DeepSeek-V3's shared experts, router correction-bias buffer and YaRN rotary buffers
+    # plus a fusion), with a vocabulary of 122 rows that FSDP2 shards unevenly (31, 31, 31, 29, padded);
+    # DeepSeek-V3's shared experts, router correction-bias buffer and YaRN rotary buffers
     ("mixtral_hub_ep2", "mixtral", {"ep": 2}, None, None),
     ("deepseek_v3_hub_ep4", "deepseek_v3", {"ep": 4}, None, None),
 ]
-ARCHS = ("mixtral", "deepseek_v3")
+ARCHS = {"mixtral": {"vocab_size": 122}, "deepseek_v3": {}}
 BAD = ["missing_expert", "unexpected_key", "wrong_shape", "wrong_expert_shape", "offline_unknown_repo"]
 
 
@@ -100,8 +101,8 @@ def checkpoints(tmp_path_factory):
     (repo / "refs" / "main").write_text(COMMIT)
     shutil.copytree(hub, repo / "snapshots" / COMMIT)
     paths = {"root": root, "hub": hub, "fused": fused, "cache": cache, "state": state, "total": total}
-    for arch in ARCHS:
-        other = parity.build_model(parity.tiny_config(arch))
+    for arch, overrides in ARCHS.items():
+        other = parity.build_model(parity.tiny_config(arch, **overrides))
         with torch.no_grad():  # non-trivial persistent buffers (DeepSeek's router correction bias)
             for name, buf in other.named_buffers():
                 if "correction_bias" in name:
@@ -178,17 +179,19 @@ def _job(out_dir: str, dirs: dict, loads: list, bad: list) -> dict:
         _CountingSafeOpen.read = {}
         model = xpar_zoo.from_pretrained(dirs.get(ckpt, ckpt), mesh=xpar_zoo.Mesh(**mesh_kwargs),
                                          dtype=dtype, revision=revision, progress=False)
+        embed_rows = model.get_parameter("model.embed_tokens.weight").to_local().shape[0]  # sharded until a forward
         with torch.no_grad():
             logits = model(input_ids=IDS).logits.float()
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (dict(_CountingSafeOpen.read), model._xpar_load.bytes_read, logits.tolist()))
+        dist.all_gather_object(every, (dict(_CountingSafeOpen.read), model._xpar_load.bytes_read, logits.tolist(),
+                                       embed_rows))
         state = xpar_zoo.full_state_dict(model)
         if rank == 0:
             save_file({k: v.contiguous() for k, v in state.items()}, f"{out_dir}/{case}.safetensors")
             save_file({"logits": logits}, f"{out_dir}/{case}.logits.safetensors")
             results[case] = {
-                "read": [r for r, _, _ in every], "stats_bytes": [b for _, b, _ in every],
-                "ranks_agree": all(lg == every[0][2] for _, _, lg in every),
+                "read": [e[0] for e in every], "stats_bytes": [e[1] for e in every],
+                "ranks_agree": all(e[2] == every[0][2] for e in every), "embed_rows": [e[3] for e in every],
                 "classes": [c.__name__ for c in type(model).__mro__], "training": model.training,
                 "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
             }
@@ -286,6 +289,12 @@ def test_ep2_ranks_read_their_experts_and_their_half_of_gate_up(results):
         assert _experts_read(read) == own
         assert _experts_read(read, "gate_proj") == (own if rank < 2 else set())
         assert _experts_read(read, "up_proj") == (own if rank >= 2 else set())
+
+
+def test_uneven_fsdp_shards_read_only_their_rows(results, checkpoints):
+    assert results["mixtral_hub_ep2"]["embed_rows"] == [31, 31, 31, 29]  # 122 vocab rows, FSDP2 chunks (padded)
+    read = [r["model.embed_tokens.weight"] for r in results["mixtral_hub_ep2"]["read"]]
+    assert read == [rows * 32 * 4 for rows in (31, 31, 31, 29)]  # [rows, H=32] fp32: each rank its own rows
 
 
 def test_hsdp_replicas_each_read_their_half(results, checkpoints):
