@@ -322,10 +322,12 @@ def plan_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubL
 
     # Tied weights: an alias is filled through its canonical parameter; either may carry the checkpoint data.
     for alias, canonical in aliases.items():
-        if alias in targets and canonical not in targets:
-            targets[canonical] = targets[alias]
-        if alias in targets:
+        if alias not in targets:
+            continue
+        if canonical in targets:  # both saved: the alias's copy is not read
             ignored.extend(p.source.key for p in targets.pop(alias).pieces)
+        else:
+            targets[canonical] = targets.pop(alias)
     ignore_missing = _ignore_regex(model, "_keys_to_ignore_on_load_missing")
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     missing = [f"{n} {list(state[n])}" for n in state

@@ -39,8 +39,11 @@ LOADS = [
     # DeepSeek-V3's shared experts, router correction-bias buffer and YaRN rotary buffers
     ("mixtral_hub_ep2", "mixtral", {"ep": 2}, None, None),
     ("deepseek_v3_hub_ep4", "deepseek_v3", {"ep": 4}, None, None),
+    # tied embeddings: the hub file holds model.embed_tokens.weight only; lm_head shares it
+    ("tied_hub_ep2", "tied", {"ep": 2}, None, None),
 ]
-ARCHS = {"mixtral": {"vocab_size": 122}, "deepseek_v3": {}}
+ARCHS = {"mixtral": ("mixtral", {"vocab_size": 122}), "deepseek_v3": ("deepseek_v3", {}),
+         "tied": ("qwen3_moe", {"tie_word_embeddings": True})}
 BAD = ["missing_expert", "unexpected_key", "wrong_shape", "wrong_expert_shape", "offline_unknown_repo"]
 
 
@@ -101,8 +104,8 @@ def checkpoints(tmp_path_factory):
     (repo / "refs" / "main").write_text(COMMIT)
     shutil.copytree(hub, repo / "snapshots" / COMMIT)
     paths = {"root": root, "hub": hub, "fused": fused, "cache": cache, "state": state, "total": total}
-    for arch, overrides in ARCHS.items():
-        other = parity.build_model(parity.tiny_config(arch, **overrides))
+    for arch, (model_type, overrides) in ARCHS.items():
+        other = parity.build_model(parity.tiny_config(model_type, **overrides))
         with torch.no_grad():  # non-trivial persistent buffers (DeepSeek's router correction bias)
             for name, buf in other.named_buffers():
                 if "correction_bias" in name:
@@ -243,6 +246,10 @@ def test_full_state_dict_is_bit_identical_to_transformers(results, reference, ch
     dtype, ref_state, _ = _reference(reference, case)
     got = load_file(checkpoints["root"] / f"{case}.safetensors")
     assert set(got) == set(ref_state)
+    if case.startswith("tied"):
+        index = json.loads((checkpoints["tied"] / "model.safetensors.index.json").read_text())
+        assert "lm_head.weight" not in index["weight_map"]
+        assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
     if case.startswith("deepseek"):
         assert any("correction_bias" in k for k in got)  # a persistent buffer, loaded like a parameter
     different = [k for k in ref_state if got[k].dtype != ref_state[k].dtype or not torch.equal(got[k], ref_state[k])]
