@@ -10,8 +10,9 @@ layouts) runs through here without touching the modeling file. Per layer:
 4. EP only: send the results back (all-to-all); unsort, weight by the router and sum over k.
 
 Without an EP group (a plan of size 1, or plain FSDP) steps 2 and 4 vanish and every expert is local.
-The grouped GEMM is ``torch._grouped_mm`` on CUDA for bf16 with 16-byte aligned shapes and an exact per-expert
-``mm`` loop everywhere else (CPU tests run fp32, which ``_grouped_mm`` refuses).
+The grouped GEMM is ``torch.nn.functional.grouped_mm`` where it applies (bf16 on CUDA; bf16 and fp32 on CPU, where it
+is bit-identical to a per-expert loop — its backward needs row-major gradients, which a hook ensures) and an exact
+per-expert ``mm`` loop everywhere else (unaligned shapes, other dtypes, no rows at all).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface
@@ -48,15 +50,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and w.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-        and x.shape[-1] % 8 == 0
-        and w.shape[-1] % 8 == 0
-        and w.shape[-2] % 8 == 0
-    )
+    """Whether ``torch.nn.functional.grouped_mm`` takes these operands: bf16 on CUDA, bf16 or fp32 on CPU (where it
+    is bit-identical to the per-expert loop and several times faster), rows and columns 16-byte aligned."""
+    if not hasattr(F, "grouped_mm") or x.shape[0] == 0 or x.dtype != w.dtype:
+        return False
+    if x.is_cuda:
+        ok = x.dtype == torch.bfloat16
+    else:
+        ok = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+    align = 16 // x.element_size()
+    return ok and x.shape[-1] % align == 0 and w.shape[-1] % align == 0 and w.shape[-2] % align == 0
+
+
+def _dense_rows(grad: torch.Tensor) -> torch.Tensor:
+    # grouped_mm's backward refuses gradients with zero or unusual strides (e.g. from a sum): make them row-major.
+    if grad.dim() == 2 and grad.stride() == (grad.shape[1], 1):
+        return grad
+    return grad.new_empty(grad.shape).copy_(grad)
+
+
+def grouped_mm_loop(x: torch.Tensor, w_in_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The exact reference: one ``mm`` per group (``w_in_out`` is ``[G, in, out]``). Always touches group 0 so the
+    weight joins the graph (its gradient exists) even when no row arrives."""
+    pieces, start = [], 0
+    for g, n in enumerate(counts.tolist()):
+        if n or g == 0:
+            pieces.append(x[start:start + n] @ w_in_out[g])
+        start += n
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def grouped_linear(
@@ -65,20 +86,16 @@ def grouped_linear(
 ) -> torch.Tensor:
     """Rows of ``x`` sorted by group, ``counts[g]`` rows for group ``g``; ``y[rows of g] = x[rows] @ W_g^T (+ b_g)``.
 
-    ``weight`` is ``[G, out, in]`` (``[G, in, out]`` when ``transposed``); ``bias`` is ``[G, out]``."""
+    ``weight`` is ``[G, out, in]`` (``[G, in, out]`` when ``transposed``); ``bias`` is ``[G, out]``. Uses
+    ``grouped_mm`` where it applies (no host sync), else :func:`grouped_mm_loop`."""
     w_in_out = weight if transposed else weight.transpose(-2, -1)  # [G, in, out]
     if _use_grouped_mm(x, weight):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        out = torch._grouped_mm(x, w_in_out, offs=offs)
+        out = F.grouped_mm(x.contiguous(), w_in_out, offs=offs)
+        if out.requires_grad:
+            out.register_hook(_dense_rows)
     else:
-        sizes = counts.tolist()
-        pieces, start = [], 0
-        for g, n in enumerate(sizes):
-            # Always touch group 0 so the weight joins the graph (its grad exists) even with no tokens at all.
-            if n or g == 0:
-                pieces.append(x[start:start + n] @ w_in_out[g])
-            start += n
-        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        out = grouped_mm_loop(x, w_in_out, counts)
     if bias is not None:
         out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
     return out
