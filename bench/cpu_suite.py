@@ -1,0 +1,150 @@
+"""CPU suite (issue 9, not a test): xpar_zoo against transformers' own distributed path on the same model and mesh,
+4 gloo ranks, side by side in one run — load time and peak RSS, training step time, checkpoint save time.
+
+    python bench/cpu_suite.py [--keep DIR] [--steps N]
+
+Peer: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))``
+(needs ``accelerate``: ``pip install --target /tmp/accel --no-deps accelerate psutil pyyaml`` and run with
+``PYTHONPATH=/tmp/accel``), trained with the same AdamW and saved with its own ``save_pretrained``. Ours:
+``xpar_zoo.from_pretrained(dir, mesh=Mesh(ep=2))`` (FSDP2 over the 4 ranks, experts split in 2 and FSDP-sharded on
+dim 1), ``xpar_zoo.save_checkpoint``. The checkpoint is bench/load_memory.py's ≈ 400 MB qwen3_moe. Every figure is
+the worst rank's; ratios are xpar_zoo / transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import load_memory  # noqa: E402  (the shared checkpoint and RSS helpers)
+
+WORLD = 4
+MB = 1024 * 1024
+
+
+def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    gc.collect()
+    row: dict = {}
+    try:
+        dist.barrier()
+        before = load_memory._status("VmRSS")
+        load_memory._reset_peak()
+        t0 = time.perf_counter()
+        model = load_memory._load(which, directory)()
+        dist.barrier()
+        row["load_s"] = time.perf_counter() - t0
+        row["load_peak_growth_MiB"] = (load_memory._status("VmHWM") - before) / MB
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        g = torch.Generator().manual_seed(rank)
+        times = []
+        for step in range(steps + 1):
+            ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            dist.barrier()
+            if step:  # the first step warms up
+                times.append(time.perf_counter() - t0)
+        row["step_s"] = statistics.median(times)
+        row["loss"] = loss.item()
+        dist.barrier()
+        t0 = time.perf_counter()
+        if which == "xpar_zoo":
+            import xpar_zoo
+
+            xpar_zoo.save_checkpoint(out, model, optimizer=opt, step=steps)
+        else:
+            model.save_pretrained(out)
+        dist.barrier()
+        row["save_s"] = time.perf_counter() - t0
+    except Exception:
+        row["error"] = traceback.format_exc(limit=4)[-1500:]
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    return rows
+
+
+def _worst(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return max(values) if values else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--keep", help="work directory to keep (default: a temporary one)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    args = ap.parse_args()
+    from xpar_zoo import launch
+
+    work = Path(args.keep or tempfile.mkdtemp(prefix="xpar-cpu-suite-"))
+    ckpt = work / "hub"
+    if not ckpt.exists():
+        ckpt.mkdir(parents=True)
+        load_memory.make_checkpoint(ckpt)
+    nbytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    results = {}
+    for which in ("xpar_zoo", "transformers"):
+        out = work / f"save-{which}"
+        shutil.rmtree(out, ignore_errors=True)
+        results[which] = launch.run(_side, WORLD, which, str(ckpt), str(out), args.steps, args.batch, args.seq,
+                                    timeout_s=1800)
+    print(json.dumps(results, indent=1, default=str))
+
+    import torch
+    import transformers
+
+    ours, peer = results["xpar_zoo"], results["transformers"]
+    lines = ["", "## CPU suite: xpar_zoo vs transformers DistributedConfig (issue 9)", "",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: "
+             f"{load_memory._cpu_model() if hasattr(load_memory, '_cpu_model') else platform.processor()}, "
+             f"{os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}",
+             f"- model: bench/load_memory.py's qwen3_moe fp32 ({nbytes / MB:.0f} MiB hub checkpoint); 4 gloo ranks; "
+             f"AdamW; {args.batch}×{args.seq} tokens per rank per step; worst rank; median of {args.steps} steps "
+             "after one warm-up", "",
+             "| | xpar_zoo `Mesh(ep=2)` | transformers `DistributedConfig(fsdp_size=4, ep_size=2)` | ratio |",
+             "|---|---|---|---|"]
+    for key, label in (("load_s", "load time (s)"), ("load_peak_growth_MiB", "load peak RSS growth (MiB)"),
+                       ("step_s", "training step (s)"), ("save_s", "save (s)")):
+        a, b = _worst(ours, key), _worst(peer, key)
+        ratio = f"{a / b:.2f}×" if a and b else "—"
+        fmt = (lambda v: "failed" if v is None else f"{v:.2f}")
+        lines.append(f"| {label} | {fmt(a)} | {fmt(b)} | {ratio} |")
+    for which, rows in results.items():
+        errors = {r["error"] for r in rows if "error" in r}
+        for e in errors:
+            last = e.strip().splitlines()[-1]
+            lines.append(f"- {which} failed: `{last[:300]}`")
+    lines.append("")
+    with open(HERE / "RESULTS.md", "a") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
