@@ -165,9 +165,11 @@ def shard_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule], **
         # FSDP averages over the ranks it reduces across (world / size); every rank saw its own micro-batch, so
         # the data-parallel average is over the whole world: without this, gradients are `size` times too large.
         module.set_gradient_divide_factor(float(mesh.world_size))
-        # gloo has no PREMUL_SUM: reduce with SUM, then divide. Only where a reduce-scatter really runs: with a
-        # single FSDP rank, torch 2.13 divides once in the local copy and again after it when sums are forced.
-        if mesh.device_type == "cpu" and mesh.shard_size // mesh.size(pm.plan_name) > 1:
+        # A divide factor other than the group size makes FSDP2 reduce with PREMUL_SUM, which gloo rejects and NCCL
+        # zeroes in bf16 up to torch 2.13 (pytorch#190747): reduce with SUM, then divide locally. Only where a
+        # reduce-scatter really runs: with a single FSDP rank, torch 2.13 divides once in the local copy and
+        # again after it when sums are forced.
+        if mesh.shard_size // mesh.size(pm.plan_name) > 1:
             module.set_force_sum_reduction_for_comms(True)
 
 
