@@ -36,6 +36,14 @@ WORLD = 4
 MB = 1024 * 1024
 
 
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's), for RESULTS.md."""
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
 def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -120,7 +128,7 @@ def main() -> None:
     ours, peer = results["xpar_zoo"], results["transformers"]
     lines = ["", "## CPU suite: xpar_zoo vs transformers DistributedConfig (issue 9)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: "
-             f"{load_memory._cpu_model() if hasattr(load_memory, '_cpu_model') else platform.processor()}, "
+             f"{cpu_model()}, "
              f"{os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}",
              f"- model: bench/load_memory.py's qwen3_moe fp32 ({nbytes / MB:.0f} MiB hub checkpoint); 4 gloo ranks; "
              f"AdamW; {args.batch}×{args.seq} tokens per rank per step; worst rank; median of {args.steps} steps "

@@ -22,6 +22,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's), for RESULTS.md."""
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
 def _make_checkpoint(root: str) -> None:
     import torch
 
@@ -90,7 +98,7 @@ def main() -> None:
     section = f"""
 ## Export (issue 6)
 
-- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: {platform.processor() or 'cpu'}, {os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}
+- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}
 - checkpoint: qwen3_moe fp32 (hidden 1024, 16 experts × 1024, 4 layers, vocab 32000), {result['checkpoint_MiB']:.0f} MiB of DCP; `xpar-zoo convert to-hf --max-shard-size {args.shard}` → {result['output_MiB']:.0f} MiB of per-expert hub safetensors; page cache warm; fresh processes
 
 | | time | throughput | peak RSS growth over the imports |
