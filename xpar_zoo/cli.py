@@ -51,8 +51,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     config = _load_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer)
-    if args.ep is not None or args.replicate != 1 or not args.suggest:
-        sizes = {"ep": args.ep} if args.ep and args.ep > 1 else {}
+    if args.ep is not None or args.emb or args.head or args.replicate != 1 or not args.suggest:
+        sizes = {k: v for k, v in (("ep", args.ep), ("emb", args.emb), ("head", args.head)) if v and v > 1}
         estimates = [planner.estimate(config, args.world, sizes, args.replicate, **common)]
     else:
         budget = args.memory_gib * 2**30 if args.memory_gib else None
@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
     p.add_argument("--world", type=int, required=True, help="number of ranks")
     p.add_argument("--ep", type=int, help="expert-parallel size (omit with --suggest to rank meshes)")
+    p.add_argument("--emb", type=int, help="vocab-parallel embedding size")
+    p.add_argument("--head", type=int, help="vocab-parallel lm_head size")
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicas")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=4096, help="sequence length")

@@ -9,7 +9,9 @@ Communication is counted as the bytes each rank *sends* per training step (forwa
 - reduce-scatter of its gradients: ``(F-1)/F ×`` the unsharded bytes in the reduce dtype, once;
 - HSDP all-reduce over ``R`` replicas: ``2(R-1)/R ×`` the sharded gradient bytes;
 - EP all-to-all per MoE layer: dispatch + combine in forward and both again in backward, each
-  ``(s-1)/s × tokens·top_k × H`` activations (uniform routing expected), plus the ``E`` token counts.
+  ``(s-1)/s × tokens·top_k × H`` activations (uniform routing expected), plus the ``E`` token counts;
+- ``emb``: token ids to their rows' owners, vectors back, and their gradients (an upper bound: every id distinct);
+- ``head``: the group's hidden states gathered and their gradients summed back, plus per-token statistics.
 
 Memory per rank: sharded parameters, gradients and optimizer states (exact), the largest unsharded unit twice
 (current + prefetched), and an activation estimate (documented in :func:`activation_bytes`).
@@ -182,6 +184,18 @@ def estimate(
         for _, experts, hidden in _moe_layers(model, plan):
             a2a += 4 * (s - 1) / s * tokens * top_k * hidden * pbytes + (s - 1) / s * experts * 8
     est.comm["all_to_all (EP tokens)"] = a2a
+    hidden = config.hidden_size
+    e = sizes.get("emb", 1)
+    # emb: ids to the row owners and vectors back (and their gradients): an upper bound, every id distinct.
+    est.comm["all_to_all (emb ids + vectors, bound)"] = (
+        (e - 1) / e * tokens * (8 + 2 * hidden * pbytes) + (e - 1) * 8 if e > 1 else 0.0)
+    h = sizes.get("head", 1)
+    # head: the group's hidden states and targets gathered, per-token statistics all-gathered, then the gradient
+    # coefficients gathered and the hidden-state gradients summed back to their owners.
+    est.comm["head (hidden states, statistics)"] = (
+        (h - 1) * tokens * (2 * hidden * pbytes + 8 + 4 + 2 * h * 4) if h > 1 else 0.0)
+    if h > 1:
+        est.memory["activations (estimate)"] -= tokens * config.vocab_size * 4  # no [tokens, V] logits
     return est
 
 
