@@ -1,15 +1,12 @@
 """DeepSeek-V2: MLA attention, routed experts fused ``[E, 2I, H]`` / ``[E, H, I]`` plus shared experts (plain
 FSDP), group-limited greedy routing."""
 
-from xpar_zoo.plan import Plan, embedding, experts, lm_head
+from xpar_zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
 
 PLAN = Plan(
     model_type="deepseek_v2",
     extra={"ep": experts("model.layers.*.mlp.experts"), "emb": embedding(), "head": lm_head()},
-    layouts={
-        "model.layers.*.mlp.experts.gate_up_proj": "[E, 2I, H]",
-        "model.layers.*.mlp.experts.down_proj": "[E, H, I]",
-    },
+    layouts=fused_expert_layouts("model.layers.*.mlp.experts"),
     hub_ids=("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2"),
     tiny=dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
               first_k_dense_replace=1, num_hidden_layers=3, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,

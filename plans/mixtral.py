@@ -1,15 +1,12 @@
 """Mixtral: fused experts ``[E, 2I, H]`` / ``[E, H, I]`` in memory; the hub stores
 ``block_sparse_moe.experts.{j}.w1/w3/w2`` per expert (transformers' conversion rules map them)."""
 
-from xpar_zoo.plan import Plan, embedding, experts, lm_head
+from xpar_zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
 
 PLAN = Plan(
     model_type="mixtral",
     extra={"ep": experts("model.layers.*.mlp.experts"), "emb": embedding(), "head": lm_head()},
-    layouts={
-        "model.layers.*.mlp.experts.gate_up_proj": "[E, 2I, H]",
-        "model.layers.*.mlp.experts.down_proj": "[E, H, I]",
-    },
+    layouts=fused_expert_layouts("model.layers.*.mlp.experts"),
     hub_ids=("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x22B-v0.1"),
     tiny=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, output_router_logits=False),
 )

@@ -48,6 +48,12 @@ def experts(module: str, *params: str) -> ExtraPlan:
     return ExtraPlan(tuple(f"{module}.{p}" for p in params), "experts", "experts")
 
 
+def fused_expert_layouts(module: str) -> dict[str, str]:
+    """The usual fused layouts of an experts module: ``gate_up_proj [E, 2I, H]`` (gate then up) and
+    ``down_proj [E, H, I]``."""
+    return {f"{module}.gate_up_proj": "[E, 2I, H]", f"{module}.down_proj": "[E, H, I]"}
+
+
 def embedding(param: str = "model.embed_tokens.weight") -> ExtraPlan:
     """A vocab-parallel input embedding plan."""
     return ExtraPlan((param,), "embedding", "vocab")
