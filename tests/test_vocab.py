@@ -1,0 +1,242 @@
+"""Vocab parallelism (emb, head) and user-named gathered plans train qwen3_moe exactly like single-process
+transformers (4 gloo ranks, fp32), keep V/size rows per rank, and never build full-vocab logits."""
+
+import pytest
+import torch
+
+from xpar_zoo import launch, parity
+
+WORLD = 4
+EMB, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+O_PROJ, Q_PROJ = "model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.weight"
+MESHES = {
+    "emb2": {"emb": 2},
+    "emb4": {"emb": 4},
+    "head2": {"head": 2},
+    "ep2_emb2": {"ep": 2, "emb": 2},
+    "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2},
+    "emb4_head4": {"emb": 4, "head": 4},
+    "mixed_placement": {"ep": 2, "emb": 2, "head": 2, "innermost": {"ep": True, "emb": False, "head": False}},
+    "user_plans": {"extra": {"ep": 2, "extra_parallel_1": 2, "extra_parallel_2": 4},
+                   "innermost": {"extra_parallel_1": False}},
+}
+ADAMW_MESHES = ("ep2_emb2_head2", "user_plans")
+TRACE_VOCAB = 200
+PAD_ID = 70  # owned by the second rank of a size-2 vocab group (V = 128)
+
+
+def _user_plan():
+    from xpar_zoo import ExtraPlan, get_plan
+
+    return (get_plan("qwen3_moe")
+            .with_extra("extra_parallel_1", ExtraPlan(params=("model.layers.*.self_attn.o_proj.weight",),
+                                                      style="gathered"))
+            .with_extra("extra_parallel_2", ExtraPlan(("model.layers.*.self_attn.q_proj.weight",), "gathered")))
+
+
+def _shapes_during(fn) -> list[tuple[int, ...]]:
+    """Shapes of every plain tensor an op creates while ``fn`` runs (forward and backward)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.shapes += [tuple(t.shape) for t in tree_leaves(out)
+                            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+            return out
+
+    with Record() as rec:
+        fn()
+    return rec.shapes
+
+
+def _semantics(cfg) -> dict:
+    """Labels with ignore_index, num_items_in_batch, padding_idx and full logits on Mesh(emb=2, head=2), per rank
+    against single-process transformers on the same rank's data; one SGD step on the mean of the per-rank losses."""
+    import torch.distributed as dist
+
+    import xpar_zoo
+    from xpar_zoo.vocab import full_logits
+
+    rank = dist.get_rank()
+    ids = parity.make_batches(cfg.vocab_size, 1, WORLD, seed=3)[0]  # [world, batch, seq]
+    ids[:, 0, -3:] = PAD_ID
+    labels = ids.clone()
+    labels[ids == PAD_ID] = -100
+    labels[1, :, :5] = -100
+    n_items = int((labels[..., 1:] != -100).sum())
+    ref = parity.build_model(cfg, experts_implementation="eager")
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    model = xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(emb=2, head=2))
+    row = {}
+    # Evaluation first: in torch 2.13 a no_grad forward of the FSDP root drops the root group's pending grads.
+    with torch.no_grad():
+        summed = model(input_ids=ids[rank], labels=labels[rank], num_items_in_batch=n_items).loss.clone()
+        dist.all_reduce(summed)
+        with full_logits(model):
+            logits = model(input_ids=ids[rank]).logits
+    gathered = [torch.empty_like(logits) for _ in range(WORLD)]
+    dist.all_gather(gathered, logits.contiguous())
+    out = model(input_ids=ids[rank], labels=labels[rank])
+    row["logits_none"] = out.logits is None
+    out.loss.backward()  # FSDP averages over the world; scaled back below to the sum of the per-rank losses
+    mean = out.loss.detach().clone()
+    dist.all_reduce(mean)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(WORLD)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    params = xpar_zoo.full_state_dict(model)
+    if rank == 0:
+        with torch.no_grad():
+            ref_sum = ref(input_ids=ids.flatten(0, 1), labels=labels.flatten(0, 1), num_items_in_batch=n_items).loss
+            ref_logits = ref(input_ids=ids.flatten(0, 1)).logits
+        ref_losses = [ref(input_ids=ids[r], labels=labels[r]).loss for r in range(WORLD)]
+        sum(ref_losses).backward()
+        torch.optim.SGD(ref.parameters(), lr=1.0).step()
+        row.update(mean=(mean.item(), sum(x.item() for x in ref_losses)), summed=(summed.item(), ref_sum.item()),
+                   logits=(torch.cat(gathered) - ref_logits).abs().max().item(), logits_shape=tuple(logits.shape),
+                   errors=parity.param_errors(params, {k: v.detach() for k, v in ref.state_dict().items()}, before),
+                   pad_row_unchanged=bool(torch.equal(params[EMB][PAD_ID], before[EMB][PAD_ID])))
+    return row
+
+
+def _job() -> dict:
+    import torch.distributed as dist
+
+    import xpar_zoo
+    from xpar_zoo.errors import PlanError
+
+    rank = dist.get_rank()
+    cfg = parity.tiny_config("qwen3_moe")
+    before = parity.build_model(cfg).state_dict()
+    sgd_data = parity.make_batches(cfg.vocab_size, 1, WORLD, seed=1)
+    adamw_data = parity.make_batches(cfg.vocab_size, 3, WORLD, seed=2)
+    ref_sgd = parity.train_reference(cfg, sgd_data, "sgd", None) if rank == 0 else None
+    ref_adamw = parity.train_reference(cfg, adamw_data, "adamw", 0.5) if rank == 0 else None
+    results = {}
+    for name, mesh_kwargs in MESHES.items():
+        plan = _user_plan() if name == "user_plans" else None
+        rec = parity.train_parallel(cfg, sgd_data, mesh_kwargs, "sgd", None, plan=plan)
+        row = {"local": rec.local_shapes}
+        if rank == 0:
+            row.update(loss=(rec.losses, ref_sgd.losses), norm=(rec.grad_norms, ref_sgd.grad_norms),
+                       errors=parity.param_errors(rec.params, ref_sgd.params, before))
+        if name in ADAMW_MESHES:
+            rec = parity.train_parallel(cfg, adamw_data, mesh_kwargs, "adamw", 0.5, plan=plan)
+            if rank == 0:
+                row.update(adamw_loss=(rec.losses, ref_adamw.losses), adamw_norm=(rec.grad_norms, ref_adamw.grad_norms),
+                           adamw_errors=parity.param_errors(rec.params, ref_adamw.params, before))
+        results[name] = row
+
+    # Allocation trace: every plain tensor created in forward + backward, with and without the head plan.
+    # A vocabulary size (200) that no other dimension of the tiny model can produce by accident.
+    ids = parity.make_batches(cfg.vocab_size, 1, WORLD, batch=3, seq=7, seed=4)[0, rank]  # 21 tokens per rank
+    traced = parity.tiny_config("qwen3_moe", vocab_size=TRACE_VOCAB)
+    for name, mesh_kwargs in {"traced_head": {"emb": 2, "head": 2}, "traced_plain": {"emb": 2}}.items():
+        model = xpar_zoo.parallelize(parity.build_model(traced), xpar_zoo.Mesh(**mesh_kwargs))
+        results[name] = _shapes_during(lambda: model(input_ids=ids, labels=ids).loss.backward())
+
+    results["semantics"] = _semantics(parity.tiny_config("qwen3_moe", pad_token_id=PAD_ID))
+
+    # Tied embeddings: refused with a clear error under a vocab plan; plain EP still trains them exactly.
+    tied = parity.tiny_config("qwen3_moe", tie_word_embeddings=True)
+    errors = {}
+    for mesh_kwargs in ({"emb": 2}, {"head": 2}):
+        try:
+            xpar_zoo.parallelize(parity.build_model(tied), xpar_zoo.Mesh(**mesh_kwargs))
+            errors[str(mesh_kwargs)] = None
+        except PlanError as e:
+            errors[str(mesh_kwargs)] = str(e)
+    results["tied_errors"] = errors
+    tied_before = parity.build_model(tied).state_dict()
+    ref_tied = parity.train_reference(tied, sgd_data, "sgd", None) if rank == 0 else None
+    rec = parity.train_parallel(tied, sgd_data, {"ep": 2}, "sgd", None)
+    if rank == 0:
+        results["tied_ep2"] = {"loss": (rec.losses, ref_tied.losses),
+                               "errors": parity.param_errors(rec.params, ref_tied.params, tied_before)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch.run(_job, WORLD)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_sgd_step_matches_single_process(results, mesh):
+    row = results[mesh]
+    (par,), (ref,) = row["loss"]
+    assert abs(par - ref) < parity.LOSS_TOL, f"loss {par} vs single-process {ref}"
+    worst = max(row["errors"].items(), key=lambda kv: kv[1])
+    assert worst[1] < parity.PARAM_REL_TOL, f"{worst[0]}: relative error {worst[1]:.2e} after one SGD step"
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_grad_norm_over_all_plans_matches_single_process(results, mesh):
+    (par,), (ref,) = results[mesh]["norm"]
+    assert abs(par - ref) <= 1e-5 * ref
+
+
+@pytest.mark.parametrize("mesh", ADAMW_MESHES)
+def test_three_clipped_adamw_steps_match_single_process(results, mesh):
+    row = results[mesh]
+    for par, ref in zip(*row["adamw_loss"]):
+        assert abs(par - ref) < parity.LOSS_TOL
+    for par, ref in zip(*row["adamw_norm"]):
+        assert abs(par - ref) <= 1e-5 * ref
+    worst = max(row["adamw_errors"].items(), key=lambda kv: kv[1])
+    assert worst[1] < parity.PARAM_REL_TOL, f"{worst[0]}: relative error {worst[1]:.2e} after 3 AdamW steps"
+
+
+@pytest.mark.parametrize("mesh,param,dim0,fsdp", [
+    ("emb2", EMB, 64, 2), ("emb4", EMB, 32, 1), ("ep2_emb2", EMB, 64, 2), ("head2", HEAD, 64, 2),
+    ("ep2_emb2_head2", HEAD, 64, 2), ("emb4_head4", HEAD, 32, 1), ("mixed_placement", EMB, 64, 2),
+    ("user_plans", O_PROJ, 16, 2), ("user_plans", Q_PROJ, 8, 1)])
+def test_planned_shards_hold_rows_over_size_on_dim0_and_fsdp_on_dim1(results, mesh, param, dim0, fsdp):
+    cfg = parity.tiny_config("qwen3_moe")
+    assert results[mesh]["local"][param] == (dim0, cfg.hidden_size // fsdp)
+
+
+def test_head_plan_never_allocates_full_vocab_logits(results):
+    vocab, tokens = TRACE_VOCAB, 21
+
+    def logits_like(shape):  # [..., V] or a V dimension beside the rank's or the group's token count
+        return bool(shape) and (shape[-1] == vocab or (vocab in shape and {tokens, 2 * tokens} & set(shape)))
+
+    seen = [s for s in results["traced_head"] if logits_like(s)]
+    assert not seen, f"full-vocab logits-like tensors under the head plan: {seen[:5]}"
+    # The tracer does see them when lm_head is plain FSDP: [3, 7, V] logits.
+    assert (3, 7, vocab) in results["traced_plain"]
+
+
+def test_loss_semantics_ignore_index_num_items_padding_and_full_logits(results):
+    row = results["semantics"]
+    assert row["logits_none"], "out.logits must be None unless full_logits() is asked for"
+    assert abs(row["mean"][0] - row["mean"][1]) < parity.LOSS_TOL * 4
+    assert abs(row["summed"][0] - row["summed"][1]) < parity.LOSS_TOL
+    assert row["logits_shape"] == (2, 8, 128)
+    assert row["logits"] < 1e-5
+    worst = max(row["errors"].items(), key=lambda kv: kv[1])
+    assert worst[1] < parity.PARAM_REL_TOL, f"{worst[0]}: relative error {worst[1]:.2e}"
+    assert row["pad_row_unchanged"], "padding_idx row must get no gradient"
+
+
+def test_tied_embeddings_refused_under_vocab_plans_with_a_clear_error(results):
+    for mesh, message in results["tied_errors"].items():
+        assert message is not None, f"{mesh}: tied embeddings were silently split"
+        assert "tied" in message and "lm_head.weight" in message and "model.embed_tokens.weight" in message
+
+
+def test_tied_embeddings_train_exactly_without_vocab_plans(results):
+    row = results["tied_ep2"]
+    (par,), (ref,) = row["loss"]
+    assert abs(par - ref) < parity.LOSS_TOL
+    worst = max(row["errors"].items(), key=lambda kv: kv[1])
+    assert worst[1] < parity.PARAM_REL_TOL, f"{worst[0]}: relative error {worst[1]:.2e}"
