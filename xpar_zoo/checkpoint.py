@@ -588,13 +588,18 @@ def _commit(tmp: Path, final: Path, keep_last: int | None) -> None:
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     _reached("before_marker")
-    files = {str(p.relative_to(final)): p.stat().st_size for p in sorted(final.rglob("*")) if p.is_file()}
-    _write_file(final / COMPLETE_FILE, json.dumps({"format": FORMAT, "step": int(final.name[len(STEP_PREFIX):]),
-                                                    "files": files}, indent=1).encode())
-    _fsync_dir(final)
+    write_complete_marker(final, int(final.name[len(STEP_PREFIX):]))
     _reached("committed")
     if keep_last is not None:
         _prune(final.parent, keep_last, final)
+
+
+def write_complete_marker(ckpt: Path, step: int) -> None:
+    """Commit the checkpoint directory ``ckpt`` of ``step``: write its ``COMPLETE`` marker listing the size of every
+    file in it (call it last, once every file is on disk)."""
+    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    _write_file(ckpt / COMPLETE_FILE, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1).encode())
+    _fsync_dir(ckpt)
 
 
 class _Control:

@@ -78,6 +78,33 @@ def _cmd_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_to_dcp(args: argparse.Namespace) -> int:
+    from xpar_zoo.converters.to_dcp import convert_to_dcp
+
+    out = convert_to_dcp(args.name_or_dir, args.out_dir, revision=args.revision, force=args.force)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from xpar_zoo.converters.inspect_checkpoint import format_report, inspect_checkpoint
+
+    info = inspect_checkpoint(args.path)
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from .publish import publish
+
+    url = publish(args.dir, args.repo_id, private=args.private, revision=args.revision, token=args.token,
+                  base_model=args.base_model, overwrite_card=args.overwrite_card)
+    print(f"published {args.dir} to {args.repo_id}: {url}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xpar-zoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     c.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
     c.set_defaults(func=_cmd_to_hf)
+    c = convert.add_parser("to-dcp", help="a hub checkpoint (per-expert or fused) -> xpar_zoo DCP, global fused layout")
+    c.add_argument("name_or_dir", help="hub id or local directory with config.json and safetensors")
+    c.add_argument("out_dir", help="checkpoint root to create (holds step-00000000)")
+    c.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    c.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    c.set_defaults(func=_cmd_to_dcp)
+    c = convert.add_parser("inspect", help="format, architecture, parameters, dtypes, shards of a checkpoint")
+    c.add_argument("path", help="hub-format directory, xpar_zoo checkpoint (step dir or root) or DCP directory")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.set_defaults(func=_cmd_inspect)
+    p = sub.add_parser("publish", help="validate a hub-format folder, write its model card, upload it to the hub")
+    p.add_argument("dir", help="hub-format folder (e.g. from convert to-hf)")
+    p.add_argument("repo_id", help="hub repository id (org/name)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--revision", help="branch to upload to (created if missing)")
+    p.add_argument("--token", help="hub token (default: the logged-in one)")
+    p.add_argument("--base-model", help="hub id of the base model, for the card (default: from xpar_export.json)")
+    p.add_argument("--overwrite-card", action="store_true", help="replace an existing README.md")
+    p.set_defaults(func=_cmd_publish)
     p = sub.add_parser("plan", help="per-rank memory and per-step communication of a mesh; suggest meshes")
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
     p.add_argument("--world", type=int, required=True, help="number of ranks")

@@ -1,0 +1,207 @@
+"""What a checkpoint directory is, from its headers and metadata only (no tensor data): the format (hub per-expert,
+hub fused, xpar_zoo DCP checkpoint or root of checkpoints, plain DCP), the architecture, the parameter count, the
+dtypes, the shards, and for an xpar_zoo checkpoint its step, the mesh and plans it was saved with and whether it
+is complete."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from xpar_zoo.errors import XparError
+
+HUB_PER_EXPERT = "hub per-expert"
+HUB_FUSED = "hub fused"
+XPAR_CHECKPOINT = "xpar_zoo DCP checkpoint"
+XPAR_ROOT = "xpar_zoo DCP checkpoint root"
+PLAIN_DCP = "plain DCP"
+_EXPERT_KEY = re.compile(r"\.experts\.\d+\.")
+
+
+class InspectError(XparError, ValueError):
+    """A path that is no checkpoint xpar_zoo knows, or whose metadata cannot be read."""
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
+    """``(format, note)``: per-expert when transformers' conversion rules fuse any key, from a meta-device model."""
+    try:
+        from xpar_zoo.converters.hub_layout import plan_hub_layout
+        from xpar_zoo.loader import build_meta
+
+        import torch
+
+        layout = plan_hub_layout(build_meta(config, torch.float32), tensors)
+        fused = any(t.rule != "key" for t in layout.targets.values())
+        return (HUB_PER_EXPERT if fused else HUB_FUSED), None
+    except Exception as e:  # an architecture transformers lacks, or a checkpoint that does not fit: say so
+        per_expert = any(_EXPERT_KEY.search(k) for k in tensors)
+        return (HUB_PER_EXPERT if per_expert else HUB_FUSED), f"does not load as is: {str(e).splitlines()[0]}"
+
+
+def _inspect_hub(directory: Path) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from xpar_zoo.converters.hub_layout import DTYPE_SIZES, read_checkpoint_headers
+
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except Exception as e:
+        raise InspectError(f"{directory / 'config.json'}: unreadable config ({type(e).__name__}: {e})") from None
+    tensors = read_checkpoint_headers(directory)
+    fmt, note = _hub_format(directory, config, tensors)
+    files: dict[str, dict[str, int]] = {}
+    for info in tensors.values():
+        entry = files.setdefault(info.file, {"tensors": 0, "bytes": (directory / info.file).stat().st_size})
+        entry["tensors"] += 1
+    out = {
+        "format": fmt,
+        "path": str(directory),
+        "model_type": config.model_type,
+        "architectures": getattr(config, "architectures", None),
+        "parameters": sum(math.prod(t.shape) for t in tensors.values()),
+        "tensors": len(tensors),
+        "dtypes": dict(Counter(t.dtype for t in tensors.values()).most_common()),
+        "tensor_bytes": sum(math.prod(t.shape) * DTYPE_SIZES.get(t.dtype, 1) for t in tensors.values()),
+        "shards": [{"file": f, **files[f]} for f in sorted(files)],
+    }
+    if note:
+        out["note"] = note
+    export_info = directory / "xpar_export.json"
+    if export_info.is_file():
+        out["xpar_export"] = json.loads(export_info.read_text())
+    return out
+
+
+def _dcp_summary(directory: Path, model_only: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from xpar_zoo.checkpoint import MODEL_KEY, _read_dcp_metadata, _SafeReader
+
+    try:
+        metadata = _read_dcp_metadata(_SafeReader(str(directory)), directory)
+    except XparError:
+        raise
+    except Exception as e:
+        raise InspectError(f"{directory}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    model = {k: v for k, v in tensors.items() if k.startswith(f"{MODEL_KEY}.")}
+    counted = model if model_only else tensors
+    files: Counter = Counter(info.relative_path for info in metadata.storage_data.values())
+    shards = []
+    for f in sorted(files):
+        path = directory / f
+        shards.append({"file": f, "items": files[f], "bytes": path.stat().st_size if path.is_file() else None})
+    return {
+        "parameters": sum(math.prod(v.size) for v in counted.values()),
+        "tensors": len(counted),
+        "dtypes": dict(Counter(_dtype_name(v.properties.dtype) for v in counted.values()).most_common()),
+        "tensor_bytes": sum(math.prod(v.size) * v.properties.dtype.itemsize for v in counted.values()),
+        "other_tensors": len(tensors) - len(model) if model_only else 0,
+        "shards": shards,
+    }
+
+
+def _inspect_step(directory: Path) -> dict[str, Any]:
+    from xpar_zoo.checkpoint import META_FILE, _incomplete_reason
+
+    try:
+        meta = json.loads((directory / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise InspectError(f"{directory / META_FILE}: unreadable ({e})") from None
+    why = _incomplete_reason(directory)
+    out = {"format": XPAR_CHECKPOINT, "path": str(directory), "model_type": meta.get("model_type"),
+           "model_class": meta.get("model_class"), "step": meta.get("step"), "complete": why is None}
+    if why:
+        out["incomplete_reason"] = why
+    out.update(_dcp_summary(directory, model_only=True))
+    out.update({"mesh": meta.get("mesh"), "plans": {k: len(v) for k, v in (meta.get("plans") or {}).items()},
+                "world_size": meta.get("world_size"), "optimizer": (meta.get("optimizer") or {}).get("class"),
+                "xpar_zoo_version": meta.get("xpar_zoo_version"), "torch_version": meta.get("torch_version")})
+    if meta.get("converted_from"):
+        out["converted_from"] = meta["converted_from"]
+    return out
+
+
+def _inspect_root(directory: Path) -> dict[str, Any]:
+    from xpar_zoo.checkpoint import _scan
+
+    complete, broken = _scan(directory)
+    out: dict[str, Any] = {
+        "format": XPAR_ROOT, "path": str(directory),
+        "checkpoints": [{"dir": p.name, "step": s} for s, p in complete],
+        "incomplete": [{"dir": p.name, "reason": why} for p, why in broken],
+    }
+    if complete:
+        latest = _inspect_step(complete[-1][1])
+        out["latest"] = latest
+        for key in ("model_type", "parameters", "dtypes", "step", "mesh", "plans"):
+            out[key] = latest.get(key)
+    return out
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Describe the checkpoint at ``path`` from headers and metadata only: ``format`` (one of ``hub per-expert``,
+    ``hub fused``, ``xpar_zoo DCP checkpoint``, ``xpar_zoo DCP checkpoint root``, ``plain DCP``), ``model_type``,
+    ``parameters`` (elements of the model tensors), ``dtypes`` (tensor counts), ``shards`` (files, sizes), and for
+    xpar_zoo checkpoints the step, mesh, plans and completeness (a root lists its incomplete checkpoints)."""
+    from xpar_zoo.checkpoint import DCP_METADATA, META_FILE, STEP_PREFIX, TMP_PREFIX
+
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise InspectError(f"{directory}: not a directory")
+    if (directory / META_FILE).is_file():
+        return _inspect_step(directory)
+    if (directory / DCP_METADATA).is_file():
+        return {"format": PLAIN_DCP, "path": str(directory), "model_type": None,
+                **_dcp_summary(directory, model_only=False)}
+    if (directory / "config.json").is_file():
+        return _inspect_hub(directory)
+    if any(c.is_dir() and c.name.startswith((STEP_PREFIX, TMP_PREFIX)) for c in directory.iterdir()):
+        return _inspect_root(directory)
+    raise InspectError(f"{directory}: neither a hub checkpoint (no config.json), nor a DCP checkpoint (no "
+                       f"{DCP_METADATA}), nor a root of xpar_zoo checkpoints (no {STEP_PREFIX}* directory)")
+
+
+def format_report(info: dict[str, Any]) -> str:
+    """``inspect_checkpoint``'s result as readable lines."""
+    lines = [f"{info['path']}: {info['format']}"]
+    if info.get("note"):
+        lines.append(f"  note: {info['note']}")
+    if info["format"] == XPAR_ROOT:
+        lines.append(f"  complete checkpoints: {', '.join(c['dir'] for c in info['checkpoints']) or 'none'}")
+        for c in info["incomplete"]:
+            lines.append(f"  INCOMPLETE {c['dir']}: {c['reason']}")
+        if "latest" in info:
+            lines.append("  latest:")
+            lines += ["  " + line for line in format_report(info["latest"]).splitlines()]
+        return "\n".join(lines)
+    if info.get("model_type") or info.get("model_class"):
+        lines.append(f"  architecture: {info.get('model_type')}"
+                     + (f" ({info['model_class']})" if info.get("model_class") else "")
+                     + (f" {info['architectures']}" if info.get("architectures") else ""))
+    if "step" in info:
+        state = "complete" if info["complete"] else f"INCOMPLETE ({info['incomplete_reason']})"
+        lines.append(f"  step: {info['step']}, {state}")
+        lines.append(f"  mesh: {json.dumps(info.get('mesh'))}, world size {info.get('world_size')}")
+        lines.append(f"  plans: {', '.join(f'{k} ({n} tensors)' for k, n in info['plans'].items()) or 'none'}")
+        lines.append(f"  optimizer state: {info.get('optimizer') or 'none'}")
+        if info.get("converted_from"):
+            src = info["converted_from"]
+            lines.append(f"  converted from: {src.get('source')} ({src.get('layout')})")
+    lines.append(f"  parameters: {info['parameters']:,} in {info['tensors']} tensors, "
+                 f"{info['tensor_bytes'] / 2**20:.2f} MiB")
+    lines.append(f"  dtypes: {', '.join(f'{d} x{n}' for d, n in info['dtypes'].items())}")
+    lines.append(f"  shards ({len(info['shards'])}):")
+    for s in info["shards"]:
+        size = "missing" if s.get("bytes") is None else f"{s['bytes']:,} bytes"
+        lines.append(f"    {s['file']}  {size}")
+    return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""Hub checkpoint (per-expert or already fused) → an xpar_zoo DCP checkpoint in the global fused layout.
+
+The output is a checkpoint root holding one complete checkpoint, ``OUT/step-00000000/`` (DCP keys ``model.<fqn>``
+at global shapes, ``xpar_checkpoint.json``, ``extra_state.json``, ``COMPLETE``), exactly what
+:func:`xpar_zoo.save_checkpoint` writes minus optimizer and RNG state, so :func:`xpar_zoo.load_checkpoint` loads it
+on any mesh and world size, and a restart skips the per-expert fusion of ``from_pretrained``.
+
+Streaming: the tensors are planned from the safetensors headers (:func:`plan_hub_layout`, no data), then assembled a
+batch of at most ``max_bytes`` at a time from their hub pieces (``safe_open(…).get_slice``) and written as one DCP
+part each (``dcp.save(..., no_dist=True)``); the parts' ``.metadata`` are merged into one at the end. Peak memory
+stays near two batches whatever the model size. Everything is written into a temporary directory beside the output
+and renamed into place at the end: never a half-written output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from xpar_zoo.errors import XparError
+
+DEFAULT_BATCH_BYTES = 1 << 30
+_PART_PREFIX = ".part-"
+
+
+class ConvertError(XparError, ValueError):
+    """A conversion that cannot be done as asked: an existing or unwritable output, a checkpoint whose pieces
+    disagree (mixed dtypes within one tensor)."""
+
+
+def _check_output(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not force:
+        raise ConvertError(f"{out_dir} already exists; pass --force (force=True) to replace it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConvertError(f"{out_dir} exists and is not a directory")
+    parent = out_dir.parent
+    if not parent.is_dir():
+        raise ConvertError(f"cannot write {out_dir}: {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConvertError(f"cannot write {out_dir}: {parent} is not writable")
+
+
+def _batches(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Consecutive names grouped into batches of at most ``max_bytes`` (a larger tensor alone)."""
+    out: list[list[str]] = []
+    total = 0
+    for name, n in sizes.items():
+        if not out or (out[-1] and total + n > max_bytes):
+            out.append([])
+            total = 0
+        out[-1].append(name)
+        total += n
+    return out
+
+
+def _assemble(layout, name: str, directory: Path, handles: dict) -> torch.Tensor:
+    """The full tensor ``name`` from its hub pieces (``handles``: file → open ``safe_open``, filled lazily)."""
+    from safetensors import safe_open
+
+    target = layout.targets[name]
+    dtypes = {p.source.dtype for p in target.pieces}
+    if len(dtypes) != 1:
+        raise ConvertError(f"{name}: its hub pieces have several dtypes {sorted(dtypes)} "
+                           f"({', '.join(sorted({p.source.key for p in target.pieces})[:4])} …)")
+    out = None
+    for read in layout.reads(name, tuple((0, n) for n in target.shape)):
+        file = read.source.file
+        if file not in handles:
+            handles[file] = safe_open(str(directory / file), framework="pt", device="cpu")
+        handle = handles[file]
+        data = handle.get_slice(read.source.key)[read.slices] if read.slices else handle.get_tensor(read.source.key)
+        if read.stack_dim is not None:
+            data = data.unsqueeze(read.stack_dim)
+        if out is None:
+            if len(target.pieces) == 1 and tuple(data.shape) == target.shape:
+                return data.contiguous()
+            out = torch.empty(target.shape, dtype=data.dtype)
+        out[read.dest].copy_(data)
+        del data
+    return out
+
+
+def _init_buffers(model, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Values of persistent buffers the checkpoint may lack (the model's own ``_init_weights``), one module at a
+    time on CPU."""
+    from xpar_zoo.loader import initialise_buffers
+
+    out = {}
+    for name in names:
+        module = model.get_submodule(name.rpartition(".")[0])
+        module.to_empty(device="cpu", recurse=False)
+        initialise_buffers(model, {name})
+        out[name] = model.get_buffer(name).detach().clone()
+        module.to_empty(device="meta", recurse=False)
+    return out
+
+
+def _merge_parts(tmp: Path, parts: list[Path]) -> None:
+    """Move every part's data files into ``tmp`` (renamed ``__<part>_<i>.distcp``) and write one ``.metadata``
+    that indexes them all."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    from xpar_zoo.checkpoint import DCP_METADATA, _MetadataUnpickler, _write_file
+
+    merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={}, storage_meta=StorageMeta())
+    for k, part in enumerate(parts):
+        with open(part / DCP_METADATA, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+        renames = {}
+        for i, src in enumerate(sorted(p.name for p in part.iterdir() if p.name != DCP_METADATA)):
+            renames[src] = f"__{k}_{i}.distcp"
+            os.rename(part / src, tmp / renames[src])
+        overlap = set(meta.state_dict_metadata) & set(merged.state_dict_metadata)
+        if overlap:  # pragma: no cover - the batches are disjoint by construction
+            raise ConvertError(f"keys written twice: {sorted(overlap)[:4]}")
+        merged.state_dict_metadata.update(meta.state_dict_metadata)
+        merged.planner_data.update(meta.planner_data or {})
+        for index, info in meta.storage_data.items():
+            info.relative_path = renames[info.relative_path]
+            merged.storage_data[index] = info
+        if getattr(meta, "version", None) is not None:
+            merged.version = meta.version
+        shutil.rmtree(part)
+    _write_file(tmp / DCP_METADATA, pickle.dumps(merged))
+
+
+def convert_to_dcp(
+    name: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    force: bool = False,
+    max_bytes: int = DEFAULT_BATCH_BYTES,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+    progress: bool = True,
+) -> Path:
+    """Convert hub id / local directory ``name`` (per-expert hub layout or already fused) into an xpar_zoo
+    checkpoint root ``out_dir`` holding ``step-00000000`` in the global fused layout, reading at most
+    ``max_bytes`` of tensors at a time. ``force`` replaces an existing ``out_dir``. Returns the step directory."""
+    import torch.distributed.checkpoint as dcp
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig
+
+    from xpar_zoo import checkpoint as ck
+    from xpar_zoo.converters.hub_layout import plan_hub_layout, read_checkpoint_headers
+    from xpar_zoo.hub import resolve
+    from xpar_zoo.loader import build_meta
+
+    out_dir = Path(out_dir).expanduser().absolute()
+    _check_output(out_dir, force)
+    resolved = resolve(name, revision, cache_dir=cache_dir, token=token)
+    directory = resolved.directory
+    config = AutoConfig.from_pretrained(directory)
+    if getattr(config, "quantization_config", None):
+        raise ConvertError(f"{name}: quantized checkpoints ({config.quantization_config}) are not supported")
+    model = build_meta(config, getattr(config, "dtype", None) or torch.float32)
+    layout = plan_hub_layout(model, read_checkpoint_headers(directory))  # strict: raises before reading data
+    state_names = list(model.state_dict(keep_vars=True))  # what get_model_state_dict / load_checkpoint expect
+    aliases = layout.aliases
+    buffers = _init_buffers(model, layout.init_buffers) if layout.init_buffers else {}
+    sizes = {n: sum(p.source.nbytes for p in layout.targets[n].pieces) for n in state_names if n in layout.targets}
+    unplaced = [n for n in state_names if n not in sizes and n not in aliases and n not in buffers]
+    if unplaced:  # pragma: no cover - plan_hub_layout has already checked coverage
+        raise ConvertError(f"no checkpoint data for {unplaced[:8]}")
+    alias_of: dict[str, list[str]] = {}
+    for alias, canonical in aliases.items():
+        if alias in state_names:
+            alias_of.setdefault(canonical, []).append(alias)
+
+    step = 0
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    ckpt = tmp / ck.checkpoint_name(step)
+    try:
+        ckpt.mkdir(parents=True)
+        bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="convert to DCP", disable=not progress)
+        parts = []
+        for k, batch in enumerate(_batches(sizes, max_bytes)):
+            handles: dict = {}
+            state = {}
+            for n in batch:
+                state[n] = _assemble(layout, n, directory, handles)
+                for alias in alias_of.get(n, ()):
+                    state[alias] = state[n]
+            if k == 0:
+                state.update(buffers)
+            handles.clear()  # unmap the files read for this batch
+            part = ckpt / f"{_PART_PREFIX}{k:05d}"
+            with ck._quiet_single_process():
+                dcp.save({ck.MODEL_KEY: state}, storage_writer=dcp.FileSystemWriter(str(part), sync_files=True),
+                         no_dist=True)
+            parts.append(part)
+            bar.update(sum(sizes[n] for n in batch))
+            del state
+        bar.close()
+        _merge_parts(ckpt, parts)
+        meta = ck._metadata(model, step, None, {}, None)
+        meta.update(world_size=None, converted_from={
+            "source": str(name), "directory": str(directory), "origin": resolved.origin,
+            "revision": resolved.revision, "commit": resolved.commit,
+            "layout": "hub per-expert" if any(t.rule != "key" for t in layout.targets.values()) else "hub fused",
+            "note": "converted from hub by xpar-zoo convert to-dcp: no optimizer or RNG state"})
+        ck._write_file(ckpt / ck.META_FILE, json.dumps(meta, indent=1).encode())
+        ck._write_file(ckpt / ck.EXTRA_FILE, json.dumps({}).encode())
+        ck.write_complete_marker(ckpt, step)
+        _check_readable(ckpt, {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()})
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir / ck.checkpoint_name(step)
+
+
+def _check_readable(ckpt: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The merged metadata indexes every model tensor at its shape (no data read)."""
+    from xpar_zoo.checkpoint import model_tensor_specs
+
+    specs = model_tensor_specs(ckpt)
+    if {n: s for n, (s, _) in specs.items()} != shapes:
+        missing = sorted(set(shapes) - set(specs))
+        raise ConvertError(f"{ckpt}: the written checkpoint does not index every model tensor (missing "
+                           f"{missing[:8]})")
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename ``tmp`` to ``out_dir``; an existing ``out_dir`` (``force``) is renamed aside first, then removed."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.deleting-{uuid.uuid4().hex[:8]}"
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
