@@ -40,7 +40,7 @@ def _check_output(out_dir: Path, force: bool) -> None:
         raise ConvertError(f"{out_dir} exists and is not a directory")
     parent = out_dir.parent
     if not parent.is_dir():
-        raise ConvertError(f"cannot write {out_dir}: {parent} does not exist")
+        raise ConvertError(f"cannot write {out_dir}: {parent} is not an existing directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConvertError(f"cannot write {out_dir}: {parent} is not writable")
 

@@ -81,7 +81,10 @@ def _cmd_to_hf(args: argparse.Namespace) -> int:
 def _cmd_to_dcp(args: argparse.Namespace) -> int:
     from xpar_zoo.converters.to_dcp import convert_to_dcp
 
-    out = convert_to_dcp(args.name_or_dir, args.out_dir, revision=args.revision, force=args.force)
+    from xpar_zoo.converters.export import parse_size
+
+    out = convert_to_dcp(args.name_or_dir, args.out_dir, revision=args.revision, force=args.force,
+                         max_bytes=parse_size(args.batch_size))
     print(f"wrote {out}")
     return 0
 
@@ -131,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out_dir", help="checkpoint root to create (holds step-00000000)")
     c.add_argument("--revision", help="hub revision (branch, tag or commit)")
     c.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    c.add_argument("--batch-size", default="1GiB", help="tensors assembled and written at a time (default 1GiB)")
     c.set_defaults(func=_cmd_to_dcp)
     c = convert.add_parser("inspect", help="format, architecture, parameters, dtypes, shards of a checkpoint")
     c.add_argument("path", help="hub-format directory, xpar_zoo checkpoint (step dir or root) or DCP directory")
