@@ -6,7 +6,7 @@ at global shapes, ``xpar_checkpoint.json``, ``extra_state.json``, ``COMPLETE``),
 on any mesh and world size, and a restart skips the per-expert fusion of ``from_pretrained``.
 
 Streaming: the tensors are planned from the safetensors headers (:func:`plan_hub_layout`, no data), then assembled a
-batch of at most ``max_bytes`` at a time from their hub pieces (``safe_open(…).get_slice``) and written as one DCP
+batch of at most ``max_bytes`` at a time, each hub piece read straight into its place in the fused tensor and written as one DCP
 part each (``dcp.save(..., no_dist=True)``); the parts' ``.metadata`` are merged into one at the end. Peak memory
 stays near two batches whatever the model size. Everything is written into a temporary directory beside the output
 and renamed into place at the end: never a half-written output directory.
@@ -58,30 +58,68 @@ def _batches(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return out
 
 
-def _assemble(layout, name: str, directory: Path, handles: dict) -> torch.Tensor:
-    """The full tensor ``name`` from its hub pieces (``handles``: file → open ``safe_open``, filled lazily)."""
-    from safetensors import safe_open
+# safetensors dtype names -> torch dtypes (the data is little-endian, as torch's on every platform we run)
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
+
+class _Files:
+    """Open safetensors files of one batch, read with plain ``readinto`` straight into the destination tensor
+    (no mmap: pages already copied do not stay resident), or through ``safe_open`` for a non-contiguous slice."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.handles: dict[str, tuple[object, int]] = {}
+        self.st: dict[str, object] = {}
+
+    def _open(self, file: str) -> tuple[object, int]:
+        if file not in self.handles:
+            f = open(self.directory / file, "rb", buffering=0)
+            self.handles[file] = (f, 8 + int.from_bytes(f.read(8), "little"))
+        return self.handles[file]
+
+    def read_into(self, read, dest: torch.Tensor) -> None:
+        info = read.source
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(read.slices, info.shape))
+        if whole and dest.is_contiguous() and dest.numel() * dest.element_size() == info.nbytes:
+            f, data_start = self._open(info.file)
+            f.seek(data_start + info.offsets[0])
+            view = memoryview(dest.view(-1).view(torch.uint8).numpy())
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ConvertError(f"{self.directory / info.file}: truncated in the data of {info.key}")
+                done += n
+            return
+        from safetensors import safe_open
+
+        if info.file not in self.st:
+            self.st[info.file] = safe_open(str(self.directory / info.file), framework="pt", device="cpu")
+        data = self.st[info.file].get_slice(info.key)[read.slices]
+        dest.copy_(data.unsqueeze(read.stack_dim) if read.stack_dim is not None else data)
+
+    def close(self) -> None:
+        for f, _ in self.handles.values():
+            f.close()
+        self.handles.clear()
+        self.st.clear()
+
+
+def _assemble(layout, name: str, files: _Files) -> torch.Tensor:
+    """The full tensor ``name``, filled piece by piece from the hub files."""
     target = layout.targets[name]
     dtypes = {p.source.dtype for p in target.pieces}
     if len(dtypes) != 1:
         raise ConvertError(f"{name}: its hub pieces have several dtypes {sorted(dtypes)} "
                            f"({', '.join(sorted({p.source.key for p in target.pieces})[:4])} …)")
-    out = None
+    (dtype,) = dtypes
+    if dtype not in _TORCH_DTYPES:
+        raise ConvertError(f"{name}: dtype {dtype} of {target.pieces[0].source.key} is not supported")
+    out = torch.empty(target.shape, dtype=_TORCH_DTYPES[dtype])
     for read in layout.reads(name, tuple((0, n) for n in target.shape)):
-        file = read.source.file
-        if file not in handles:
-            handles[file] = safe_open(str(directory / file), framework="pt", device="cpu")
-        handle = handles[file]
-        data = handle.get_slice(read.source.key)[read.slices] if read.slices else handle.get_tensor(read.source.key)
-        if read.stack_dim is not None:
-            data = data.unsqueeze(read.stack_dim)
-        if out is None:
-            if len(target.pieces) == 1 and tuple(data.shape) == target.shape:
-                return data.contiguous()
-            out = torch.empty(target.shape, dtype=data.dtype)
-        out[read.dest].copy_(data)
-        del data
+        files.read_into(read, out[read.dest])
     return out
 
 
@@ -183,15 +221,17 @@ def convert_to_dcp(
         bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="convert to DCP", disable=not progress)
         parts = []
         for k, batch in enumerate(_batches(sizes, max_bytes)):
-            handles: dict = {}
+            files = _Files(directory)
             state = {}
-            for n in batch:
-                state[n] = _assemble(layout, n, directory, handles)
-                for alias in alias_of.get(n, ()):
-                    state[alias] = state[n]
+            try:
+                for n in batch:
+                    state[n] = _assemble(layout, n, files)
+                    for alias in alias_of.get(n, ()):
+                        state[alias] = state[n]
+            finally:
+                files.close()
             if k == 0:
                 state.update(buffers)
-            handles.clear()  # unmap the files read for this batch
             part = ckpt / f"{_PART_PREFIX}{k:05d}"
             with ck._quiet_single_process():
                 dcp.save({ck.MODEL_KEY: state}, storage_writer=dcp.FileSystemWriter(str(part), sync_files=True),

@@ -239,3 +239,50 @@ def test_publish_refuses_a_bad_folder_before_any_upload(tiny, tmp_path, uploads,
     assert cli.main(["publish", str(folder), "me/tiny-moe"]) == 2
     assert message in capsys.readouterr().err
     assert uploads == [] and not (folder / "README.md").exists()
+
+
+_MEASURE = """
+import gc, json, sys, threading, time
+from xpar_zoo import cli
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+tiny, hub, out = sys.argv[1:4]
+cli.main(["convert", "to-dcp", tiny, out + "-warm"])  # imports and first-call allocations, outside the measure
+gc.collect()
+base, peak, done = rss_mib(), [0.0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss_mib())
+        time.sleep(0.002)
+
+thread = threading.Thread(target=sample)
+thread.start()
+rc = cli.main(["convert", "to-dcp", hub, out, "--batch-size", "32MiB"])
+done.set()
+thread.join()
+print(json.dumps({"rc": rc, "growth_mib": peak[0] - base}))
+"""
+
+
+def test_to_dcp_memory_stays_near_one_batch_not_the_model(tiny, tmp_path):
+    """A 200 MiB per-expert checkpoint converted 32 MiB at a time (its largest fused tensor is 32 MiB): the peak
+    RSS growth stays under 2 batches, far below the model."""
+    config = parity.tiny_config("qwen3_moe", hidden_size=512, moe_intermediate_size=512, num_hidden_layers=4,
+                                num_local_experts=16, vocab_size=1024)
+    model = parity.build_model(config)
+    model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    model.save_pretrained(tmp_path / "hub", max_shard_size="64MB")
+    del model
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(tiny["hub"]), str(tmp_path / "hub"),
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rc"] == 0 and model_mib > 190
+    print(f"to-dcp peak RSS growth {result['growth_mib']:.0f} MiB for a {model_mib:.0f} MiB model, 32 MiB batches")
+    assert result["growth_mib"] < 2 * 32, result
+    assert latest_checkpoint(tmp_path / "out") is not None
