@@ -15,6 +15,7 @@ names the keys, their files and the shapes.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from collections import Counter, defaultdict
@@ -66,13 +67,23 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
         (size,) = struct.unpack("<Q", raw)
         if size > _MAX_HEADER:
             raise CheckpointMismatchError(f"{path}: not a safetensors file (header of {size} bytes)")
+        file_size = os.fstat(f.fileno()).st_size
+        if 8 + size > file_size:
+            raise CheckpointMismatchError(f"{path}: truncated safetensors file (header of {size} bytes, file of "
+                                          f"{file_size} bytes)")
         try:
             header = json.loads(f.read(size))
-        except ValueError as e:
-            raise CheckpointMismatchError(f"{path}: unreadable safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    return {key: TensorInfo(key, path.name, tuple(entry["shape"]), entry["dtype"], tuple(entry["data_offsets"]))
-            for key, entry in header.items()}
+            header.pop("__metadata__", None)
+            infos = {key: TensorInfo(key, path.name, tuple(entry["shape"]), entry["dtype"],
+                                     tuple(entry["data_offsets"])) for key, entry in header.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointMismatchError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
+    end = max((i.offsets[1] for i in infos.values()), default=0)
+    if 8 + size + end > file_size:
+        last = max(infos.values(), key=lambda i: i.offsets[1])
+        raise CheckpointMismatchError(f"{path}: truncated safetensors file: its header needs {8 + size + end} bytes "
+                                      f"(up to the end of {last.key}), the file has {file_size}")
+    return infos
 
 
 def checkpoint_files(directory: str | Path) -> tuple[list[str], dict[str, str] | None]:
@@ -87,7 +98,12 @@ def checkpoint_files(directory: str | Path) -> tuple[list[str], dict[str, str] |
         return [SINGLE_FILE], None
     found = sorted(p.name for p in directory.glob("*.safetensors"))
     if not found:
-        raise CheckpointMismatchError(f"{directory}: no {INDEX_FILE}, no {SINGLE_FILE} and no *.safetensors file")
+        pickles = sorted(p.name for pat in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in directory.glob(pat))
+        hint = (f"; found only pickle weights {pickles}, which xpar_zoo never unpickles: convert them to safetensors "
+                "first (e.g. transformers' save_pretrained(safe_serialization=True) in a trusted process)"
+                if pickles else "")
+        raise CheckpointMismatchError(f"{directory}: no {INDEX_FILE}, no {SINGLE_FILE} and no *.safetensors file"
+                                      + hint)
     if len(found) > 1:
         raise CheckpointMismatchError(f"{directory}: several safetensors files {found} but no {INDEX_FILE}")
     return found, None
@@ -256,12 +272,28 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+QUANTIZED_DTYPES = frozenset({"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"})
+QUANTIZED_SUFFIXES = ("_blocks", "_scales", ".weight_scale", ".weight_scale_inv", ".input_scale", ".qweight",
+                      ".qzeros", ".scales")
+
+
+def refuse_quantized(tensors: Mapping[str, TensorInfo]) -> None:
+    """Raise :class:`CheckpointMismatchError` naming the keys of a quantized checkpoint (int8 / fp8 / fp4 tensors,
+    MXFP4 ``_blocks``/``_scales``, fp8 ``weight_scale_inv``, GPTQ ``qweight``…): xpar_zoo reads float weights only."""
+    bad = [f"{i.key} ({i.file}, {i.dtype})" for i in tensors.values()
+           if i.dtype in QUANTIZED_DTYPES or i.key.endswith(QUANTIZED_SUFFIXES)]
+    if bad:
+        raise CheckpointMismatchError(f"quantized weights, which xpar_zoo cannot load (it reads F32/BF16/F16 "
+                                      f"tensors only; use a dequantized checkpoint): {_listing(bad)}")
+
+
 def plan_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubLayout:
     """Map checkpoint ``tensors`` (from :func:`read_checkpoint_headers`) onto ``model``'s parameters and persistent
     buffers (a meta-device model is enough) with transformers' conversion rules; raise
     :class:`CheckpointMismatchError` listing every missing, unexpected and wrong-shape key."""
     from transformers.core_model_loading import apply_renamings, dot_natural_key, rename_source_key
 
+    refuse_quantized(tensors)
     state = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     aliases = tied_aliases(model)
     renamings, converters = _conversion_rules(model)

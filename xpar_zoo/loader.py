@@ -30,9 +30,10 @@ from xpar_zoo.converters.hub_layout import Box, HubLayout, Read, plan_hub_layout
 
 from .errors import XparError
 from .hub import HubResolutionError, ResolvedModel, resolve
-from .mesh import Mesh
+from .mesh import Mesh, check_same_on_all_ranks
 from .parallelize import parallelize
 from .plan import Plan
+from .registry import get_plan
 
 
 class LoadError(XparError, RuntimeError):
@@ -90,6 +91,19 @@ def _torch_dtype(dtype, config) -> torch.dtype:
     if not dtype.is_floating_point:
         raise LoadError(f"dtype must be a floating-point dtype, got {dtype}")
     return dtype
+
+
+def load_config(directory: str | Path):
+    """The transformers config in ``directory``; a missing, malformed or unrecognised ``config.json`` raises
+    :class:`LoadError` naming the file."""
+    from transformers import AutoConfig
+
+    path = Path(directory) / "config.json"
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError, KeyError) as e:
+        first = (str(e).splitlines() or [""])[0]
+        raise LoadError(f"{path}: cannot read the model config ({type(e).__name__}: {first})") from None
 
 
 def build_meta(config, dtype: torch.dtype) -> nn.Module:
@@ -217,14 +231,18 @@ def from_pretrained(
     Strict: a checkpoint that does not fill every parameter and persistent buffer exactly, or holds keys the model
     has no place for, raises a :class:`~xpar_zoo.XparError` naming the keys and files before tensor data is read.
     A collective: every rank calls it. Returns the model in eval mode, like transformers."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     mesh = mesh or Mesh()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        check_same_on_all_ranks((str(name), revision, str(dtype)), "from_pretrained arguments (name, revision, dtype)",
+                                LoadError)
     resolved = resolve_on_each_node(name, revision, cache_dir=cache_dir, token=token)
-    config = AutoConfig.from_pretrained(resolved.directory)
+    config = load_config(resolved.directory)
     if getattr(config, "quantization_config", None):
         raise LoadError(f"{name}: quantized checkpoints ({config.quantization_config}) are not supported")
     torch_dtype = _torch_dtype(dtype, config)
+    plan = plan or get_plan(config.model_type)  # an architecture without a plan: refused before any work
     model = build_meta(config, torch_dtype)
     layout = plan_hub_layout(model, read_checkpoint_headers(resolved.directory))
     persistent = set(model.state_dict(keep_vars=True))
