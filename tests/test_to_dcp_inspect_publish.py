@@ -286,3 +286,30 @@ def test_to_dcp_memory_stays_near_one_batch_not_the_model(tiny, tmp_path):
     print(f"to-dcp peak RSS growth {result['growth_mib']:.0f} MiB for a {model_mib:.0f} MiB model, 32 MiB batches")
     assert result["growth_mib"] < 2 * 32, result
     assert latest_checkpoint(tmp_path / "out") is not None
+
+
+def test_to_dcp_of_an_offline_hub_id_at_a_revision_then_to_hf_gives_back_the_hub_files(tiny, tmp_path):
+    """A hub id at a commit, from an offline huggingface_hub cache → DCP → `convert to-hf`: the hub's own tensors."""
+    from safetensors.torch import load_file
+
+    repo, commit = "org/tiny-qwen3-moe", "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hf_cache"
+    entry = cache / f"models--{repo.replace('/', '--')}"
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text(commit)
+    shutil.copytree(tiny["hub"], entry / "snapshots" / commit)
+    out = tmp_path / "from_hub"
+    proc = subprocess.run([sys.executable, "-m", "xpar_zoo", "convert", "to-dcp", repo, str(out), "--revision", commit],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _assert_equal_state(dict(iter_model_tensors(out)), tiny["state"])
+    src = read_checkpoint_metadata(out)["converted_from"]
+    assert (src["origin"], src["revision"], src["commit"]) == (repo, commit, commit)
+    back = tmp_path / "back"
+    assert cli.main(["convert", "to-hf", str(out), str(back), "--max-shard-size", "20KB"]) == 0
+
+    def hub_tensors(directory):
+        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    _assert_equal_state(hub_tensors(back), hub_tensors(tiny["hub"]))
