@@ -113,6 +113,7 @@ def test_existing_output_is_refused_and_bad_inputs_are_named(tiny, tmp_path, cap
 
 def _killed_conversion(hub, out, force: bool) -> None:
     """Run to-dcp in a subprocess slowed down per tensor; SIGKILL it once its temporary directory has data."""
+    force_flag = ', "--force"' if force else ""
     script = textwrap.dedent(f"""
         import time
         from xpar_zoo import cli
@@ -121,7 +122,7 @@ def _killed_conversion(hub, out, force: bool) -> None:
         def slow(*a, **k):
             time.sleep(0.1); return real(*a, **k)
         td._assemble = slow
-        cli.main(["convert", "to-dcp", {str(hub)!r}, {str(out)!r}, "--batch-size", "10KB"{', "--force"' if force else ''}])
+        cli.main(["convert", "to-dcp", {str(hub)!r}, {str(out)!r}, "--batch-size", "10KB"{force_flag}])
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 60
@@ -170,6 +171,18 @@ def test_inspect_step_dir_reports_step_mesh_and_incomplete_checkpoints(tiny, tmp
     info = json.loads(capsys.readouterr().out)
     assert [c["dir"] for c in info["incomplete"]] == ["step-00000005"]
     assert "COMPLETE" in info["incomplete"][0]["reason"]
+    plain = tmp_path / "plain"
+    import torch.distributed.checkpoint as dcp
+
+    from xpar_zoo.checkpoint import _quiet_single_process
+
+    with _quiet_single_process():
+        dcp.save({"w": torch.ones(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},
+                 storage_writer=dcp.FileSystemWriter(str(plain)), no_dist=True)
+    assert cli.main(["convert", "inspect", str(plain), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "plain DCP" and info["parameters"] == 14
+    assert info["dtypes"] == {"float32": 1, "bfloat16": 1}
 
 
 # ---- publish ----------------------------------------------------------------------------------------------------
@@ -288,8 +301,9 @@ def test_to_dcp_memory_stays_near_one_batch_not_the_model(tiny, tmp_path):
     assert latest_checkpoint(tmp_path / "out") is not None
 
 
-def test_to_dcp_of_an_offline_hub_id_at_a_revision_then_to_hf_gives_back_the_hub_files(tiny, tmp_path):
-    """A hub id at a commit, from an offline huggingface_hub cache → DCP → `convert to-hf`: the hub's own tensors."""
+def test_to_dcp_of_an_offline_hub_id_at_a_revision_then_to_hf_gives_back_the_hub_files(tiny, tmp_path, uploads):
+    """A hub id at a commit, from an offline huggingface_hub cache → DCP → `convert to-hf`: the hub's own tensors;
+    the export publishes with its facts (xpar_export.json) on the card."""
     from safetensors.torch import load_file
 
     repo, commit = "org/tiny-qwen3-moe", "0123456789abcdef0123456789abcdef01234567"
@@ -313,3 +327,8 @@ def test_to_dcp_of_an_offline_hub_id_at_a_revision_then_to_hf_gives_back_the_hub
         return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
     _assert_equal_state(hub_tensors(back), hub_tensors(tiny["hub"]))
+    assert cli.main(["publish", str(back), "me/round-trip", "--base-model", repo]) == 0
+    card = _front_matter(back / "README.md")
+    assert card["base_model"] == repo and card["xpar_zoo"]["step"] == 0
+    assert card["xpar_zoo"]["model_type"] == "qwen3_moe"
+    assert [c[0] for c in uploads] == ["create_repo", "upload_folder"]
