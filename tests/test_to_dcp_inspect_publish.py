@@ -216,6 +216,7 @@ def test_publish_writes_a_model_card_and_uploads_the_folder(tiny, tmp_path, uplo
     assert card["library_name"] == "xpar_zoo" and card["base_model"] == "org/tiny-base"
     assert {"xpar_zoo", "moe", "qwen3_moe"} <= set(card["tags"])
     assert card["xpar_zoo"]["mesh"] == {"ep": 2, "emb": 2} and card["xpar_zoo"]["step"] == 7
+    assert card["xpar_zoo"]["layout"] == "hub per-expert" and card["xpar_zoo"]["num_experts"] == 8
     names = [c[0] for c in uploads]
     assert names == ["create_repo", "create_branch", "upload_folder"]
     _, args, kwargs = uploads[0]

@@ -121,6 +121,8 @@ def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: 
     ``xpar_export.json`` (else from ``config.json``)."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    from xpar_zoo.converters.inspect_checkpoint import inspect_checkpoint
+
     from .registry import supported_architectures
 
     directory = Path(directory)
@@ -135,11 +137,11 @@ def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: 
                    None)
     tags = ["xpar_zoo", *(["moe"] if experts else []), model_type]
     xpar: dict[str, Any] = {
-        "layout": "hub (transformers' own key layout, per-expert where the hub stores experts separately)",
+        "layout": inspect_checkpoint(directory)["format"],  # hub per-expert / hub fused
         "model_type": model_type,
         "architectures": config.get("architectures"),
         "num_experts": experts,
-        "has_plan": model_type in supported_architectures(),
+        "xpar_zoo_plan": model_type in supported_architectures(),
         "shards": len(summary["files"]),
         "tensors": summary["tensors"],
     }
@@ -157,7 +159,8 @@ def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: 
         "hub's own format, loadable with plain transformers or, parallelized (EP / vocab plans + FSDP2), with "
         "xpar_zoo:", "",
         "```python", "import xpar_zoo",
-        f"model = xpar_zoo.from_pretrained({repo_id!r}, mesh=xpar_zoo.Mesh(ep=2))", "```", "",
+        f"model = xpar_zoo.from_pretrained({repo_id!r}, mesh=xpar_zoo.Mesh({'ep=2' if experts else ''}))", "```",
+        "",
         "## Provenance", "",
         f"- base model: {base or 'not recorded'}",
         f"- trained / saved with mesh: {mesh}",
