@@ -103,11 +103,17 @@ def test_existing_output_is_refused_and_bad_inputs_are_named(tiny, tmp_path, cap
     shard.write_bytes(shard.read_bytes()[:40])
     assert cli.main(["convert", "to-dcp", str(cut), str(tmp_path / "o3")]) == 2
     assert "model-00003-of-00010.safetensors" in capsys.readouterr().err
+    short = tmp_path / "truncated_data"  # found only while converting: the temporary directory is removed
+    shutil.copytree(tiny["hub"], short)
+    shard = short / "model-00004-of-00010.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-16])
+    assert cli.main(["convert", "to-dcp", str(short), str(tmp_path / "o4")]) == 2
+    assert "model-00004-of-00010.safetensors: truncated" in capsys.readouterr().err
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     assert cli.main(["convert", "to-dcp", str(tiny["hub"]), str(a_file / "out")]) == 2
     assert "cannot write" in capsys.readouterr().err
-    assert not any((tmp_path / n).exists() for n in ("o1", "o2", "o3"))
+    assert not any((tmp_path / n).exists() for n in ("o1", "o2", "o3", "o4"))
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
