@@ -185,13 +185,20 @@ def shard_units(model: nn.Module, mesh: Mesh, plan: Plan, **fsdp_kwargs) -> list
 
 
 def set_prefetch(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]) -> None:
-    """Forward: layer i prefetches its planned modules (overlapping attention) and layer i+1.
-    Backward: layer i prefetches its planned modules; the last of those prefetches layer i-1."""
+    """Forward: layer i prefetches its planned modules (overlapping attention) and layer i+1; the root prefetches
+    planned modules that run before the layers (a vocab-parallel embedding) and the last layer those after them
+    (a vocab-parallel head). Backward: layer i prefetches its planned modules; the last of those prefetches layer
+    i-1; a planned head prefetches the last layer."""
     planned_modules = [model.get_submodule(p.fqn) for p in planned]
     inside = {id(u): [m for m in u.modules() if m is not u and any(m is q for q in planned_modules)] for u in units}
+    in_units = {id(m) for ms in inside.values() for m in ms}
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    outside = [m for m in planned_modules if id(m) not in in_units]
+    before = [m for m in outside if units and order[id(m)] < order[id(units[0])]]
+    after = [m for m in outside if units and order[id(m)] > order[id(units[-1])]]
     for i, unit in enumerate(units):
         own = inside[id(unit)]
-        unit.set_modules_to_forward_prefetch(own + units[i + 1:i + 2])
+        unit.set_modules_to_forward_prefetch(own + (units[i + 1:i + 2] or after))
         if own:
             unit.set_modules_to_backward_prefetch(own)
             if i > 0:
@@ -199,7 +206,9 @@ def set_prefetch(model: nn.Module, units: list[nn.Module], planned: list[Planned
         elif i > 0:
             unit.set_modules_to_backward_prefetch([units[i - 1]])
     if units:
-        model.set_modules_to_forward_prefetch([units[0]])
+        model.set_modules_to_forward_prefetch(before + [units[0]])
+    if len(after) == 1:
+        after[0].set_modules_to_backward_prefetch([units[-1]])
 
 
 def _fingerprint(model: nn.Module, plan: Plan) -> str:
