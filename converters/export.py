@@ -66,7 +66,8 @@ def _check_output(out_dir: Path, force: bool) -> None:
         raise ExportError(f"{out_dir} exists and is not a directory")
     parent = out_dir.parent
     if not parent.is_dir():
-        raise ExportError(f"cannot write {out_dir}: {parent} does not exist")
+        why = "is not a directory" if parent.exists() else "does not exist"
+        raise ExportError(f"cannot write {out_dir}: {parent} {why}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportError(f"cannot write {out_dir}: {parent} is not writable")
 
