@@ -10,9 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from .collectives import to_local
 
 
 def _copies(g: torch.Tensor) -> int:
@@ -34,10 +32,10 @@ def clip_grad_norm_(
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
-    device = _local(grads[0]).device if grads else torch.device("cpu")
+    device = to_local(grads[0]).device if grads else torch.device("cpu")
     acc = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
-        local = _local(g).detach().float()
+        local = to_local(g).detach().float()
         if local.numel() == 0:
             continue
         if math.isinf(norm_type):
@@ -51,6 +49,6 @@ def clip_grad_norm_(
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        local = _local(g)
+        local = to_local(g)
         local.mul_(coef.to(local.device, local.dtype))
     return total

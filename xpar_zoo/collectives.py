@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def to_local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (a plain tensor unchanged)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

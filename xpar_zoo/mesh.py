@@ -12,6 +12,7 @@ There is no global state: build a :class:`Mesh` after ``torch.distributed.init_p
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,22 @@ def validate_sizes(world: int, sizes: Mapping[str, int], replicate: int) -> None
                 f"plan {name!r} of size {size} does not divide the dense shard size {shard} "
                 f"(world {world} / replicate {replicate})"
             )
+
+
+@dataclass(frozen=True)
+class PlanShard:
+    """This rank's place in a plan group: ``size`` ranks (``group``), each owning ``rows`` consecutive dim-0 rows
+    (experts or vocab rows) of the planned tensors; this rank is ``rank`` in the group and owns rows
+    ``offset … offset + rows - 1``."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    rows: int
+
+    @property
+    def offset(self) -> int:
+        return self.rank * self.rows
 
 
 class Mesh:
@@ -184,6 +201,10 @@ class Mesh:
     def plan_rank(self, name: str) -> int:
         """This rank's coordinate (0 … size-1) within its ``name`` group."""
         return self.plan_mesh(name).get_local_rank(name)
+
+    def plan_shard(self, name: str, dim0: int) -> PlanShard:
+        """This rank's :class:`PlanShard` of plan ``name`` for planned tensors with ``dim0`` rows."""
+        return PlanShard(self.plan_group(name), self.size(name), self.plan_rank(name), dim0 // self.size(name))
 
     def fsdp_dims(self, name: str) -> DataParallelMeshDims:
         """The data-parallel dims of plan ``name``'s mesh, for ``fully_shard(..., dp_mesh_dims=...)``."""

@@ -17,36 +17,15 @@ per-expert ``mm`` loop everywhere else (unaligned shapes, other dtypes, no rows 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface
 
-from .collectives import all_to_all, all_to_all_counts
+from .collectives import all_to_all, all_to_all_counts, to_local
+from .mesh import PlanShard
 
 EXPERTS_IMPLEMENTATION = "xpar_zoo"
-
-
-@dataclass(frozen=True)
-class ExpertParallel:
-    """An experts module's EP group: ``size`` ranks each own ``num_local`` consecutive global experts."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-    num_local: int
-
-    @property
-    def first_expert(self) -> int:
-        return self.rank * self.num_local
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -107,10 +86,10 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
     has_bias = getattr(module, "has_bias", False)
     transposed = getattr(module, "is_transposed", False)
     up_name = "gate_up_proj" if has_gate else "up_proj"
-    up_w = _local(getattr(module, up_name))
-    down_w = _local(module.down_proj)
-    up_b = _local(getattr(module, f"{up_name}_bias")) if has_bias else None
-    down_b = _local(module.down_proj_bias) if has_bias else None
+    up_w = to_local(getattr(module, up_name))
+    down_w = to_local(module.down_proj)
+    up_b = to_local(getattr(module, f"{up_name}_bias")) if has_bias else None
+    down_b = to_local(module.down_proj_bias) if has_bias else None
     if up_w.shape[0] != num:  # not EP-sharded: every expert is local
         up_w, down_w = up_w[first:first + num], down_w[first:first + num]
         up_b = up_b[first:first + num] if up_b is not None else None
@@ -148,9 +127,9 @@ def experts_forward(
 ) -> torch.Tensor:
     """``ExpertsInterface`` entry: the MoE experts of one layer for ``hidden_states [T, H]`` routed by
     ``top_k_index / top_k_weights [T, k]``, with expert parallelism when the module has an EP group."""
-    ep: ExpertParallel | None = getattr(self, "_xpar_ep", None)
+    ep: PlanShard | None = getattr(self, "_xpar_ep", None)
     num_tokens, top_k = top_k_index.shape
-    num_experts = _local(self.down_proj).shape[0] * (ep.size if ep else 1)
+    num_experts = to_local(self.down_proj).shape[0] * (ep.size if ep else 1)
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
@@ -158,12 +137,12 @@ def experts_forward(
     if ep is None:
         out = _experts_mlp(self, rows, counts, 0, num_experts)
     else:
-        send = counts.view(ep.size, ep.num_local)
+        send = counts.view(ep.size, ep.rows)
         recv = all_to_all_counts(send, ep.group)
         send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         received = all_to_all(rows, recv_splits, send_splits, ep.group)
         regroup = _source_major_to_expert_major(recv)
-        out = _experts_mlp(self, received[regroup], recv.sum(0), ep.first_expert, ep.num_local)
+        out = _experts_mlp(self, received[regroup], recv.sum(0), ep.offset, ep.rows)
         out = all_to_all(out[_inverse(regroup)], send_splits, recv_splits, ep.group)
     out = out[_inverse(order)] * top_k_weights.reshape(-1, 1).to(out.dtype)
     return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
@@ -172,6 +151,6 @@ def experts_forward(
 ExpertsInterface.register(EXPERTS_IMPLEMENTATION, experts_forward)
 
 
-def install_expert_parallel(module: nn.Module, ep: ExpertParallel | None) -> None:
-    """Give an experts module its EP group (``None``: all experts local)."""
+def install_expert_parallel(module: nn.Module, ep: PlanShard | None) -> None:
+    """Give an experts module its EP group (``None``: all experts local); ``ep.rows`` experts live here."""
     module._xpar_ep = ep

@@ -21,10 +21,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import PlanError
 from .mesh import Mesh, check_same_on_all_ranks
-from .moe import EXPERTS_IMPLEMENTATION, ExpertParallel, install_expert_parallel
+from .gathered import install_gathered
+from .moe import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .plan import Plan, match_parameters
 from .registry import get_plan
-from .vocab import VocabShard, install_gathered, install_vocab_embedding, install_vocab_lm_head
+from .vocab import install_vocab_embedding, install_vocab_lm_head
 
 
 @dataclass(frozen=True)
@@ -139,11 +140,9 @@ def install_styles(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -
     """Give each planned module the forward of its style; experts modules use xpar_zoo's experts path."""
     for pm in planned:
         module = model.get_submodule(pm.fqn)
-        size = mesh.size(pm.plan_name)
-        shard = VocabShard(mesh.plan_group(pm.plan_name), size, mesh.plan_rank(pm.plan_name),
-                           getattr(module, pm.params[0]).shape[0] // size)
+        shard = mesh.plan_shard(pm.plan_name, getattr(module, pm.params[0]).shape[0])
         if pm.style == "experts":
-            install_expert_parallel(module, ExpertParallel(shard.group, size, shard.rank, shard.rows))
+            install_expert_parallel(module, shard)
         elif pm.style == "embedding":
             install_vocab_embedding(module, shard)
         elif pm.style == "lm_head":

@@ -1,4 +1,4 @@
-"""Vocab parallelism (the ``embedding`` and ``lm_head`` styles) and the generic ``gathered`` style.
+"""Vocab parallelism: the ``embedding`` and ``lm_head`` styles (the generic ``gathered`` style is in gathered.py).
 
 A vocab plan of size ``s`` gives each rank of a group ``V/s`` consecutive rows of a ``[V, H]`` tensor (FSDP2 shards
 those rows on dim 1 over ``<plan>_fsdp``). Every rank keeps its own micro-batch; only ids, vectors and per-token
@@ -14,9 +14,6 @@ statistics travel.
   tensor, nor even ``[tokens, V/s]`` at once: chunks are recomputed in backward (a fused linear + cross-entropy).
   ``model(input_ids, labels=...)`` returns the usual loss (same shift, ``ignore_index``, mean over this rank's
   tokens, or ``num_items_in_batch``); ``out.logits`` is ``None`` unless asked for with :func:`full_logits`.
-- ``gathered`` (:func:`install_gathered`): storage-only split for any module (attention projections, norms of
-  matrices…): its planned parameters are all-gathered over the plan group for the module's own forward and their
-  gradients reduce-scattered back (sum over the group) — the memory of a dim-0 split, the compute of the original.
 
 Tied embeddings (``tie_word_embeddings=True``) are refused with :class:`~xpar_zoo.errors.PlanError` when a plan
 splits the shared tensor: the embedding and the head need different compute styles (lookup vs. logits), and giving
@@ -36,37 +33,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers.utils import ModelOutput
 
-from .collectives import all_to_all, all_to_all_counts
+from .collectives import all_to_all, all_to_all_counts, to_local
 from .errors import PlanError
+from .mesh import PlanShard
 
 # Elements of one fp32 logits chunk ``[tokens, V/s]`` in the fused head: bounds its memory (64 MiB).
 CE_CHUNK_ELEMENTS = 1 << 24
 
 
-@dataclass(frozen=True)
-class VocabShard:
-    """This rank's place in a plan group: ``size`` ranks, each owning ``rows`` consecutive dim-0 rows."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-    rows: int
-
-    @property
-    def offset(self) -> int:
-        return self.rank * self.rows
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 # ---- raw collectives (no autograd) over a group whose ranks hold different numbers of rows ----------------------
 
-def _group_counts(n: int, shard: VocabShard, device: torch.device) -> list[int]:
+def _group_counts(n: int, shard: PlanShard, device: torch.device) -> list[int]:
     counts = torch.zeros(shard.size, dtype=torch.int64, device=device)
     out = torch.empty_like(counts)
     counts[:] = n
@@ -74,7 +53,7 @@ def _group_counts(n: int, shard: VocabShard, device: torch.device) -> list[int]:
     return out.tolist()
 
 
-def _gather_rows(x: torch.Tensor, counts: list[int], shard: VocabShard) -> torch.Tensor:
+def _gather_rows(x: torch.Tensor, counts: list[int], shard: PlanShard) -> torch.Tensor:
     """``cat`` of every group rank's ``x`` (``counts[q]`` rows from rank ``q``), on every rank."""
     n = x.shape[0]
     send = x.unsqueeze(0).expand(shard.size, *x.shape).reshape(shard.size * n, *x.shape[1:])
@@ -83,7 +62,7 @@ def _gather_rows(x: torch.Tensor, counts: list[int], shard: VocabShard) -> torch
     return out
 
 
-def _scatter_sum_rows(y: torch.Tensor, counts: list[int], shard: VocabShard) -> torch.Tensor:
+def _scatter_sum_rows(y: torch.Tensor, counts: list[int], shard: PlanShard) -> torch.Tensor:
     """The transpose of :func:`_gather_rows`: rank ``r`` gets the group-wide sum of the ``counts[r]`` rows it owns."""
     n = counts[shard.rank]
     out = y.new_empty((shard.size * n, *y.shape[1:]))
@@ -93,7 +72,7 @@ def _scatter_sum_rows(y: torch.Tensor, counts: list[int], shard: VocabShard) -> 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: list[int], shard: VocabShard) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, counts: list[int], shard: PlanShard) -> torch.Tensor:
         ctx.counts, ctx.shard = counts, shard
         return _gather_rows(x, counts, shard)
 
@@ -106,8 +85,8 @@ class _GatherRows(torch.autograd.Function):
 
 def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     """Vocab-parallel lookup: distinct ids go to their owners (all-to-all), vectors come back (all-to-all)."""
-    shard: VocabShard = self._xpar_vocab
-    weight = _local(self.weight)  # [V/s, H]: this rank's rows (FSDP has gathered dim 1)
+    shard: PlanShard = self._xpar_vocab
+    weight = to_local(self.weight)  # [V/s, H]: this rank's rows (FSDP has gathered dim 1)
     vocab = shard.rows * shard.size
     flat = input.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
@@ -124,7 +103,7 @@ def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     return vectors[inverse.view(input.shape)]  # a fresh tensor: FSDP's backward hook must not sit on a view
 
 
-def install_vocab_embedding(module: nn.Module, shard: VocabShard) -> None:
+def install_vocab_embedding(module: nn.Module, shard: PlanShard) -> None:
     """Make ``module`` (an ``nn.Embedding`` whose weight holds ``shard.rows`` rows here) look ids up vocab-parallel."""
     if not isinstance(module, nn.Embedding):
         raise PlanError(f"the embedding style needs an nn.Embedding, got {type(module).__name__}")
@@ -152,7 +131,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, shard: VocabShard, counts: list[int], ignore_index: int, lead):
+    def forward(ctx, hidden, weight, targets, shard: PlanShard, counts: list[int], ignore_index: int, lead):
         h_all = _gather_rows(hidden.detach(), counts, shard)  # [N, H]
         t_all = _gather_rows(targets, counts, shard)  # [N]
         valid = t_all != ignore_index
@@ -213,13 +192,13 @@ class _LossRequest:
 
 
 class _HeadState:
-    def __init__(self, shard: VocabShard) -> None:
+    def __init__(self, shard: PlanShard) -> None:
         self.shard = shard
         self.request: _LossRequest | None = None
         self.full_logits = False
 
 
-def _head_full_logits(hidden: torch.Tensor, weight: torch.Tensor, counts: list[int], shard: VocabShard, lead):
+def _head_full_logits(hidden: torch.Tensor, weight: torch.Tensor, counts: list[int], shard: PlanShard, lead):
     """Full ``[*lead, V]`` logits of this rank's tokens: local-vocab logits of the group's tokens, sent to their
     owners and concatenated by vocab block."""
     z = _GatherRows.apply(hidden, counts, shard) @ weight.t()  # [N, V/s]
@@ -233,7 +212,7 @@ def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParal
     shard, request = state.shard, state.request
     if request is None and not state.full_logits:
         return VocabParallelLogits()
-    weight = _local(self.weight)  # [V/s, H]
+    weight = to_local(self.weight)  # [V/s, H]
     lead = hidden_states.shape[:-1]
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     counts = _group_counts(hidden.shape[0], shard, hidden.device)
@@ -278,7 +257,7 @@ def _unwrap_logits(out):
     return out
 
 
-def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: VocabShard) -> None:
+def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard) -> None:
     """Make ``module`` (the model's output head, holding ``shard.rows`` vocab rows here) a vocab-parallel head with
     a fused cross-entropy, and hook ``model``'s forward and ``loss_function`` so that ``model(…, labels=…)`` returns
     the usual loss. Every rank of a head group must call the model alike (labels or not, :func:`full_logits` or not).
@@ -331,44 +310,3 @@ def full_logits(model: nn.Module) -> Iterator[None]:
     finally:
         for h, p in zip(heads, previous):
             h.full_logits = p
-
-
-# ---- gathered: storage-only split for any module ---------------------------------------------------------------
-
-class _AllGatherDim0(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-        ctx.shard = shard
-        out = local.new_empty((shard.size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_single(out, local.contiguous(), group=shard.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        shard = ctx.shard
-        out = grad.new_empty((grad.shape[0] // shard.size, *grad.shape[1:]))
-        dist.reduce_scatter_single(out, grad.contiguous(), group=shard.group)
-        return out, None
-
-
-def _gathered_forward(self: nn.Module, *args, **kwargs):
-    shard: VocabShard = self._xpar_gathered
-    saved = {name: self._parameters[name] for name in self._xpar_gathered_params}
-    try:
-        for name, param in saved.items():
-            # Each rank's gradient comes from its own micro-batch: the backward sums over the group, which a
-            # DTensor redistribute (that assumes replicated gradients) would not.
-            self._parameters[name] = _AllGatherDim0.apply(_local(param), shard)
-        return self._xpar_gathered_forward(*args, **kwargs)
-    finally:
-        for name, param in saved.items():
-            self._parameters[name] = param
-
-
-def install_gathered(module: nn.Module, params: tuple[str, ...], shard: VocabShard) -> None:
-    """Make ``module`` compute with its full ``params`` (all-gathered over the plan group in its forward; gradients
-    summed back to the owners' rows) while each rank stores only its dim-0 slice. Works for any module."""
-    module._xpar_gathered = shard
-    module._xpar_gathered_params = tuple(params)
-    module._xpar_gathered_forward = module.forward
-    module.forward = types.MethodType(_gathered_forward, module)
