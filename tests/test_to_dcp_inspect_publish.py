@@ -130,13 +130,18 @@ def _killed_conversion(hub, out, force: bool) -> None:
         td._assemble = slow
         cli.main(["convert", "to-dcp", {str(hub)!r}, {str(out)!r}, "--batch-size", "10KB"{force_flag}])
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = open(out.parent / f"{out.name}.log", "w+b")  # a file, not a pipe: the child never blocks on its output
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=log)
     deadline = time.time() + 60
-    while time.time() < deadline and not any(
+    while time.time() < deadline and proc.poll() is None and not any(
             p.name.startswith(f".{out.name}.tmp-") and any(p.rglob("*.distcp")) for p in out.parent.iterdir()):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
+    code = proc.wait()
+    log.seek(0)
+    err = log.read().decode(errors="replace")
+    log.close()
+    assert code == -signal.SIGKILL, f"the conversion ended before it was killed (exit {code}):\n{err[-2000:]}"
 
 
 def test_sigkill_during_to_dcp_leaves_no_output_and_the_earlier_one_intact(tiny, tmp_path):
