@@ -15,13 +15,14 @@ import os
 import re
 import shutil
 import struct
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from xpar_zoo.errors import XparError
+
+from .output_dir import check_output, move_into_place, staging_dir
 
 INDEX_FILE = "model.safetensors.index.json"
 EXPORT_INFO_FILE = "xpar_export.json"
@@ -57,19 +58,6 @@ def parse_size(size: str | int) -> int:
     if value <= 0:
         raise ExportError(f"shard size must be positive, got {size!r}")
     return value
-
-
-def _check_output(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not force:
-        raise ExportError(f"{out_dir} already exists; pass --force (force=True) to replace it")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"{out_dir} exists and is not a directory")
-    parent = out_dir.parent
-    if not parent.is_dir():
-        why = "is not a directory" if parent.exists() else "does not exist"
-        raise ExportError(f"cannot write {out_dir}: {parent} {why}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExportError(f"cannot write {out_dir}: {parent} is not writable")
 
 
 def _config_from(meta: dict, source_dir: Path | None):
@@ -203,7 +191,7 @@ def export_to_hf(
     cast = parse_dtype(dtype)
     shard_bytes = parse_size(max_shard_size)
     out_dir = Path(out_dir).expanduser().absolute()
-    _check_output(out_dir, force)
+    check_output(out_dir, force, ExportError)
     meta = read_checkpoint_metadata(checkpoint)
     specs = model_tensor_specs(checkpoint)
     source_dir = None
@@ -230,8 +218,7 @@ def export_to_hf(
     index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
              "weight_map": {key: s.file for s in shards for key, _, _ in s.entries}}
 
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = staging_dir(out_dir)
     try:
         writer = _StreamingShardWriter(tmp, shards)
         bar = tqdm(total=index["metadata"]["total_size"], unit="B", unit_scale=True, desc="export to hub format",
@@ -260,19 +247,10 @@ def export_to_hf(
                 "xpar_zoo_version": meta.get("xpar_zoo_version"), "dtype": str(cast or "as saved"),
                 "base_model": str(model) if model is not None else None}
         (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        _move_into_place(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
 
 
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename ``tmp`` to ``out_dir``; an existing ``out_dir`` (``force``) is renamed aside first, then removed."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.deleting-{uuid.uuid4().hex[:8]}"
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
 
 from xpar_zoo.errors import XparError
+
+from .output_dir import check_output, move_into_place, staging_dir
 
 DEFAULT_BATCH_BYTES = 1 << 30
 _PART_PREFIX = ".part-"
@@ -32,18 +33,6 @@ _PART_PREFIX = ".part-"
 class ConvertError(XparError, ValueError):
     """A conversion that cannot be done as asked: an existing or unwritable output, a checkpoint whose pieces
     disagree (mixed dtypes within one tensor)."""
-
-
-def _check_output(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not force:
-        raise ConvertError(f"{out_dir} already exists; pass --force (force=True) to replace it")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConvertError(f"{out_dir} exists and is not a directory")
-    parent = out_dir.parent
-    if not parent.is_dir():
-        raise ConvertError(f"cannot write {out_dir}: {parent} is not an existing directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConvertError(f"cannot write {out_dir}: {parent} is not writable")
 
 
 def _batches(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
@@ -194,7 +183,7 @@ def convert_to_dcp(
     from xpar_zoo.loader import build_meta
 
     out_dir = Path(out_dir).expanduser().absolute()
-    _check_output(out_dir, force)
+    check_output(out_dir, force, ConvertError)
     resolved = resolve(name, revision, cache_dir=cache_dir, token=token)
     directory = resolved.directory
     config = AutoConfig.from_pretrained(directory)
@@ -215,7 +204,7 @@ def convert_to_dcp(
             alias_of.setdefault(canonical, []).append(alias)
 
     step = 0
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = staging_dir(out_dir)
     ckpt = tmp / ck.checkpoint_name(step)
     try:
         ckpt.mkdir(parents=True)
@@ -252,7 +241,7 @@ def convert_to_dcp(
         ck._write_file(ckpt / ck.EXTRA_FILE, json.dumps({}).encode())
         ck.write_complete_marker(ckpt, step)
         _check_readable(ckpt, {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()})
-        _move_into_place(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -270,12 +259,3 @@ def _check_readable(ckpt: Path, shapes: dict[str, tuple[int, ...]]) -> None:
                            f"{missing[:8]})")
 
 
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename ``tmp`` to ``out_dir``; an existing ``out_dir`` (``force``) is renamed aside first, then removed."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.deleting-{uuid.uuid4().hex[:8]}"
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
