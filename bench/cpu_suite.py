@@ -5,7 +5,8 @@
 
 Peer: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))``
 (needs ``accelerate``: ``pip install --target /tmp/accel --no-deps accelerate psutil pyyaml`` and run with
-``PYTHONPATH=/tmp/accel``), trained with the same AdamW and saved with its own ``save_pretrained``. Ours:
+``PYTHONPATH=/tmp/accel``), trained with the same AdamW and saved with its own ``save_pretrained`` (model weights; ours saves the same,
+as an atomic DCP checkpoint). Ours:
 ``xpar_zoo.from_pretrained(dir, mesh=Mesh(ep=2))`` (FSDP2 over the 4 ranks, experts split in 2 and FSDP-sharded on
 dim 1), ``xpar_zoo.save_checkpoint``. The checkpoint is bench/load_memory.py's ≈ 400 MB qwen3_moe. Every figure is
 the worst rank's; ratios are xpar_zoo / transformers.
@@ -82,7 +83,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int
         if which == "xpar_zoo":
             import xpar_zoo
 
-            xpar_zoo.save_checkpoint(out, model, optimizer=opt, step=steps)
+            xpar_zoo.save_checkpoint(out, model, step=steps)  # model weights, like save_pretrained
         else:
             model.save_pretrained(out)
         dist.barrier()
@@ -136,7 +137,7 @@ def main() -> None:
              "| | xpar_zoo `Mesh(ep=2)` | transformers `DistributedConfig(fsdp_size=4, ep_size=2)` | ratio |",
              "|---|---|---|---|"]
     for key, label in (("load_s", "load time (s)"), ("load_peak_growth_MiB", "load peak RSS growth (MiB)"),
-                       ("step_s", "training step (s)"), ("save_s", "save (s)")):
+                       ("step_s", "training step (s)"), ("save_s", "save model weights (s)")):
         a, b = _worst(ours, key), _worst(peer, key)
         ratio = f"{a / b:.2f}×" if a and b else "—"
         fmt = (lambda v: "failed" if v is None else f"{v:.2f}")
