@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 from xpar_zoo.errors import XparError
@@ -17,8 +18,18 @@ class OutputError(XparError, ValueError):
     """An output directory that exists (without ``force``) or cannot be written."""
 
 
+class LeftoverWarning(UserWarning):
+    """Staging directories of earlier, interrupted conversions sit beside the output."""
+
+
 def check_output(out_dir: Path, force: bool, error: type[Exception] = OutputError) -> None:
-    """Raise ``error`` when ``out_dir`` exists without ``force``, is not a directory, or its parent is unwritable."""
+    """Raise ``error`` when ``out_dir`` exists without ``force``, is not a directory, or its parent is unwritable;
+    warn (naming them) about staging directories that interrupted conversions left beside it."""
+    if out_dir.parent.is_dir():
+        leftovers = sorted(p.name for p in out_dir.parent.glob(f".{out_dir.name}.tmp-*"))
+        if leftovers:
+            warnings.warn(f"interrupted conversions left {', '.join(leftovers)} in {out_dir.parent}; remove them "
+                          "when no conversion is running", LeftoverWarning, stacklevel=3)
     if out_dir.exists() and not force:
         raise error(f"{out_dir} already exists; pass --force (force=True) to replace it")
     if out_dir.exists() and not out_dir.is_dir():

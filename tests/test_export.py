@@ -108,3 +108,7 @@ def test_a_killed_export_leaves_no_output_and_the_earlier_one_intact(exported):
     assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
     leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(".out.")]
     assert leftovers, "the kill should have interrupted a write in a temporary directory"
+    from xpar_zoo.converters.output_dir import LeftoverWarning
+
+    with pytest.warns(LeftoverWarning, match=leftovers[0]):
+        assert cli.main(["convert", "to-hf", str(ckpt), str(out), "--force"]) == 0

@@ -10,11 +10,13 @@ from .parallelize import parallelize
 from .plan import ExtraPlan, Plan
 from .registry import get_plan, supported_architectures
 from .state import full_state_dict
+from .vocab import full_logits
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CheckpointFuture", "ExtraPlan", "Mesh", "MeshError", "Plan", "PlanError",
-    "UnknownArchitectureError", "XparError", "clip_grad_norm_", "from_pretrained", "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint",
-    "parallelize", "read_checkpoint_metadata", "save_checkpoint", "supported_architectures",
+    "UnknownArchitectureError", "XparError", "clip_grad_norm_", "from_pretrained", "full_logits", "full_state_dict",
+    "get_plan", "latest_checkpoint", "load_checkpoint", "parallelize", "read_checkpoint_metadata", "save_checkpoint",
+    "supported_architectures",
 ]
