@@ -52,27 +52,21 @@ def results():
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_sgd_step_matches_single_process(results, mesh):
     row = results[mesh]
-    (par,), (ref,) = row["loss"]
-    assert abs(par - ref) < parity.LOSS_TOL, f"loss {par} vs single-process {ref}"
-    worst = max(row["errors"].items(), key=lambda kv: kv[1])
-    assert worst[1] < parity.PARAM_REL_TOL, f"{worst[0]}: relative error {worst[1]:.2e} after one SGD step"
+    parity.assert_losses_match(*row["loss"], what=mesh)
+    parity.assert_params_match(row["errors"], what=f"{mesh}, one SGD step:")
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_grad_norm_matches_single_process(results, mesh):
-    (par,), (ref,) = results[mesh]["norm"]
-    assert abs(par - ref) <= 1e-5 * ref
+    parity.assert_norms_match(*results[mesh]["norm"], what=mesh)
 
 
 @pytest.mark.parametrize("mesh", ADAMW_MESHES)
 def test_three_clipped_adamw_steps_match_single_process(results, mesh):
     row = results[mesh]
-    for par, ref in zip(*row["adamw_loss"]):
-        assert abs(par - ref) < parity.LOSS_TOL
-    for par, ref in zip(*row["adamw_norm"]):
-        assert abs(par - ref) <= 1e-5 * ref
-    worst = max(row["adamw_errors"].items(), key=lambda kv: kv[1])
-    assert worst[1] < parity.PARAM_REL_TOL, f"{worst[0]}: relative error {worst[1]:.2e} after 3 AdamW steps"
+    parity.assert_losses_match(*row["adamw_loss"], what=mesh)
+    parity.assert_norms_match(*row["adamw_norm"], what=mesh)
+    parity.assert_params_match(row["adamw_errors"], what=f"{mesh}, 3 AdamW steps:")
 
 
 @pytest.mark.parametrize("mesh,experts_dim0,fsdp_dim1", [

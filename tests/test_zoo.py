@@ -50,7 +50,5 @@ def test_the_zoo_has_at_least_12_curated_architectures():
 @pytest.mark.parametrize("arch,mesh", CASES)
 def test_architecture_matches_single_process(results, arch, mesh):
     row = results[arch, mesh]
-    par, ref = row["loss"]
-    assert abs(par - ref) < parity.LOSS_TOL, f"{arch} on {mesh}: loss {par} vs single-process {ref}"
-    worst = max(row["errors"].items(), key=lambda kv: kv[1])
-    assert worst[1] < parity.PARAM_REL_TOL, f"{arch} on {mesh}: {worst[0]} relative error {worst[1]:.2e}"
+    parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{arch} on {mesh}")
+    parity.assert_params_match(row["errors"], what=f"{arch} on {mesh}:")

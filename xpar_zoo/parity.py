@@ -135,3 +135,21 @@ def param_errors(par: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], bef
         diff = max(0.0, (p - r).norm().item() - eps * r.norm().item())
         out[name] = diff / (update if update > 0 else 1.0)
     return out
+
+
+def assert_losses_match(par: list[float], ref: list[float], what: str = "") -> None:
+    """Every step's loss within :data:`LOSS_TOL` of the single-process one."""
+    for step, (a, b) in enumerate(zip(par, ref, strict=True), 1):
+        assert abs(a - b) < LOSS_TOL, f"{what} step {step}: loss {a} vs single-process {b}"
+
+
+def assert_norms_match(par: list[float], ref: list[float], what: str = "") -> None:
+    """Every step's total gradient norm within 1e-5 (relative) of the single-process one."""
+    for step, (a, b) in enumerate(zip(par, ref, strict=True), 1):
+        assert abs(a - b) <= 1e-5 * b, f"{what} step {step}: grad norm {a} vs single-process {b}"
+
+
+def assert_params_match(errors: dict[str, float], what: str = "") -> None:
+    """Every parameter within :data:`PARAM_REL_TOL` of its update (see :func:`param_errors`)."""
+    name, worst = max(errors.items(), key=lambda kv: kv[1])
+    assert worst < PARAM_REL_TOL, f"{what} {name}: relative error {worst:.2e}"
