@@ -199,21 +199,20 @@ def estimate(
     return est
 
 
-def candidate_meshes(config, world: int, plan: Plan | None = None) -> list[dict]:
+def candidate_meshes(config, world: int, plan: Plan | None = None, model: nn.Module | None = None) -> list[dict]:
     """Every ``{ep, replicate}`` that fits ``world`` and the model's shapes (dim 0 by ``ep``, dim 1 by
     ``ep_fsdp``)."""
     plan = plan or get_plan(config.model_type)
-    model = meta_model(config)
+    model = model if model is not None else meta_model(config)
+    params = dict(model.named_parameters())
+    shapes = [params[f].shape for f in match_parameters(model, plan.extra["ep"].params)] if "ep" in plan.extra else []
     out = []
     for replicate in [r for r in range(1, world + 1) if world % r == 0]:
         shard = world // replicate
-        eps = [e for e in range(1, shard + 1) if shard % e == 0] if "ep" in plan.extra else [1]
+        eps = [e for e in range(1, shard + 1) if shard % e == 0] if shapes else [1]
         for ep in eps:
-            if ep > 1:
-                shapes = [p.shape for _, p in model.named_parameters()
-                          if _ in set(match_parameters(model, plan.extra["ep"].params))]
-                if any(sh[0] % ep or sh[1] % (shard // ep) for sh in shapes):
-                    continue
+            if ep > 1 and any(sh[0] % ep or sh[1] % (shard // ep) for sh in shapes):
+                continue
             out.append({"replicate": replicate, "ep": ep})
     return out
 
@@ -223,7 +222,7 @@ def suggest(config, world: int, *, memory_budget: float | None = None, top: int 
     communication, then memory."""
     model = meta_model(config)
     ests = []
-    for cand in candidate_meshes(config, world):
+    for cand in candidate_meshes(config, world, model=model):
         sizes = {"ep": cand["ep"]} if cand["ep"] > 1 else {}
         ests.append(estimate(config, world, sizes, cand["replicate"], model=model, **kwargs))
     fits = [e for e in ests if memory_budget is None or e.memory_total <= memory_budget] or ests
