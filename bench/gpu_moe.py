@@ -3,6 +3,12 @@ side by side in one run, plus a 4-layer Qwen3-30B-A3B-shaped model's training to
 
     python bench/gpu_moe.py                 # on a GPU: correctness, then timings; JSON to $OUT/gpu_moe.json
     python bench/gpu_moe.py --smoke         # tiny shapes, any device (checks that the script runs)
+    TRITON_INTERPRET=1 python bench/gpu_moe.py --smoke   # the same, with the Triton kernels interpreted on the CPU
+
+Implementations: ``xpar_zoo`` (the Triton kernels of ``xpar_zoo.moe_triton``, with the best tiles of a short
+sweep run first), ``xpar_zoo_torch`` (our torch path: grouped_mm and torch routing), transformers'
+``grouped_mm`` and ``eager``. Also timed: each Triton kernel alone (where the time goes), the raw
+``torch._grouped_mm`` GEMMs on pre-permuted balanced rows, and a dense bf16 matmul (the roofline).
 
 The block is Qwen3-30B-A3B's MoE block (H=2048, I=768, E=128, top-8) on T=16384 tokens, bf16, forward + backward.
 Expert FLOPs counted as 18·T·k·H·I (gate_up and down GEMMs, forward once, backward twice); router FLOPs ignored.
@@ -16,13 +22,45 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+import types
 
 import torch
 
-import xpar_zoo.moe  # noqa: F401  (registers the "xpar_zoo" experts implementation)
 
-IMPLS = ("xpar_zoo", "grouped_mm", "eager")
+def _import_experts_path():
+    """Register the ``xpar_zoo`` experts implementation. The H200 image has torch 2.11, whose FSDP lacks what the
+    package's ``__init__`` needs (``DataParallelMeshDims``, torch 2.13); the experts path needs none of it, so on an
+    older torch the package is entered without running its ``__init__``."""
+    try:
+        import xpar_zoo.moe  # noqa: F401
+    except ImportError:
+        for name in [m for m in sys.modules if m == "xpar_zoo" or m.startswith("xpar_zoo.")]:
+            del sys.modules[name]
+        package = types.ModuleType("xpar_zoo")
+        package.__path__ = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "xpar_zoo")]
+        sys.modules["xpar_zoo"] = package
+        import xpar_zoo.moe  # noqa: F401
+    return sys.modules["xpar_zoo.moe"]
+
+
+set_experts_kernels = _import_experts_path().set_experts_kernels
+
+IMPLS = ("xpar_zoo", "xpar_zoo_torch", "grouped_mm", "eager")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configure(model, impl, tiles):
+    """``xpar_zoo``: the Triton kernels (``tiles``); ``xpar_zoo_torch``: our torch path."""
+    if impl == "xpar_zoo":
+        set_experts_kernels(model, "triton", tiles)
+    elif impl == "xpar_zoo_torch":
+        set_experts_kernels(model, "torch")
+
+
+def _hf_impl(impl):
+    return "xpar_zoo" if impl.startswith("xpar_zoo") else impl
 
 
 def _sync(device):
@@ -51,22 +89,23 @@ def time_fn(fn, device, warmup=3, iters=10) -> float:
     return statistics.median(times)
 
 
-def moe_block(hidden, inter, experts, top_k, device, dtype, impl, seed=0):
+def moe_block(hidden, inter, experts, top_k, device, dtype, impl, seed=0, tiles=None):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
                             num_experts_per_tok=top_k, norm_topk_prob=True)
-    config._experts_implementation = impl
+    config._experts_implementation = _hf_impl(impl)
     torch.manual_seed(seed)
     block = Qwen3MoeSparseMoeBlock(config)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.02)
+    _configure(block, impl, tiles)
     return block.to(device=device, dtype=dtype)
 
 
-def check_block(args, device, dtype) -> dict:
+def check_block(args, device, dtype, tiles=None) -> dict:
     """Outputs and gradients of every implementation against eager in fp32 (bf16 tolerance)."""
     h, i, e, k, t = args.hidden, args.inter, args.experts, args.top_k, args.check_tokens
     torch.manual_seed(1)
@@ -77,7 +116,7 @@ def check_block(args, device, dtype) -> dict:
     ref_out.float().pow(2).mean().backward()
     out = {}
     for impl in IMPLS:
-        block = moe_block(h, i, e, k, device, dtype, impl)
+        block = moe_block(h, i, e, k, device, dtype, impl, tiles=tiles)
         xi = x.to(dtype).clone().requires_grad_()
         y = block(xi)
         y.float().pow(2).mean().backward()
@@ -91,10 +130,106 @@ def check_block(args, device, dtype) -> dict:
             "d_gate_up_rel_err": rel(block.experts.gate_up_proj.grad, ref_block.experts.gate_up_proj.grad),
             "d_down_rel_err": rel(block.experts.down_proj.grad, ref_block.experts.down_proj.grad),
         }
+    # ours must be as close to the fp32 reference as transformers' own bf16 path, give or take rounding
+    worst = {key: max(out["grouped_mm"][key], 1e-3) for key in out["grouped_mm"]}
+    for impl in ("xpar_zoo", "xpar_zoo_torch"):
+        out[impl]["ok"] = all(out[impl][key] <= 2 * worst[key] for key in worst)
     return out
 
 
-def bench_block(args, device, dtype) -> dict:
+TILE_CANDIDATES = [
+    dict(),  # the defaults
+    dict(stages=4),
+    dict(bm=64, warps=4, stages=4),
+    dict(bn=256, bn_swiglu=128, stages=3),
+    dict(bk=32, bk_w=32, stages=5),
+    dict(bp=128, bq=256, bk_w=32, stages=4),
+    dict(bm=128, bn=128, bn_swiglu=128, bk=64, warps=8, stages=3),
+]
+
+
+def _moe_inputs(args, device, dtype, tokens):
+    from xpar_zoo import moe_triton
+
+    h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(tokens, h, device=device, dtype=dtype, generator=g).requires_grad_()
+    logits = torch.randn(tokens, e, device=device, generator=g)
+    weights, index = logits.softmax(-1).topk(k)
+    weights = weights.to(dtype).requires_grad_()
+    gate_up = (0.02 * torch.randn(e, 2 * i, h, device=device, generator=g)).to(dtype).requires_grad_()
+    down = (0.02 * torch.randn(e, h, i, device=device, generator=g)).to(dtype).requires_grad_()
+    return moe_triton, x, index, weights, gate_up, down
+
+
+def sweep_tiles(args, device, dtype) -> dict:
+    """The experts (routing, both GEMMs, combine; forward + backward) on the block's shapes for each tile
+    candidate; the fastest one is used for the ``xpar_zoo`` rows below."""
+    mt, x, index, weights, gate_up, down = _moe_inputs(args, device, dtype, args.tokens)
+    grad = torch.randn_like(x)
+    flops = 18 * args.tokens * args.top_k * args.hidden * args.inter
+    rows = []
+    for cand in TILE_CANDIDATES[: 1 if INTERPRETED or device.type != "cuda" else None]:
+        tiles = mt.INTERPRETER_TILES if INTERPRETED else mt.Tiles(**cand)
+
+        def step():
+            mt.moe_experts(x, index, weights, gate_up, down, tiles).backward(grad)
+
+        try:
+            sec = time_fn(step, device, warmup=2, iters=args.iters)
+            rows.append({"tiles": tiles.__dict__, "ms": sec * 1e3, "tflops": flops / sec / 1e12})
+        except Exception as e:  # a candidate that does not compile (shared memory) is reported, not fatal
+            rows.append({"tiles": tiles.__dict__, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        print(json.dumps(rows[-1]), flush=True)
+    timed = [r for r in rows if "ms" in r]
+    best = min(timed, key=lambda r: r["ms"])
+    return {"candidates": rows, "best": best, "best_tiles": mt.Tiles(**best["tiles"])}
+
+
+def kernel_breakdown(args, device, dtype, tiles) -> dict:
+    """Milliseconds of each kernel alone on the block's shapes (where the time goes)."""
+    mt, x, index, weights, gate_up, down = _moe_inputs(args, device, dtype, args.tokens)
+    t, k, h, i, e = args.tokens, args.top_k, args.hidden, args.inter, args.experts
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.bincount(flat, minlength=e)
+    slots = torch.empty_like(order)
+    slots[order.long()] = torch.arange(order.numel(), device=device, dtype=torch.int32)
+    slots = slots.view(t, k)
+    src = torch.div(order, k, rounding_mode="floor")
+    row_end, tile_end = mt.group_layout(counts, tiles.bm)
+    s = t * k
+    gu_f = (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1))
+    dn_f = (down.stride(0), down.stride(2), down.stride(1))
+    dn_b = (down.stride(0), down.stride(1), down.stride(2))
+    gu_b = (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2))
+    with torch.no_grad():
+        act, hh = mt.rows_gemm(x, gate_up, gu_f, i, h, row_end, tile_end, s, tiles, src=src, epilogue=1)
+        y = mt.rows_gemm(act, down, dn_f, h, i, row_end, tile_end, s, tiles)
+        dy = torch.randn_like(y)
+        dh = mt.rows_gemm(dy, down, dn_b, i, h, row_end, tile_end, s, tiles, epilogue=2, h=hh)
+        dxs = mt.rows_gemm(dh, gate_up, gu_b, h, 2 * i, row_end, tile_end, s, tiles)
+    gemm = 2 * s * h * i  # one of the six GEMMs' FLOPs (gate_up ones are twice this)
+    parts = {
+        "routing (sort, bincount, inverse)": (lambda: (torch.argsort(flat, stable=True), torch.bincount(flat, minlength=e)), 0),
+        "gate_up fwd + SwiGLU (gathered rows)": (lambda: mt.rows_gemm(x, gate_up, gu_f, i, h, row_end, tile_end, s, tiles, src=src, epilogue=1), 2 * gemm),
+        "down fwd": (lambda: mt.rows_gemm(act, down, dn_f, h, i, row_end, tile_end, s, tiles), gemm),
+        "combine fwd": (lambda: mt.gather_sum(y, slots, weights.detach(), tiles, dtype), 0),
+        "down bwd dA + SwiGLU bwd": (lambda: mt.rows_gemm(dy, down, dn_b, i, h, row_end, tile_end, s, tiles, epilogue=2, h=hh), gemm),
+        "down bwd dW": (lambda: mt.k_gemm(dy, act, (e, h, i), "pq", row_end, tiles, dtype), gemm),
+        "gate_up bwd dX": (lambda: mt.rows_gemm(dh, gate_up, gu_b, h, 2 * i, row_end, tile_end, s, tiles), 2 * gemm),
+        "gate_up bwd dW (gathered rows)": (lambda: mt.k_gemm(dh, x, (e, 2 * i, h), "pq", row_end, tiles, dtype, src=src), 2 * gemm),
+        "dx gather-sum": (lambda: mt.gather_sum(dxs, slots, None, tiles, dtype), 0),
+    }
+    out = {}
+    with torch.no_grad():
+        for name, (fn, fl) in parts.items():
+            sec = time_fn(fn, device, warmup=2, iters=args.iters)
+            out[name] = {"ms": sec * 1e3, **({"tflops": fl / sec / 1e12} if fl else {})}
+    return out
+
+
+def bench_block(args, device, dtype, tiles=None) -> dict:
     h, i, e, k, t = args.hidden, args.inter, args.experts, args.top_k, args.tokens
     flops = 18 * t * k * h * i
     torch.manual_seed(2)
@@ -104,7 +239,7 @@ def bench_block(args, device, dtype) -> dict:
     for impl in IMPLS:
         if impl == "eager" and args.skip_eager:
             continue
-        block = moe_block(h, i, e, k, device, dtype, impl)
+        block = moe_block(h, i, e, k, device, dtype, impl, tiles=tiles)
 
         def step():
             block.zero_grad(set_to_none=True)
@@ -136,7 +271,7 @@ def bench_block(args, device, dtype) -> dict:
     return res
 
 
-def bench_model(args, device, dtype) -> dict:
+def bench_model(args, device, dtype, tiles=None) -> dict:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     res = {}
@@ -149,7 +284,8 @@ def bench_model(args, device, dtype) -> dict:
                                 intermediate_size=6144, attn_implementation="sdpa")
         torch.manual_seed(0)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=impl)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=_hf_impl(impl))
+        _configure(model, impl, tiles)
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 
         def step():
@@ -174,7 +310,7 @@ def main() -> None:
     p.add_argument("--no-model", action="store_true")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16
+    dtype = torch.float32 if INTERPRETED else torch.bfloat16  # the interpreter's tl.dot mishandles bf16
     if args.smoke:
         dims = dict(hidden=64, inter=32, experts=8, top_k=2, tokens=256, check_tokens=64, layers=2, batch=1, seq=64,
                     warmup=1, iters=2, model_iters=2)
@@ -188,12 +324,17 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda"
               else platform.processor() or "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
               "dims": dims}
-    report["check"] = check_block(args, device, dtype)
+    sweep = sweep_tiles(args, device, dtype)
+    tiles = sweep.pop("best_tiles")
+    report["tile_sweep"] = sweep
+    report["check"] = check_block(args, device, dtype, tiles)
     print(json.dumps({"check": report["check"]}, indent=1), flush=True)
-    report["block"] = bench_block(args, device, dtype)
+    report["kernels"] = kernel_breakdown(args, device, dtype, tiles)
+    print(json.dumps({"kernels": report["kernels"]}, indent=1), flush=True)
+    report["block"] = bench_block(args, device, dtype, tiles)
     print(json.dumps({"block": report["block"]}, indent=1), flush=True)
     if not args.no_model:
-        report["model"] = bench_model(args, device, dtype)
+        report["model"] = bench_model(args, device, dtype, tiles)
         print(json.dumps({"model": report["model"]}, indent=1), flush=True)
     out = os.environ.get("OUT")
     if out:

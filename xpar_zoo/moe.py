@@ -10,6 +10,11 @@ layouts) runs through here without touching the modeling file. Per layer:
 4. EP only: send the results back (all-to-all); unsort, weight by the router and sum over k.
 
 Without an EP group (a plan of size 1, or plain FSDP) steps 2 and 4 vanish and every expert is local.
+
+Kernels (per module, :func:`set_experts_kernels`): ``"torch"`` (the default) is the path below; ``"triton"`` runs
+SwiGLU experts in transformers' standard layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, no biases,
+the default gate) through :mod:`xpar_zoo.moe_triton` — grouped GEMMs with the activation in their epilogue and the
+permute / unpermute fused into their loads.
 The grouped GEMM is ``torch.nn.functional.grouped_mm`` where it applies (bf16 on CUDA; bf16 and fp32 on CPU, where it
 is bit-identical to a per-expert loop — its backward needs row-major gradients, which a hook ensures) and an exact
 per-expert ``mm`` loop everywhere else (unaligned shapes, other dtypes, no rows at all).
@@ -17,15 +22,70 @@ per-expert ``mm`` loop everywhere else (unaligned shapes, other dtypes, no rows 
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.integrations.moe import ExpertsInterface
+from transformers.activations import SiLUActivation
+from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from .collectives import all_to_all, all_to_all_counts, to_local
-from .mesh import PlanShard
+
+if TYPE_CHECKING:  # the experts path imports nothing of FSDP's (the GPU bench runs it on an older torch)
+    from .mesh import PlanShard
 
 EXPERTS_IMPLEMENTATION = "xpar_zoo"
+KERNELS = ("torch", "triton")
+
+
+@functools.cache
+def _triton_module():
+    try:
+        from . import moe_triton
+    except ModuleNotFoundError:  # no triton (e.g. a CPU-only install): the torch path
+        return None
+    return moe_triton
+
+
+def _standard_swiglu(module: nn.Module) -> bool:
+    """Whether an experts module is plain SwiGLU in transformers' standard layout (what the Triton kernels do)."""
+    return (getattr(module, "has_gate", True) and not getattr(module, "has_bias", False)
+            and not getattr(module, "is_transposed", False) and not getattr(module, "has_post_expert_norm", False)
+            and getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate
+            and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU)))
+
+
+def _triton_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
+    """The Triton module when this module's experts are set to ``"triton"``, else ``None``."""
+    if getattr(module, "_xpar_kernels", "torch") != "triton":
+        return None
+    if not (_standard_swiglu(module) and x.dtype == weight.dtype) or _triton_module() is None:
+        raise ValueError(f"{type(module).__name__}: the Triton experts kernels need Triton and plain SwiGLU "
+                         f"experts in transformers' standard layout with matching dtypes (got {x.dtype} rows, "
+                         f"{weight.dtype} weights)")
+    return _triton_module()
+
+
+def set_experts_kernels(model: nn.Module, kernels: str, tiles=None) -> int:
+    """Choose the kernels of every fused experts module in ``model``: ``"torch"`` (the default: grouped_mm and torch
+    routing, exact on the CPU) or ``"triton"`` (:mod:`xpar_zoo.moe_triton`; refuses experts it cannot run; on the
+    CPU it needs ``TRITON_INTERPRET=1``, which is how the tests run it). ``tiles``: a
+    :class:`xpar_zoo.moe_triton.Tiles` (default: its defaults on CUDA, small tiles under the interpreter).
+
+    Triton is opt-in until the H200 bench (``bench/gpu_moe.py``) has compiled, checked and timed the kernels on a
+    GPU; the CPU interpreter proves their arithmetic, not their speed. Returns the number of modules set."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    n = 0
+    for module in model.modules():
+        proj = getattr(module, "down_proj", None)
+        if isinstance(proj, nn.Parameter) and proj.dim() == 3:
+            module._xpar_kernels = kernels
+            module._xpar_tiles = tiles
+            n += 1
+    return n
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -94,12 +154,22 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
         up_w, down_w = up_w[first:first + num], down_w[first:first + num]
         up_b = up_b[first:first + num] if up_b is not None else None
         down_b = down_b[first:first + num] if down_b is not None else None
+    triton_path = _triton_for(module, x, up_w)
+    if triton_path is not None:
+        return triton_path.grouped_swiglu(x, up_w, down_w, counts, _tiles(module, triton_path, x))
     h = grouped_linear(x, up_w, counts, transposed=transposed, bias=up_b)
     h = module._apply_gate(h) if has_gate else module.act_fn(h)
     y = grouped_linear(h, down_w, counts, transposed=transposed, bias=down_b)
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y)
     return y
+
+
+def _tiles(module: nn.Module, triton_path, x: torch.Tensor):
+    tiles = getattr(module, "_xpar_tiles", None)
+    if tiles is not None:
+        return tiles
+    return triton_path.Tiles() if x.is_cuda else triton_path.INTERPRETER_TILES
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -130,6 +200,11 @@ def experts_forward(
     ep: PlanShard | None = getattr(self, "_xpar_ep", None)
     num_tokens, top_k = top_k_index.shape
     num_experts = to_local(self.down_proj).shape[0] * (ep.size if ep else 1)
+    triton_path = _triton_for(self, hidden_states, to_local(self.down_proj))
+    if ep is None and triton_path is not None:  # routing, permute and unpermute fused into the kernels
+        out = triton_path.moe_experts(hidden_states, top_k_index, top_k_weights, to_local(self.gate_up_proj),
+                                      to_local(self.down_proj), _tiles(self, triton_path, hidden_states))
+        return out.to(hidden_states.dtype)
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
@@ -144,6 +219,11 @@ def experts_forward(
         regroup = _source_major_to_expert_major(recv)
         out = _experts_mlp(self, received[regroup], recv.sum(0), ep.offset, ep.rows)
         out = all_to_all(out[_inverse(regroup)], send_splits, recv_splits, ep.group)
+    if triton_path is not None:
+        slots = _inverse(order).to(torch.int32).view(num_tokens, top_k)
+        out = triton_path.Combine.apply(out, top_k_weights, slots, order.to(torch.int32),
+                                        _tiles(self, triton_path, hidden_states))
+        return out.to(hidden_states.dtype)
     out = out[_inverse(order)] * top_k_weights.reshape(-1, 1).to(out.dtype)
     return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 

@@ -1,0 +1,128 @@
+"""The Triton experts kernels (the GPU path), checked on the CPU under Triton's interpreter in fp32 against
+transformers' eager experts and against single-process training, including expert parallelism."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # conftest.py sets TRITON_INTERPRET=1: the kernels run on the CPU
+# Triton's interpreter converts 1-element arrays to scalars, which NumPy deprecates (and 2.4 refuses: hence the pin).
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+from xpar_zoo import launch, parity
+from xpar_zoo.moe import (
+    EXPERTS_IMPLEMENTATION, _standard_swiglu, _triton_for, grouped_linear, set_experts_kernels,
+)
+from xpar_zoo import moe_triton
+
+# (tokens, hidden, intermediate, experts, top-k, dead experts): groups spanning several 16-row tiles, sizes that are
+# not multiples of a tile, experts that receive nothing, a single token.
+SHAPES = [(37, 40, 24, 6, 2, [5]), (64, 32, 16, 4, 1, []), (1, 24, 8, 8, 4, [0, 3]), (50, 16, 40, 3, 3, [])]
+
+
+def _experts(hidden, inter, experts, seed):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    module = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.5)
+    return module
+
+
+def _routing(tokens, experts, top_k, dead, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, dead] = -1e4
+    weights, index = logits.softmax(-1).topk(top_k)
+    return index, weights
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])))
+def test_triton_experts_forward_and_backward_match_transformers_eager(shape):
+    tokens, hidden, inter, experts, top_k, dead = shape
+    module = _experts(hidden, inter, experts, seed=tokens)
+    index, weights = _routing(tokens, experts, top_k, dead, seed=tokens)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(7))
+    grad = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(8))
+
+    def run(impl):
+        module.config._experts_implementation = impl
+        module.zero_grad(set_to_none=True)
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        y = module(xi, index, wi)
+        y.backward(grad)
+        return y.detach(), xi.grad, wi.grad, module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()
+
+    ref = run("eager")
+    assert set_experts_kernels(module, "triton") == 1
+    ours = run(EXPERTS_IMPLEMENTATION)
+    for name, a, b in zip(("out", "d_x", "d_weights", "d_gate_up", "d_down"), ours, ref):
+        assert a.shape == b.shape, name
+        assert _rel(a, b) < 1e-5, f"{name}: relative error {_rel(a, b):.2e}"
+    # experts that got no token get an exactly zero gradient
+    for e in dead:
+        assert not ours[3][e].any() and not ours[4][e].any()
+
+
+def test_grouped_swiglu_on_pregrouped_rows_matches_the_torch_path():
+    counts = torch.tensor([17, 0, 33, 1])
+    module = _experts(24, 20, 4, seed=3)
+    x = torch.randn(int(counts.sum()), 24, requires_grad=True)
+    y = moe_triton.grouped_swiglu(x, module.gate_up_proj, module.down_proj, counts, moe_triton.INTERPRETER_TILES)
+    y.square().sum().backward()
+    got = (y.detach(), x.grad, module.gate_up_proj.grad, module.down_proj.grad)
+    x2 = x.detach().clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    h = grouped_linear(x2, module.gate_up_proj, counts)
+    y2 = grouped_linear(module._apply_gate(h), module.down_proj, counts)
+    y2.square().sum().backward()
+    for a, b in zip(got, (y2.detach(), x2.grad, module.gate_up_proj.grad, module.down_proj.grad)):
+        assert _rel(a, b) < 1e-5
+
+
+def test_torch_is_the_default_and_triton_refuses_experts_it_cannot_run():
+    module = _experts(16, 8, 4, seed=0)
+    x = torch.zeros(3, 16)
+    assert _standard_swiglu(module)
+    assert _triton_for(module, x, module.down_proj) is None  # the default: the exact torch path
+    set_experts_kernels(module, "triton")
+    assert _triton_for(module, x, module.down_proj) is moe_triton
+    with pytest.raises(ValueError, match="standard layout with matching dtypes"):
+        _triton_for(module, x.double(), module.down_proj)
+    cfg = parity.tiny_config("gpt_oss")  # transposed, biased, custom gate: not the kernels' layout
+    gpt_oss = parity.build_model(cfg, experts_implementation=EXPERTS_IMPLEMENTATION)
+    assert set_experts_kernels(gpt_oss, "triton") == cfg.num_hidden_layers
+    experts = next(m for m in gpt_oss.modules() if getattr(m, "_xpar_kernels", None))
+    assert not _standard_swiglu(experts)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="Triton experts kernels"):
+        gpt_oss(input_ids=ids)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        set_experts_kernels(gpt_oss, "cuda")
+
+
+def _ep_job(cfg, data):
+    import torch.distributed as dist
+
+    ref = parity.train_reference(cfg, data, "sgd", None) if dist.get_rank() == 0 else None
+    rec = parity.train_parallel(cfg, data, {"ep": 2}, "sgd", None, kernels="triton")
+    before = parity.build_model(cfg).state_dict()
+    if dist.get_rank() == 0:
+        return rec.losses, ref.losses, parity.param_errors(rec.params, ref.params, before)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_triton_kernels_under_expert_parallelism_match_single_process_training(world):
+    cfg = parity.tiny_config("qwen3_moe")
+    data = parity.make_batches(cfg.vocab_size, steps=1, world=world)
+    losses, ref_losses, errors = launch.run(_ep_job, world, cfg, data)
+    parity.assert_losses_match(losses, ref_losses, what="ep2, triton")
+    parity.assert_params_match(errors, what="ep2, triton, one SGD step:")

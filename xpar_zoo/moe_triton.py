@@ -1,0 +1,379 @@
+"""The GPU experts path: SwiGLU expert MLPs as Triton grouped GEMMs, with the permute and unpermute fused in.
+
+For rows sorted by expert (``row_end[g]``: cumulative rows of groups ``0..g``), four kernels do all the work of one
+MoE layer, forward and backward, with no padding, no host sync and no transposed weight copies:
+
+``_rows_gemm``
+    ``C[rows of g] = A[rows of g] @ B_g`` for every group ``g`` at once. ``A`` rows may be *gathered*
+    (``A[src[r]]``: the permute fused into the GEMM's loads), ``B_g`` is read through strides (any weight layout,
+    no copy). Epilogues: SwiGLU forward (two accumulators, gate and up, write ``h`` and ``silu(gate) * up``) and
+    SwiGLU backward (reads ``h``, writes ``d gate`` and ``d up``). The grid is an upper bound of the M-tiles
+    (``ceil(S / BM) + G``) times the N-tiles, N fastest; each program finds its group from the cumulative tile counts and spare ones exit.
+``_k_gemm``
+    Weight gradients: ``dW_g = L[rows of g]^T @ R[rows of g]`` with ``R`` rows optionally gathered; written
+    straight into the weight's own layout through strides.
+``_gather_sum``
+    ``out[t] = sum_j w[t, j] * y[slots[t, j]]`` in fp32: the unpermute with the router weights (forward), or the
+    gradient of a gather (backward, no weights).
+``_combine_backward``
+    ``dy[s] = w[s] * dout[token(s)]`` and ``dw[s] = <dout[token(s)], y[s]>`` in one pass over the rows.
+
+Used by :mod:`xpar_zoo.moe` for bf16 SwiGLU experts on CUDA. Every kernel also runs under Triton's interpreter
+(``TRITON_INTERPRET=1``) on the CPU, which is how the tests check them exactly in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+if os.environ.get("TRITON_INTERPRET") == "1" and type(tl.sum).__name__ != "InterpretedFunction":
+    raise ImportError("TRITON_INTERPRET=1 was set after Triton was first imported (transformers imports it early): "
+                      "set it in the environment before Python starts")
+
+# --------------------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _group_of_tile(tile_end_ptr, row_end_ptr, pid, G, G_P2: tl.constexpr):
+    """(group, first row of the group, one past its last row, first tile of the group) for M-tile ``pid``; group is
+    ``G`` when ``pid`` is past the last tile."""
+    ge = tl.arange(0, G_P2)
+    tile_end = tl.load(tile_end_ptr + ge, mask=ge < G, other=2147483647)
+    g = tl.sum((tile_end <= pid).to(tl.int32), axis=0)
+    gc = tl.minimum(g, G - 1)
+    has_prev = gc > 0
+    prev = tl.maximum(gc - 1, 0)
+    tile_lo = tl.where(has_prev, tl.load(tile_end_ptr + prev), 0)
+    row_lo = tl.where(has_prev, tl.load(row_end_ptr + prev), 0)
+    row_hi = tl.load(row_end_ptr + gc)
+    return g, row_lo, row_hi, tile_lo
+
+
+@triton.jit
+def _rows_gemm(
+    a_ptr, src_ptr, stride_am, stride_ak,
+    b_ptr, stride_bg, stride_bk, stride_bn,
+    c_ptr, stride_cm, stride_cn,
+    h_ptr, stride_hm, stride_hn,
+    row_end_ptr, tile_end_ptr, G, N, K,
+    GATHER: tl.constexpr, EPILOGUE: tl.constexpr, G_P2: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    # EPILOGUE 0: C = A @ B_g.  1: SwiGLU forward, B_g has 2N columns [gate | up]; h = [A@B_gate | A@B_up],
+    # C = silu(A@B_gate) * A@B_up.  2: SwiGLU backward, acc = dA; reads h, writes C = [d gate | d up].
+    # N-tiles vary fastest: the programs resident at once share a few A row-tiles and one expert's B, both in L2.
+    num_n = tl.cdiv(N, BN)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    g, row_lo, row_hi, tile_lo = _group_of_tile(tile_end_ptr, row_end_ptr, pid_m, G, G_P2)
+    if g < G:
+        rm = row_lo + (pid_m - tile_lo) * BM + tl.arange(0, BM)
+        m_mask = rm < row_hi
+        if GATHER:
+            src = tl.load(src_ptr + rm, mask=m_mask, other=0).to(tl.int64)
+        else:
+            src = rm.to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_mask = rn < N
+        rk = tl.arange(0, BK)
+        a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            k_mask = rk < K - k * BK
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if EPILOGUE == 1:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up)
+            a_ptrs += BK * stride_ak
+            b_ptrs += BK * stride_bk
+        rows = rm.to(tl.int64)[:, None]
+        mask = m_mask[:, None] & n_mask[None, :]
+        c_ptrs = c_ptr + rows * stride_cm + rn[None, :] * stride_cn
+        if EPILOGUE == 0:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        elif EPILOGUE == 1:
+            h_ptrs = h_ptr + rows * stride_hm + rn[None, :] * stride_hn
+            tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=mask)
+            tl.store(h_ptrs + N * stride_hn, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
+            act = acc * tl.sigmoid(acc) * acc_up
+            tl.store(c_ptrs, act.to(c_ptr.dtype.element_ty), mask=mask)
+        else:
+            h_ptrs = h_ptr + rows * stride_hm + rn[None, :] * stride_hn
+            gate = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(h_ptrs + N * stride_hn, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
+            d_up = acc * gate * sig
+            tl.store(c_ptrs, d_gate.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.store(c_ptrs + N * stride_cn, d_up.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _k_gemm(
+    l_ptr, stride_ls, stride_lp,
+    r_ptr, src_ptr, stride_rs, stride_rq,
+    o_ptr, stride_og, stride_op, stride_oq,
+    row_end_ptr, P, Q,
+    GATHER: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+):
+    # O_g[p, q] = sum over rows s of group g of L[s, p] * R[s, q]  (R[s] = R[src[s]] when GATHER)
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    num_q = tl.cdiv(Q, BQ)
+    rp = (pid // num_q) * BP + tl.arange(0, BP)
+    rq = (pid % num_q) * BQ + tl.arange(0, BQ)
+    p_mask = rp < P
+    q_mask = rq < Q
+    row_lo = tl.where(g > 0, tl.load(row_end_ptr + tl.maximum(g - 1, 0)), 0)
+    row_hi = tl.load(row_end_ptr + g)
+    rs = tl.arange(0, BK)
+    acc = tl.zeros((BP, BQ), dtype=tl.float32)
+    for s0 in range(row_lo, row_hi, BK):
+        s = s0 + rs
+        s_mask = s < row_hi
+        if GATHER:
+            r_rows = tl.load(src_ptr + s, mask=s_mask, other=0).to(tl.int64)
+        else:
+            r_rows = s.to(tl.int64)
+        lt = tl.load(l_ptr + s.to(tl.int64)[None, :] * stride_ls + rp[:, None] * stride_lp,
+                     mask=p_mask[:, None] & s_mask[None, :], other=0.0)
+        r = tl.load(r_ptr + r_rows[:, None] * stride_rs + rq[None, :] * stride_rq,
+                    mask=s_mask[:, None] & q_mask[None, :], other=0.0)
+        acc = tl.dot(lt, r, acc)
+    o_ptrs = o_ptr + g.to(tl.int64) * stride_og + rp[:, None] * stride_op + rq[None, :] * stride_oq
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+
+
+@triton.jit
+def _gather_sum(
+    y_ptr, stride_ys, slots_ptr, w_ptr, out_ptr, stride_ot, H,
+    TOP_K: tl.constexpr, HAS_W: tl.constexpr, BH: tl.constexpr,
+):
+    # out[t] = sum_j w[t, j] * y[slots[t, j]]   (w = 1 without HAS_W); fp32 accumulation
+    t = tl.program_id(0)
+    rh = tl.program_id(1) * BH + tl.arange(0, BH)
+    h_mask = rh < H
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for j in range(TOP_K):
+        slot = tl.load(slots_ptr + t * TOP_K + j).to(tl.int64)
+        y = tl.load(y_ptr + slot * stride_ys + rh, mask=h_mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            y = y * tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        acc += y
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + rh, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+@triton.jit
+def _combine_backward(
+    dout_ptr, stride_dt, y_ptr, stride_ys, order_ptr, w_ptr, dy_ptr, stride_dys, dw_ptr, H,
+    TOP_K: tl.constexpr, BH: tl.constexpr,
+):
+    # row s holds slot order[s] = t * TOP_K + j:  dy[s] = w[slot] * dout[t];  dw[slot] = <dout[t], y[s]>
+    s = tl.program_id(0).to(tl.int64)
+    slot = tl.load(order_ptr + s).to(tl.int64)
+    t = slot // TOP_K
+    w = tl.load(w_ptr + slot).to(tl.float32)
+    dot = tl.zeros((BH,), dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        rh = h0 + tl.arange(0, BH)
+        h_mask = rh < H
+        d = tl.load(dout_ptr + t * stride_dt + rh, mask=h_mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + s * stride_ys + rh, mask=h_mask, other=0.0).to(tl.float32)
+        dot += d * y
+        tl.store(dy_ptr + s * stride_dys + rh, (d * w).to(dy_ptr.dtype.element_ty), mask=h_mask)
+    tl.store(dw_ptr + slot, tl.sum(dot, axis=0).to(dw_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# launchers
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and launch settings of the kernels (``bm × bn × bk`` for the row GEMMs, ``bp × bq × bk`` for the
+    weight-gradient GEMMs, ``bh`` for the gather/combine passes)."""
+
+    bm: int = 128
+    bn: int = 128
+    bn_swiglu: int = 64
+    bk: int = 64
+    bp: int = 128
+    bq: int = 128
+    bk_w: int = 64
+    bh: int = 1024
+    warps: int = 8
+    stages: int = 3
+
+
+#: Small tiles for the CPU interpreter (and tests that want many tiles per group).
+INTERPRETER_TILES = Tiles(bm=16, bn=16, bn_swiglu=16, bk=16, bp=16, bq=16, bk_w=16, bh=32, warps=1, stages=1)
+
+
+def _launch(kernel, grid, tiles: Tiles, *args, **meta):
+    kernel[grid](*args, num_warps=tiles.warps, num_stages=tiles.stages, **meta)
+
+
+def group_layout(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_end, tile_end)``: cumulative rows and cumulative M-tiles of ``block_m`` rows per group (int32)."""
+    counts = counts.to(torch.int32)
+    row_end = torch.cumsum(counts, 0, dtype=torch.int32)
+    tile_end = torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32)
+    return row_end, tile_end
+
+
+def rows_gemm(
+    a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], n: int, k: int,
+    row_end: torch.Tensor, tile_end: torch.Tensor, rows: int, tiles: Tiles, *,
+    src: torch.Tensor | None = None, epilogue: int = 0, h: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Grouped ``A @ B_g`` over ``rows`` output rows; see :func:`_rows_gemm`. ``b_strides`` = (group, k, n)."""
+    groups = row_end.numel()
+    out_cols = 2 * n if epilogue == 2 else n
+    c = torch.empty(rows, out_cols, device=a.device, dtype=a.dtype)
+    if epilogue == 1:
+        h = torch.empty(rows, 2 * n, device=a.device, dtype=a.dtype)
+    bn = tiles.bn_swiglu if epilogue else tiles.bn
+    if rows:
+        grid = ((triton.cdiv(rows, tiles.bm) + groups) * triton.cdiv(n, bn),)
+        hh = h if h is not None else c
+        _launch(_rows_gemm, grid, tiles,
+                a, src if src is not None else row_end, a.stride(0), a.stride(1),
+                b, *b_strides, c, c.stride(0), c.stride(1), hh, hh.stride(0), hh.stride(1),
+                row_end, tile_end, groups, n, k,
+                GATHER=src is not None, EPILOGUE=epilogue, G_P2=triton.next_power_of_2(groups),
+                BM=tiles.bm, BN=bn, BK=tiles.bk)
+    return (c, h) if epilogue == 1 else c
+
+
+def k_gemm(
+    left: torch.Tensor, right: torch.Tensor, out_shape: tuple[int, int, int], out_strides_of: str,
+    row_end: torch.Tensor, tiles: Tiles, dtype: torch.dtype, *, src: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-group ``left_g^T @ right_g`` (``right`` rows gathered through ``src``), returned in a ``[G, P, Q]``
+    (``out_strides_of='pq'``) or ``[G, Q, P]`` (``'qp'``) tensor — the weight's own layout."""
+    groups, p, q = out_shape
+    if out_strides_of == "pq":
+        out = torch.empty(groups, p, q, device=left.device, dtype=dtype)
+        so = (out.stride(0), out.stride(1), out.stride(2))
+    else:
+        out = torch.empty(groups, q, p, device=left.device, dtype=dtype)
+        so = (out.stride(0), out.stride(2), out.stride(1))
+    grid = (triton.cdiv(p, tiles.bp) * triton.cdiv(q, tiles.bq), groups)
+    _launch(_k_gemm, grid, tiles,
+            left, left.stride(0), left.stride(1), right, src if src is not None else row_end,
+            right.stride(0), right.stride(1), out, *so, row_end, p, q,
+            GATHER=src is not None, BP=tiles.bp, BQ=tiles.bq, BK=tiles.bk_w)
+    return out
+
+
+def gather_sum(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None, tiles: Tiles,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * y[slots[t, j]]`` (fp32 accumulation)."""
+    tokens, top_k = slots.shape
+    hidden = y.shape[1]
+    out = torch.empty(tokens, hidden, device=y.device, dtype=out_dtype)
+    if tokens:
+        bh = min(tiles.bh, triton.next_power_of_2(hidden))
+        _launch(_gather_sum, (tokens, triton.cdiv(hidden, bh)), tiles,
+                y, y.stride(0), slots, weights if weights is not None else slots, out, out.stride(0), hidden,
+                TOP_K=top_k, HAS_W=weights is not None, BH=bh)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# autograd
+
+
+class SwiGLUExperts(torch.autograd.Function):
+    """``y[s] = (silu(x_s @ Wg_e^T) * (x_s @ Wu_e^T)) @ Wd_e^T`` for rows ``s`` grouped by expert ``e``, where
+    ``x_s = x[src[s]]`` (or ``x[s]`` without ``src``) and ``gate_up = [E, 2I, H]``, ``down = [E, H, I]`` (the
+    transformers layout). ``slots[t]`` lists the rows that read ``x[t]`` (the inverse of ``src``), so the input
+    gradient is a gather, not a scatter."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, counts, src, slots, tiles):
+        inter, hidden = down.shape[2], down.shape[1]
+        rows = src.numel() if src is not None else x.shape[0]
+        row_end, tile_end = group_layout(counts, tiles.bm)
+        gu = (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1))  # B[k=h, n] = gate_up[g, n, h]
+        act, h = rows_gemm(x, gate_up, gu, inter, hidden, row_end, tile_end, rows, tiles, src=src, epilogue=1)
+        dn = (down.stride(0), down.stride(2), down.stride(1))  # B[k=i, n=h] = down[g, h, i]
+        y = rows_gemm(act, down, dn, hidden, inter, row_end, tile_end, rows, tiles)
+        ctx.save_for_backward(x, gate_up, down, src, slots, row_end, tile_end, h, act)
+        ctx.tiles = tiles
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate_up, down, src, slots, row_end, tile_end, h, act = ctx.saved_tensors
+        tiles = ctx.tiles
+        experts, hidden, inter = down.shape
+        rows = h.shape[0]
+        dy = dy.contiguous()
+        dn = (down.stride(0), down.stride(1), down.stride(2))  # B[k=h, n=i] = down[g, h, i]
+        dh = rows_gemm(dy, down, dn, inter, hidden, row_end, tile_end, rows, tiles, epilogue=2, h=h)
+        d_down = k_gemm(dy, act, (experts, hidden, inter), "pq", row_end, tiles, down.dtype)
+        gu = (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2))  # B[k=n, n=h] = gate_up[g, n, h]
+        dxs = rows_gemm(dh, gate_up, gu, hidden, 2 * inter, row_end, tile_end, rows, tiles)
+        d_gate_up = k_gemm(dh, x, (experts, 2 * inter, hidden), "pq", row_end, tiles, gate_up.dtype, src=src)
+        dx = gather_sum(dxs, slots, None, tiles, x.dtype) if src is not None else dxs
+        return dx, d_gate_up, d_down, None, None, None, None
+
+
+class Combine(torch.autograd.Function):
+    """``out[t] = sum_j w[t, j] * y[slots[t, j]]``; ``order[s]`` is the slot ``t * k + j`` that row ``s`` serves
+    (the inverse of ``slots``)."""
+
+    @staticmethod
+    def forward(ctx, y, weights, slots, order, tiles):
+        ctx.save_for_backward(y, weights, order)
+        ctx.top_k, ctx.tiles = slots.shape[1], tiles
+        return gather_sum(y, slots, weights.contiguous(), tiles, y.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, weights, order = ctx.saved_tensors
+        dout = dout.contiguous()
+        dy = torch.empty_like(y)
+        dw = torch.empty(weights.numel(), device=y.device, dtype=torch.float32)
+        hidden = y.shape[1]
+        if y.shape[0]:
+            bh = min(ctx.tiles.bh, triton.next_power_of_2(hidden))
+            _launch(_combine_backward, (y.shape[0],), ctx.tiles,
+                    dout, dout.stride(0), y, y.stride(0), order, weights.contiguous(), dy, dy.stride(0), dw, hidden,
+                    TOP_K=ctx.top_k, BH=bh)
+        return dy, dw.view_as(weights).to(weights.dtype), None, None, None
+
+
+def moe_experts(
+    x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+    down: torch.Tensor, tiles: Tiles = Tiles(),
+) -> torch.Tensor:
+    """One layer's SwiGLU experts with every expert local: ``x [T, H]`` routed by ``top_k_index / top_k_weights
+    [T, k]``. Routing stays on the device (sort + bincount); permute and unpermute are fused into the kernels."""
+    tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True).to(torch.int32)  # row s serves slot order[s]
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    slots = torch.empty_like(order)
+    slots[order.long()] = torch.arange(order.numel(), device=order.device, dtype=torch.int32)
+    src = torch.div(order, top_k, rounding_mode="floor")
+    y = SwiGLUExperts.apply(x, gate_up, down, counts, src, slots.view(tokens, top_k), tiles)
+    return Combine.apply(y, top_k_weights, slots.view(tokens, top_k), order, tiles)
+
+
+def grouped_swiglu(
+    rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor, tiles: Tiles = Tiles(),
+) -> torch.Tensor:
+    """The expert MLPs on rows already grouped by expert (``counts[e]`` rows each), e.g. after an EP all-to-all."""
+    return SwiGLUExperts.apply(rows, gate_up, down, counts, None, None, tiles)
