@@ -1,4 +1,6 @@
-"""The mesh planner predicts the bytes the collectives really move (4 gloo ranks, within 5 %)."""
+"""The mesh planner predicts the bytes the collectives really move (4 gloo ranks, within 5 %): FSDP, HSDP, EP and
+the vocab plans. Each rank's ids are distinct and split evenly over the vocab halves, the case where the ``emb`` term
+is exact."""
 
 import contextlib
 import inspect
@@ -12,7 +14,9 @@ import xpar_zoo
 from xpar_zoo import launch, parity, planner
 
 WORLD, BATCH, SEQ = 4, 4, 64
-MESHES = {"fsdp": ({}, 1), "ep2": ({"ep": 2}, 1), "ep4": ({"ep": 4}, 1), "ep2_replicate2": ({"ep": 2}, 2)}
+VOCAB = 1024
+MESHES = {"fsdp": ({}, 1), "ep2": ({"ep": 2}, 1), "ep4": ({"ep": 4}, 1), "ep2_replicate2": ({"ep": 2}, 2),
+          "emb2": ({"emb": 2}, 1), "head2": ({"head": 2}, 1), "ep2_emb2_head2": ({"ep": 2, "emb": 2, "head": 2}, 1)}
 
 
 @contextlib.contextmanager
@@ -52,6 +56,9 @@ def count_sent_bytes(totals: dict):
     def reduce(n, group, a):
         return 2 * (n - 1) / n * a["tensor"].numel() * a["tensor"].element_size()
 
+    def gather_list(n, group, a):
+        return (n - 1) * a["tensor"].numel() * a["tensor"].element_size()
+
     def a2a(n, group, a):
         inp = a["input"]
         row = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
@@ -62,6 +69,7 @@ def count_sent_bytes(totals: dict):
         wrap(name, "all_gather", gather)
     for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
         wrap(name, "reduce_scatter", scatter)
+    wrap("all_gather", "all_gather", gather_list)
     wrap("all_reduce", "all_reduce", reduce)
     wrap("all_to_all_single", "all_to_all", a2a)
     try:
@@ -71,13 +79,21 @@ def count_sent_bytes(totals: dict):
             setattr(dist, name, fn)
 
 
+def _distinct_ids(rank: int) -> torch.Tensor:
+    """``BATCH × SEQ`` distinct ids, half from each half of the vocab (so each emb2 owner gets half)."""
+    g = torch.Generator().manual_seed(rank)
+    half = BATCH * SEQ // 2
+    ids = torch.cat([torch.randperm(VOCAB // 2, generator=g)[:half],
+                     VOCAB // 2 + torch.randperm(VOCAB // 2, generator=g)[:half]])
+    return ids[torch.randperm(ids.numel(), generator=g)].view(BATCH, SEQ)
+
+
 def _job(meshes):
-    cfg = parity.tiny_config("qwen3_moe")
-    data = parity.make_batches(cfg.vocab_size, 1, WORLD, batch=BATCH, seq=SEQ, seed=7)
+    cfg = parity.tiny_config("qwen3_moe", vocab_size=VOCAB)
     out = {}
     for name, (sizes, replicate) in meshes.items():
         model = xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(**sizes, replicate=replicate))
-        ids = data[0, dist.get_rank()]
+        ids = _distinct_ids(dist.get_rank())
         totals = {}
         with count_sent_bytes(totals):
             model(input_ids=ids, labels=ids).loss.backward()
@@ -95,13 +111,15 @@ def measured():
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_planner_predicts_collective_bytes_within_5_percent(measured, mesh):
     sizes, replicate = MESHES[mesh]
-    cfg = parity.tiny_config("qwen3_moe")
+    cfg = parity.tiny_config("qwen3_moe", vocab_size=VOCAB)
     est = planner.estimate(cfg, WORLD, sizes, replicate, micro_batch=BATCH, seq=SEQ, param_dtype="fp32",
                            reduce_dtype="fp32")
-    predicted = {"all_gather": est.comm["all_gather (FSDP params)"],
-                 "reduce_scatter": est.comm["reduce_scatter (FSDP grads)"],
-                 "all_reduce": est.comm["all_reduce (HSDP grads)"],
-                 "all_to_all": est.comm["all_to_all (EP tokens)"]}
+    c = est.comm
+    predicted = {"all_gather": c["all_gather (FSDP params)"] + c["all_gather (head loss statistics)"],
+                 "reduce_scatter": c["reduce_scatter (FSDP grads)"],
+                 "all_reduce": c["all_reduce (HSDP grads)"],
+                 "all_to_all": c["all_to_all (EP tokens)"] + c["all_to_all (emb ids + vectors)"]
+                 + c["all_to_all (head hidden states)"]}
     ranks = measured[mesh]
     for kind, want in predicted.items():
         got = sum(r.get(kind, 0.0) for r in ranks) / WORLD  # the planner predicts the per-rank average

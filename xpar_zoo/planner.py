@@ -10,8 +10,10 @@ Communication is counted as the bytes each rank *sends* per training step (forwa
 - HSDP all-reduce over ``R`` replicas: ``2(R-1)/R ×`` the sharded gradient bytes;
 - EP all-to-all per MoE layer: dispatch + combine in forward and both again in backward, each
   ``(s-1)/s × tokens·top_k × H`` activations (uniform routing expected), plus the ``E`` token counts;
-- ``emb``: token ids to their rows' owners, vectors back, and their gradients (an upper bound: every id distinct);
-- ``head``: the group's hidden states gathered and their gradients summed back, plus per-token statistics.
+- ``emb``: the distinct token ids to their rows' owners, vectors back, and their gradients (exact when every id of
+  a rank's batch is distinct and the ids spread evenly over the owners; repeated ids make it an upper bound);
+- ``head``: the group's hidden states and targets gathered, their gradients summed back, the loss gradients
+  gathered (all-to-all), and the per-token log-sum-exp / target-logit statistics (all-gather); exact.
 
 Memory per rank: sharded parameters, gradients and optimizer states (exact), the largest unsharded unit twice
 (current + prefetched), and an activation estimate (documented in :func:`activation_bytes`).
@@ -186,14 +188,15 @@ def estimate(
     est.comm["all_to_all (EP tokens)"] = a2a
     hidden = config.hidden_size
     e = sizes.get("emb", 1)
-    # emb: ids to the row owners and vectors back (and their gradients): an upper bound, every id distinct.
-    est.comm["all_to_all (emb ids + vectors, bound)"] = (
+    # emb: int64 ids to the row owners, vectors back, their gradients to the owners; plus the per-owner counts.
+    est.comm["all_to_all (emb ids + vectors)"] = (
         (e - 1) / e * tokens * (8 + 2 * hidden * pbytes) + (e - 1) * 8 if e > 1 else 0.0)
     h = sizes.get("head", 1)
-    # head: the group's hidden states and targets gathered, per-token statistics all-gathered, then the gradient
-    # coefficients gathered and the hidden-state gradients summed back to their owners.
-    est.comm["head (hidden states, statistics)"] = (
-        (h - 1) * tokens * (2 * hidden * pbytes + 8 + 4 + 2 * h * 4) if h > 1 else 0.0)
+    # head: every rank's hidden states (and int64 targets) sent to the h-1 others, the hidden-state gradients sent
+    # back, the fp32 loss gradients gathered, the row counts; then [2, h·tokens] fp32 statistics all-gathered.
+    est.comm["all_to_all (head hidden states)"] = (
+        (h - 1) * (tokens * (2 * hidden * pbytes + 8 + 4) + 8) if h > 1 else 0.0)
+    est.comm["all_gather (head loss statistics)"] = (h - 1) * 2 * h * tokens * 4 if h > 1 else 0.0
     if h > 1:
         est.memory["activations (estimate)"] -= tokens * config.vocab_size * 4  # no [tokens, V] logits
     return est
