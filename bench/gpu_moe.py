@@ -137,14 +137,15 @@ def check_block(args, device, dtype, tiles=None) -> dict:
     return out
 
 
+# All compile for sm_90 with wgmma, pipelining and no register spills (bench/compile_sm90.py --sweep); a 128-wide
+# SwiGLU tile (two 128×128 accumulators) spills, so the SwiGLU tiles stay 64 wide.
 TILE_CANDIDATES = [
     dict(),  # the defaults
     dict(stages=4),
     dict(bm=64, warps=4, stages=4),
-    dict(bn=256, bn_swiglu=128, stages=3),
+    dict(bn=256, stages=3),
     dict(bk=32, bk_w=32, stages=5),
     dict(bp=128, bq=256, bk_w=32, stages=4),
-    dict(bm=128, bn=128, bn_swiglu=128, bk=64, warps=8, stages=3),
 ]
 
 
@@ -186,13 +187,32 @@ def sweep_tiles(args, device, dtype) -> dict:
     return {"candidates": rows, "best": best, "best_tiles": mt.Tiles(**best["tiles"])}
 
 
+def check_no_host_sync(args, device, dtype, tiles) -> dict:
+    """Forward + backward of the Triton experts under ``torch.cuda.set_sync_debug_mode("error")``: any host sync
+    (a ``.item()``, a ``bincount`` sizing its output, a data-dependent shape) raises."""
+    if device.type != "cuda":
+        return {"skipped": "no CUDA"}
+    mt, x, index, weights, gate_up, down = _moe_inputs(args, device, dtype, args.check_tokens)
+    mt.moe_experts(x, index, weights, gate_up, down, tiles).sum().backward()  # compile first (may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mt.moe_experts(x, index, weights, gate_up, down, tiles).sum().backward()
+        result = {"ok": True}
+    except RuntimeError as e:
+        result = {"ok": False, "error": str(e)[:300]}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return result
+
+
 def kernel_breakdown(args, device, dtype, tiles) -> dict:
     """Milliseconds of each kernel alone on the block's shapes (where the time goes)."""
     mt, x, index, weights, gate_up, down = _moe_inputs(args, device, dtype, args.tokens)
     t, k, h, i, e = args.tokens, args.top_k, args.hidden, args.inter, args.experts
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.bincount(flat, minlength=e)
+    counts = torch.zeros(e, device=device, dtype=torch.int32).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     slots = torch.empty_like(order)
     slots[order.long()] = torch.arange(order.numel(), device=device, dtype=torch.int32)
     slots = slots.view(t, k)
@@ -211,7 +231,7 @@ def kernel_breakdown(args, device, dtype, tiles) -> dict:
         dxs = mt.rows_gemm(dh, gate_up, gu_b, h, 2 * i, row_end, tile_end, s, tiles)
     gemm = 2 * s * h * i  # one of the six GEMMs' FLOPs (gate_up ones are twice this)
     parts = {
-        "routing (sort, bincount, inverse)": (lambda: (torch.argsort(flat, stable=True), torch.bincount(flat, minlength=e)), 0),
+        "routing (sort, counts)": (lambda: (torch.argsort(flat, stable=True), torch.zeros(e, device=device, dtype=torch.int32).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))), 0),
         "gate_up fwd + SwiGLU (gathered rows)": (lambda: mt.rows_gemm(x, gate_up, gu_f, i, h, row_end, tile_end, s, tiles, src=src, epilogue=1), 2 * gemm),
         "down fwd": (lambda: mt.rows_gemm(act, down, dn_f, h, i, row_end, tile_end, s, tiles), gemm),
         "combine fwd": (lambda: mt.gather_sum(y, slots, weights.detach(), tiles, dtype), 0),
@@ -328,6 +348,7 @@ def main() -> None:
     tiles = sweep.pop("best_tiles")
     report["tile_sweep"] = sweep
     report["check"] = check_block(args, device, dtype, tiles)
+    report["check"]["xpar_zoo_no_host_sync"] = check_no_host_sync(args, device, dtype, tiles)
     print(json.dumps({"check": report["check"]}, indent=1), flush=True)
     report["kernels"] = kernel_breakdown(args, device, dtype, tiles)
     print(json.dumps({"kernels": report["kernels"]}, indent=1), flush=True)

@@ -109,6 +109,27 @@ def test_torch_is_the_default_and_triton_refuses_experts_it_cannot_run():
         set_experts_kernels(gpt_oss, "cuda")
 
 
+def test_kernels_compile_for_the_h200_with_wgmma_and_no_spills():
+    """The real (not interpreted) kernels, compiled for sm_90 as one training step's launches specialise them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "compile_sm90.py")
+    out = subprocess.run([sys.executable, script, "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert {r["kernel"] for r in rows} == {"_rows_gemm", "_k_gemm", "_gather_sum", "_combine_backward"}
+    assert len(rows) == 9  # 4 row GEMMs, 2 weight-gradient GEMMs, 2 gather-sums, 1 combine backward
+    for r in rows:
+        assert r["spill_bytes"] == 0, r
+        assert r["shared_bytes"] <= 227 * 1024, r
+        if r["kernel"].endswith("gemm"):
+            assert r["wgmma"], r
+
+
 def _ep_job(cfg, data):
     import torch.distributed as dist
 

@@ -360,11 +360,13 @@ def moe_experts(
     down: torch.Tensor, tiles: Tiles = Tiles(),
 ) -> torch.Tensor:
     """One layer's SwiGLU experts with every expert local: ``x [T, H]`` routed by ``top_k_index / top_k_weights
-    [T, k]``. Routing stays on the device (sort + bincount); permute and unpermute are fused into the kernels."""
+    [T, k]``. Routing stays on the device (sort + scatter-add counts, no host sync); permute and unpermute are fused into the kernels."""
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True).to(torch.int32)  # row s serves slot order[s]
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    # counted by scatter-add, not bincount: bincount sizes its output from max(flat), a host sync on CUDA
+    counts = torch.zeros(gate_up.shape[0], device=flat.device, dtype=torch.int32)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     slots = torch.empty_like(order)
     slots[order.long()] = torch.arange(order.numel(), device=order.device, dtype=torch.int32)
     src = torch.div(order, top_k, rounding_mode="floor")
