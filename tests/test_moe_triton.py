@@ -130,20 +130,30 @@ def test_kernels_compile_for_the_h200_with_wgmma_and_no_spills():
             assert r["wgmma"], r
 
 
-def _ep_job(cfg, data):
+MESHES = {"fsdp": {}, "ep2": {"ep": 2}}  # every expert local (the fused path), and split over 2 ranks
+
+
+def _mesh_job(cfg, data):
     import torch.distributed as dist
 
     ref = parity.train_reference(cfg, data, "sgd", None) if dist.get_rank() == 0 else None
-    rec = parity.train_parallel(cfg, data, {"ep": 2}, "sgd", None, kernels="triton")
     before = parity.build_model(cfg).state_dict()
-    if dist.get_rank() == 0:
-        return rec.losses, ref.losses, parity.param_errors(rec.params, ref.params, before)
+    out = {}
+    for name, mesh in MESHES.items():
+        rec = parity.train_parallel(cfg, data, mesh, "sgd", None, kernels="triton")
+        if dist.get_rank() == 0:
+            out[name] = rec.losses, ref.losses, parity.param_errors(rec.params, ref.params, before)
+    return out
 
 
-@pytest.mark.parametrize("world", [2])
-def test_triton_kernels_under_expert_parallelism_match_single_process_training(world):
+@pytest.fixture(scope="module")
+def mesh_runs():
     cfg = parity.tiny_config("qwen3_moe")
-    data = parity.make_batches(cfg.vocab_size, steps=1, world=world)
-    losses, ref_losses, errors = launch.run(_ep_job, world, cfg, data)
-    parity.assert_losses_match(losses, ref_losses, what="ep2, triton")
-    parity.assert_params_match(errors, what="ep2, triton, one SGD step:")
+    return launch.run(_mesh_job, 2, cfg, parity.make_batches(cfg.vocab_size, steps=1, world=2))
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_triton_kernels_on_a_mesh_match_single_process_training(mesh_runs, mesh):
+    losses, ref_losses, errors = mesh_runs[mesh]
+    parity.assert_losses_match(losses, ref_losses, what=f"{mesh}, triton")
+    parity.assert_params_match(errors, what=f"{mesh}, triton, one SGD step:")
