@@ -271,6 +271,14 @@ def bench_block(args, device, dtype, tiles=None) -> dict:
 
         sec = time_fn(step, device, warmup=args.warmup, iters=args.iters)
         res[impl] = {"ms": sec * 1e3, "tflops": flops / sec / 1e12}
+        if device.type == "cuda":  # peak memory of one step above what was allocated before it
+            torch.cuda.synchronize()
+            base_mem = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            res[impl]["peak_step_memory_GiB"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+        del block
     base = res["grouped_mm"]["ms"]
     for r in res.values():
         r["speedup_vs_grouped_mm"] = base / r["ms"]

@@ -35,6 +35,7 @@ from .collectives import all_to_all, all_to_all_counts, to_local
 
 if TYPE_CHECKING:  # the experts path imports nothing of FSDP's (the GPU bench runs it on an older torch)
     from .mesh import PlanShard
+    from .moe_triton import Tiles
 
 EXPERTS_IMPLEMENTATION = "xpar_zoo"
 KERNELS = ("torch", "triton")
@@ -68,7 +69,7 @@ def _triton_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
     return _triton_module()
 
 
-def set_experts_kernels(model: nn.Module, kernels: str, tiles=None) -> int:
+def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = None) -> int:
     """Choose the kernels of every fused experts module in ``model``: ``"torch"`` (the default: grouped_mm and torch
     routing, exact on the CPU) or ``"triton"`` (:mod:`xpar_zoo.moe_triton`; refuses experts it cannot run; on the
     CPU it needs ``TRITON_INTERPRET=1``, which is how the tests run it). ``tiles``: a
