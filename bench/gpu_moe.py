@@ -174,21 +174,27 @@ def sweep_tiles(args, device, dtype) -> dict:
     rows = []
     for cand in TILE_CANDIDATES[: 1 if INTERPRETED or device.type != "cuda" else None]:
         tiles = mt.INTERPRETER_TILES if INTERPRETED else mt.Tiles(**cand)
+        for fuse in (True, False):  # the router-weight gradient fused into the backward GEMMs, or dy materialised
 
-        def step():
-            mt.moe_experts(x, index, weights, gate_up, down, tiles).backward(grad)
+            def step():
+                mt.moe_experts(x, index, weights, gate_up, down, tiles, fuse_router_grad=fuse).backward(grad)
 
-        try:
-            sec = time_fn(step, device, warmup=2, iters=args.iters)
-            rows.append({"tiles": tiles.__dict__, "ms": sec * 1e3, "tflops": flops / sec / 1e12})
-        except Exception as e:  # a candidate that does not compile (shared memory) is reported, not fatal
-            rows.append({"tiles": tiles.__dict__, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-        print(json.dumps(rows[-1]), flush=True)
+            row = {"tiles": tiles.__dict__, "fuse_router_grad": fuse}
+            try:
+                sec = time_fn(step, device, warmup=2, iters=args.iters)
+                row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
+            except Exception as e:  # a candidate that does not compile (shared memory) is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     timed = [r for r in rows if "ms" in r]
     if not timed:
         raise RuntimeError("no tile candidate ran: " + "; ".join(r["error"] for r in rows))
     best = min(timed, key=lambda r: r["ms"])
-    return {"candidates": rows, "best": best, "best_tiles": mt.Tiles(**best["tiles"])}
+    fused = [r for r in timed if r["fuse_router_grad"] and r["tiles"] == best["tiles"]]
+    if not best["fuse_router_grad"]:
+        print("note: materialising dy was faster; the xpar_zoo rows below still use moe_experts' default (fused)")
+    return {"candidates": rows, "best": best, "best_tiles": mt.Tiles(**(fused or [best])[0]["tiles"])}
 
 
 def check_no_host_sync(args, device, dtype, tiles) -> dict:
@@ -231,6 +237,8 @@ def kernel_breakdown(args, device, dtype, tiles) -> dict:
         act, hh = mt.rows_gemm(x, gate_up, gu_f, i, h, row_end, tile_end, s, tiles, src=src, epilogue=1)
         y = mt.rows_gemm(act, down, dn_f, h, i, row_end, tile_end, s, tiles)
         dy = torch.randn_like(y)
+        dout = torch.randn_like(x)
+        row_w = weights.detach().reshape(-1)[order.long()].contiguous()
         dh = mt.rows_gemm(dy, down, dn_b, i, h, row_end, tile_end, s, tiles, epilogue=2, h=hh)
         dxs = mt.rows_gemm(dh, gate_up, gu_b, h, 2 * i, row_end, tile_end, s, tiles)
     gemm = 2 * s * h * i  # one of the six GEMMs' FLOPs (gate_up ones are twice this)
@@ -239,10 +247,14 @@ def kernel_breakdown(args, device, dtype, tiles) -> dict:
         "gate_up fwd + SwiGLU (gathered rows)": (lambda: mt.rows_gemm(x, gate_up, gu_f, i, h, row_end, tile_end, s, tiles, src=src, epilogue=1), 2 * gemm),
         "down fwd": (lambda: mt.rows_gemm(act, down, dn_f, h, i, row_end, tile_end, s, tiles), gemm),
         "combine fwd": (lambda: mt.gather_sum(y, slots, weights.detach(), tiles, dtype), 0),
-        "down bwd dA + SwiGLU bwd": (lambda: mt.rows_gemm(dy, down, dn_b, i, h, row_end, tile_end, s, tiles, epilogue=2, h=hh), gemm),
-        "down bwd dW": (lambda: mt.k_gemm(dy, act, (e, h, i), "pq", row_end, tiles, dtype), gemm),
+        "combine bwd (dw only; fused path)": (lambda: mt.combine_backward(dout, y, weights.detach(), order, tiles, write_dy=False), 0),
+        "combine bwd (dw + dy)": (lambda: mt.combine_backward(dout, y, weights.detach(), order, tiles, write_dy=True), 0),
+        "down bwd dA + SwiGLU bwd (dout gathered, scaled)": (lambda: mt.rows_gemm(dout, down, dn_b, i, h, row_end, tile_end, s, tiles, src=src, scale=row_w, epilogue=2, h=hh), gemm),
+        "down bwd dA + SwiGLU bwd (dy)": (lambda: mt.rows_gemm(dy, down, dn_b, i, h, row_end, tile_end, s, tiles, epilogue=2, h=hh), gemm),
+        "down bwd dW (dout gathered, scaled)": (lambda: mt.k_gemm(dout, act, (e, h, i), row_end, tiles, dtype, left_src=src, left_scale=row_w), gemm),
+        "down bwd dW (dy)": (lambda: mt.k_gemm(dy, act, (e, h, i), row_end, tiles, dtype), gemm),
         "gate_up bwd dX": (lambda: mt.rows_gemm(dh, gate_up, gu_b, h, 2 * i, row_end, tile_end, s, tiles), 2 * gemm),
-        "gate_up bwd dW (gathered rows)": (lambda: mt.k_gemm(dh, x, (e, 2 * i, h), "pq", row_end, tiles, dtype, src=src), 2 * gemm),
+        "gate_up bwd dW (gathered rows)": (lambda: mt.k_gemm(dh, x, (e, 2 * i, h), row_end, tiles, dtype, src=src), 2 * gemm),
         "dx gather-sum": (lambda: mt.gather_sum(dxs, slots, None, tiles, dtype), 0),
     }
     out = {}

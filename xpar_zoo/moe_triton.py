@@ -16,7 +16,9 @@ MoE layer, forward and backward, with no padding, no host sync and no transposed
     ``out[t] = sum_j w[t, j] * y[slots[t, j]]`` in fp32: the unpermute with the router weights (forward), or the
     gradient of a gather (backward, no weights).
 ``_combine_backward``
-    ``dy[s] = w[s] * dout[token(s)]`` and ``dw[s] = <dout[token(s)], y[s]>`` in one pass over the rows.
+    ``dw[s] = <dout[token(s)], y[s]>`` (and, where the consumers do not fuse it, ``dy[s] = w[s] * dout[token(s)]``)
+    in one pass over the rows. Where they do, the row GEMM gathers ``dout`` rows and scales its accumulator, the
+    weight-gradient GEMM gathers and scales its left operand.
 
 Used by :mod:`xpar_zoo.moe` for bf16 SwiGLU experts on CUDA. Every kernel also runs under Triton's interpreter
 (``TRITON_INTERPRET=1``) on the CPU, which is how the tests check them exactly in fp32.
@@ -60,13 +62,14 @@ def _rows_gemm(
     a_ptr, src_ptr, stride_am, stride_ak,
     b_ptr, stride_bg, stride_bk, stride_bn,
     c_ptr, stride_cm, stride_cn,
-    h_ptr, stride_hm, stride_hn,
+    h_ptr, stride_hm, stride_hn, scale_ptr,
     row_end_ptr, tile_end_ptr, G, N, K,
-    GATHER: tl.constexpr, EPILOGUE: tl.constexpr, G_P2: tl.constexpr,
+    GATHER: tl.constexpr, ROW_SCALE: tl.constexpr, EPILOGUE: tl.constexpr, G_P2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # EPILOGUE 0: C = A @ B_g.  1: SwiGLU forward, B_g has 2N columns [gate | up]; h = [A@B_gate | A@B_up],
     # C = silu(A@B_gate) * A@B_up.  2: SwiGLU backward, acc = dA; reads h, writes C = [d gate | d up].
+    # ROW_SCALE: row r of A is taken times scale[r] (applied to the accumulator: (diag(s) A) B = diag(s) (A B)).
     # N-tiles vary fastest: the programs resident at once share a few A row-tiles and one expert's B, both in L2.
     num_n = tl.cdiv(N, BN)
     pid_m = tl.program_id(0) // num_n
@@ -96,6 +99,8 @@ def _rows_gemm(
                 acc_up = tl.dot(a, b_up, acc_up)
             a_ptrs += BK * stride_ak
             b_ptrs += BK * stride_bk
+        if ROW_SCALE:
+            acc = acc * tl.load(scale_ptr + rm, mask=m_mask, other=0.0).to(tl.float32)[:, None]
         rows = rm.to(tl.int64)[:, None]
         mask = m_mask[:, None] & n_mask[None, :]
         c_ptrs = c_ptr + rows * stride_cm + rn[None, :] * stride_cn
@@ -120,13 +125,15 @@ def _rows_gemm(
 
 @triton.jit
 def _k_gemm(
-    l_ptr, stride_ls, stride_lp,
+    l_ptr, l_src_ptr, l_scale_ptr, stride_ls, stride_lp,
     r_ptr, src_ptr, stride_rs, stride_rq,
     o_ptr, stride_og, stride_op, stride_oq,
     row_end_ptr, P, Q,
-    GATHER: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+    GATHER: tl.constexpr, L_GATHER: tl.constexpr, L_SCALE: tl.constexpr,
+    BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
 ):
-    # O_g[p, q] = sum over rows s of group g of L[s, p] * R[s, q]  (R[s] = R[src[s]] when GATHER)
+    # O_g[p, q] = sum over rows s of group g of L[s, p] * R[s, q], where R[s] = R[src[s]] when GATHER and
+    # L[s] = L[l_src[s]] (L_GATHER) times l_scale[s] (L_SCALE, rounded back to L's dtype as a stored copy would be)
     pid = tl.program_id(0)
     g = tl.program_id(1)
     num_q = tl.cdiv(Q, BQ)
@@ -145,8 +152,15 @@ def _k_gemm(
             r_rows = tl.load(src_ptr + s, mask=s_mask, other=0).to(tl.int64)
         else:
             r_rows = s.to(tl.int64)
-        lt = tl.load(l_ptr + s.to(tl.int64)[None, :] * stride_ls + rp[:, None] * stride_lp,
+        if L_GATHER:
+            l_rows = tl.load(l_src_ptr + s, mask=s_mask, other=0).to(tl.int64)
+        else:
+            l_rows = s.to(tl.int64)
+        lt = tl.load(l_ptr + l_rows[None, :] * stride_ls + rp[:, None] * stride_lp,
                      mask=p_mask[:, None] & s_mask[None, :], other=0.0)
+        if L_SCALE:
+            scale = tl.load(l_scale_ptr + s, mask=s_mask, other=0.0).to(tl.float32)
+            lt = (lt.to(tl.float32) * scale[None, :]).to(l_ptr.dtype.element_ty)
         r = tl.load(r_ptr + r_rows[:, None] * stride_rs + rq[None, :] * stride_rq,
                     mask=s_mask[:, None] & q_mask[None, :], other=0.0)
         acc = tl.dot(lt, r, acc)
@@ -176,9 +190,10 @@ def _gather_sum(
 @triton.jit
 def _combine_backward(
     dout_ptr, stride_dt, y_ptr, stride_ys, order_ptr, w_ptr, dy_ptr, stride_dys, dw_ptr, H,
-    TOP_K: tl.constexpr, BH: tl.constexpr,
+    TOP_K: tl.constexpr, WRITE_DY: tl.constexpr, BH: tl.constexpr,
 ):
-    # row s holds slot order[s] = t * TOP_K + j:  dy[s] = w[slot] * dout[t];  dw[slot] = <dout[t], y[s]>
+    # row s holds slot order[s] = t * TOP_K + j:  dw[slot] = <dout[t], y[s]>;  dy[s] = w[slot] * dout[t] when
+    # WRITE_DY (else the consumers of dy read dout through the same gather and scale)
     s = tl.program_id(0).to(tl.int64)
     slot = tl.load(order_ptr + s).to(tl.int64)
     t = slot // TOP_K
@@ -190,7 +205,8 @@ def _combine_backward(
         d = tl.load(dout_ptr + t * stride_dt + rh, mask=h_mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + s * stride_ys + rh, mask=h_mask, other=0.0).to(tl.float32)
         dot += d * y
-        tl.store(dy_ptr + s * stride_dys + rh, (d * w).to(dy_ptr.dtype.element_ty), mask=h_mask)
+        if WRITE_DY:
+            tl.store(dy_ptr + s * stride_dys + rh, (d * w).to(dy_ptr.dtype.element_ty), mask=h_mask)
     tl.store(dw_ptr + slot, tl.sum(dot, axis=0).to(dw_ptr.dtype.element_ty))
 
 
@@ -234,9 +250,11 @@ def group_layout(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torc
 def rows_gemm(
     a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], n: int, k: int,
     row_end: torch.Tensor, tile_end: torch.Tensor, rows: int, tiles: Tiles, *,
-    src: torch.Tensor | None = None, epilogue: int = 0, h: torch.Tensor | None = None,
+    src: torch.Tensor | None = None, scale: torch.Tensor | None = None, epilogue: int = 0,
+    h: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Grouped ``A @ B_g`` over ``rows`` output rows; see :func:`_rows_gemm`. ``b_strides`` = (group, k, n)."""
+    """Grouped ``A @ B_g`` over ``rows`` output rows (``A`` rows gathered through ``src`` and scaled by ``scale``);
+    see :func:`_rows_gemm`. ``b_strides`` = (group, k, n)."""
     groups = row_end.numel()
     out_cols = 2 * n if epilogue == 2 else n
     c = torch.empty(rows, out_cols, device=a.device, dtype=a.dtype)
@@ -249,30 +267,28 @@ def rows_gemm(
         _launch(_rows_gemm, grid, tiles,
                 a, src if src is not None else row_end, a.stride(0), a.stride(1),
                 b, *b_strides, c, c.stride(0), c.stride(1), hh, hh.stride(0), hh.stride(1),
-                row_end, tile_end, groups, n, k,
-                GATHER=src is not None, EPILOGUE=epilogue, G_P2=triton.next_power_of_2(groups),
-                BM=tiles.bm, BN=bn, BK=tiles.bk)
+                scale if scale is not None else c, row_end, tile_end, groups, n, k,
+                GATHER=src is not None, ROW_SCALE=scale is not None, EPILOGUE=epilogue,
+                G_P2=triton.next_power_of_2(groups), BM=tiles.bm, BN=bn, BK=tiles.bk)
     return (c, h) if epilogue == 1 else c
 
 
 def k_gemm(
-    left: torch.Tensor, right: torch.Tensor, out_shape: tuple[int, int, int], out_strides_of: str,
-    row_end: torch.Tensor, tiles: Tiles, dtype: torch.dtype, *, src: torch.Tensor | None = None,
+    left: torch.Tensor, right: torch.Tensor, out_shape: tuple[int, int, int], row_end: torch.Tensor, tiles: Tiles,
+    dtype: torch.dtype, *, src: torch.Tensor | None = None, left_src: torch.Tensor | None = None,
+    left_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-group ``left_g^T @ right_g`` (``right`` rows gathered through ``src``), returned in a ``[G, P, Q]``
-    (``out_strides_of='pq'``) or ``[G, Q, P]`` (``'qp'``) tensor — the weight's own layout."""
+    """Per-group ``left_g^T @ right_g`` as a ``[G, P, Q]`` tensor (the weight's own layout): ``right`` rows gathered
+    through ``src``, ``left`` rows through ``left_src`` and scaled by ``left_scale``."""
     groups, p, q = out_shape
-    if out_strides_of == "pq":
-        out = torch.empty(groups, p, q, device=left.device, dtype=dtype)
-        so = (out.stride(0), out.stride(1), out.stride(2))
-    else:
-        out = torch.empty(groups, q, p, device=left.device, dtype=dtype)
-        so = (out.stride(0), out.stride(2), out.stride(1))
+    out = torch.empty(groups, p, q, device=left.device, dtype=dtype)
     grid = (triton.cdiv(p, tiles.bp) * triton.cdiv(q, tiles.bq), groups)
     _launch(_k_gemm, grid, tiles,
-            left, left.stride(0), left.stride(1), right, src if src is not None else row_end,
-            right.stride(0), right.stride(1), out, *so, row_end, p, q,
-            GATHER=src is not None, BP=tiles.bp, BQ=tiles.bq, BK=tiles.bk_w)
+            left, left_src if left_src is not None else row_end, left_scale if left_scale is not None else left,
+            left.stride(0), left.stride(1), right, src if src is not None else row_end,
+            right.stride(0), right.stride(1), out, out.stride(0), out.stride(1), out.stride(2), row_end, p, q,
+            GATHER=src is not None, L_GATHER=left_src is not None, L_SCALE=left_scale is not None,
+            BP=tiles.bp, BQ=tiles.bq, BK=tiles.bk_w)
     return out
 
 
@@ -290,8 +306,52 @@ def gather_sum(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | Non
     return out
 
 
+def combine_backward(dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                     tiles: Tiles, *, write_dy: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(dy, dw)`` of :func:`gather_sum` with weights (``dy`` only when ``write_dy``); ``dw`` in fp32."""
+    top_k = weights.shape[-1]
+    dy = torch.empty_like(y) if write_dy else None
+    dw = torch.empty(weights.numel(), device=y.device, dtype=torch.float32)
+    hidden = y.shape[1]
+    if y.shape[0]:
+        bh = min(tiles.bh, triton.next_power_of_2(hidden))
+        target = dy if dy is not None else y
+        _launch(_combine_backward, (y.shape[0],), tiles,
+                dout, dout.stride(0), y, y.stride(0), order, weights.contiguous(), target, target.stride(0), dw,
+                hidden, TOP_K=top_k, WRITE_DY=write_dy, BH=bh)
+    return dy, dw.view_as(weights)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # autograd
+
+
+def _mlp_forward(x, gate_up, down, counts, src, tiles):
+    """``y`` and what the backward needs: the SwiGLU expert MLPs of rows ``x[src[s]]`` (``x[s]``) grouped by expert."""
+    inter, hidden = down.shape[2], down.shape[1]
+    rows = src.numel() if src is not None else x.shape[0]
+    row_end, tile_end = group_layout(counts, tiles.bm)
+    gu = (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1))  # B[k=h, n] = gate_up[g, n, h]
+    act, h = rows_gemm(x, gate_up, gu, inter, hidden, row_end, tile_end, rows, tiles, src=src, epilogue=1)
+    dn = (down.stride(0), down.stride(2), down.stride(1))  # B[k=i, n=h] = down[g, h, i]
+    y = rows_gemm(act, down, dn, hidden, inter, row_end, tile_end, rows, tiles)
+    return y, (row_end, tile_end, h, act)
+
+
+def _mlp_backward(dy, x, gate_up, down, src, slots, row_end, tile_end, h, act, tiles, dy_src=None, dy_scale=None):
+    """``(dx, d_gate_up, d_down)`` for output gradients ``dy`` (row ``s``'s: ``dy[dy_src[s]] * dy_scale[s]``)."""
+    experts, hidden, inter = down.shape
+    rows = h.shape[0]
+    dn = (down.stride(0), down.stride(1), down.stride(2))  # B[k=h, n=i] = down[g, h, i]
+    dh = rows_gemm(dy, down, dn, inter, hidden, row_end, tile_end, rows, tiles, src=dy_src, scale=dy_scale,
+                   epilogue=2, h=h)
+    d_down = k_gemm(dy, act, (experts, hidden, inter), row_end, tiles, down.dtype, left_src=dy_src,
+                    left_scale=dy_scale)
+    gu = (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2))  # B[k=n, n=h] = gate_up[g, n, h]
+    dxs = rows_gemm(dh, gate_up, gu, hidden, 2 * inter, row_end, tile_end, rows, tiles)
+    d_gate_up = k_gemm(dh, x, (experts, 2 * inter, hidden), row_end, tiles, gate_up.dtype, src=src)
+    dx = gather_sum(dxs, slots, None, tiles, x.dtype) if src is not None else dxs
+    return dx, d_gate_up, d_down
 
 
 class SwiGLUExperts(torch.autograd.Function):
@@ -302,32 +362,15 @@ class SwiGLUExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_up, down, counts, src, slots, tiles):
-        inter, hidden = down.shape[2], down.shape[1]
-        rows = src.numel() if src is not None else x.shape[0]
-        row_end, tile_end = group_layout(counts, tiles.bm)
-        gu = (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1))  # B[k=h, n] = gate_up[g, n, h]
-        act, h = rows_gemm(x, gate_up, gu, inter, hidden, row_end, tile_end, rows, tiles, src=src, epilogue=1)
-        dn = (down.stride(0), down.stride(2), down.stride(1))  # B[k=i, n=h] = down[g, h, i]
-        y = rows_gemm(act, down, dn, hidden, inter, row_end, tile_end, rows, tiles)
-        ctx.save_for_backward(x, gate_up, down, src, slots, row_end, tile_end, h, act)
+        y, saved = _mlp_forward(x, gate_up, down, counts, src, tiles)
+        ctx.save_for_backward(x, gate_up, down, src, slots, *saved)
         ctx.tiles = tiles
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, gate_up, down, src, slots, row_end, tile_end, h, act = ctx.saved_tensors
-        tiles = ctx.tiles
-        experts, hidden, inter = down.shape
-        rows = h.shape[0]
-        dy = dy.contiguous()
-        dn = (down.stride(0), down.stride(1), down.stride(2))  # B[k=h, n=i] = down[g, h, i]
-        dh = rows_gemm(dy, down, dn, inter, hidden, row_end, tile_end, rows, tiles, epilogue=2, h=h)
-        d_down = k_gemm(dy, act, (experts, hidden, inter), "pq", row_end, tiles, down.dtype)
-        gu = (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2))  # B[k=n, n=h] = gate_up[g, n, h]
-        dxs = rows_gemm(dh, gate_up, gu, hidden, 2 * inter, row_end, tile_end, rows, tiles)
-        d_gate_up = k_gemm(dh, x, (experts, 2 * inter, hidden), "pq", row_end, tiles, gate_up.dtype, src=src)
-        dx = gather_sum(dxs, slots, None, tiles, x.dtype) if src is not None else dxs
-        return dx, d_gate_up, d_down, None, None, None, None
+        grads = _mlp_backward(dy.contiguous(), *ctx.saved_tensors, ctx.tiles)
+        return *grads, None, None, None, None
 
 
 class Combine(torch.autograd.Function):
@@ -337,30 +380,48 @@ class Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weights, slots, order, tiles):
         ctx.save_for_backward(y, weights, order)
-        ctx.top_k, ctx.tiles = slots.shape[1], tiles
+        ctx.tiles = tiles
         return gather_sum(y, slots, weights.contiguous(), tiles, y.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         y, weights, order = ctx.saved_tensors
+        dy, dw = combine_backward(dout.contiguous(), y, weights, order, ctx.tiles, write_dy=True)
+        return dy, dw.to(weights.dtype), None, None, None
+
+
+class RoutedSwiGLUExperts(torch.autograd.Function):
+    """:class:`SwiGLUExperts` then :class:`Combine` as one function, so that the backward never materialises
+    ``dy = w · dout[token]``: the two GEMMs that consume it gather ``dout`` rows and scale them by the router weight
+    themselves."""
+
+    @staticmethod
+    def forward(ctx, x, weights, gate_up, down, counts, src, slots, order, tiles):
+        y, saved = _mlp_forward(x, gate_up, down, counts, src, tiles)
+        ctx.save_for_backward(x, weights, gate_up, down, src, slots, order, y, *saved)
+        ctx.tiles = tiles
+        return gather_sum(y, slots, weights.contiguous(), tiles, y.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weights, gate_up, down, src, slots, order, y, *saved = ctx.saved_tensors
         dout = dout.contiguous()
-        dy = torch.empty_like(y)
-        dw = torch.empty(weights.numel(), device=y.device, dtype=torch.float32)
-        hidden = y.shape[1]
-        if y.shape[0]:
-            bh = min(ctx.tiles.bh, triton.next_power_of_2(hidden))
-            _launch(_combine_backward, (y.shape[0],), ctx.tiles,
-                    dout, dout.stride(0), y, y.stride(0), order, weights.contiguous(), dy, dy.stride(0), dw, hidden,
-                    TOP_K=ctx.top_k, BH=bh)
-        return dy, dw.view_as(weights).to(weights.dtype), None, None, None
+        _, dw = combine_backward(dout, y, weights, order, ctx.tiles, write_dy=False)
+        row_weight = weights.reshape(-1)[order.long()].contiguous()
+        dx, d_gate_up, d_down = _mlp_backward(dout, x, gate_up, down, src, slots, *saved, ctx.tiles,
+                                              dy_src=src, dy_scale=row_weight)
+        return dx, dw.to(weights.dtype), d_gate_up, d_down, None, None, None, None, None
 
 
 def moe_experts(
     x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
-    down: torch.Tensor, tiles: Tiles = Tiles(),
+    down: torch.Tensor, tiles: Tiles = Tiles(), *, fuse_router_grad: bool = True,
 ) -> torch.Tensor:
     """One layer's SwiGLU experts with every expert local: ``x [T, H]`` routed by ``top_k_index / top_k_weights
-    [T, k]``. Routing stays on the device (sort + scatter-add counts, no host sync); permute and unpermute are fused into the kernels."""
+    [T, k]``. Routing stays on the device (sort + scatter-add counts, no host sync); the permute and the unpermute
+    are fused into the kernels, and (``fuse_router_grad``) so is ``dy = w · dout[token]`` in the backward — which
+    saves writing and twice reading ``dy`` but feeds one weight-gradient GEMM an operand it must scale in registers;
+    ``bench/gpu_moe.py`` times both."""
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True).to(torch.int32)  # row s serves slot order[s]
@@ -370,8 +431,11 @@ def moe_experts(
     slots = torch.empty_like(order)
     slots[order.long()] = torch.arange(order.numel(), device=order.device, dtype=torch.int32)
     src = torch.div(order, top_k, rounding_mode="floor")
-    y = SwiGLUExperts.apply(x, gate_up, down, counts, src, slots.view(tokens, top_k), tiles)
-    return Combine.apply(y, top_k_weights, slots.view(tokens, top_k), order, tiles)
+    slots = slots.view(tokens, top_k)
+    if fuse_router_grad:
+        return RoutedSwiGLUExperts.apply(x, top_k_weights, gate_up, down, counts, src, slots, order, tiles)
+    y = SwiGLUExperts.apply(x, gate_up, down, counts, src, slots, tiles)
+    return Combine.apply(y, top_k_weights, slots, order, tiles)
 
 
 def grouped_swiglu(
