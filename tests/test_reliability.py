@@ -434,6 +434,32 @@ def test_a_rank_failing_during_a_load_ends_the_job_with_a_clear_error(how, check
         assert re.search(r"[Tt]imed? ?out", message), message
 
 
+def _abort_at_exit_on_rank_1() -> str:
+    import atexit
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        atexit.register(os.abort)  # after the job, the barrier and the teardown: as the interpreter shuts down
+    return "result"
+
+
+def _abort_during_the_job_on_rank_1() -> str:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.abort()
+    dist.barrier()
+    return "result"
+
+
+def test_a_rank_dying_after_the_job_finished_keeps_the_result_but_one_dying_during_it_fails_the_job():
+    with pytest.warns(RuntimeWarning, match="died after the job had finished on every rank"):
+        assert launch.run(_abort_at_exit_on_rank_1, 2, timeout_s=RANK_TIMEOUT_S) == "result"
+    with pytest.raises(RuntimeError, match="distributed run failed"):
+        launch.run(_abort_during_the_job_on_rank_1, 2, timeout_s=RANK_TIMEOUT_S)
+
+
 # ---- nothing untrusted is unpickled ----------------------------------------------------------------------------------
 ALLOWED_PICKLE = {
     # DCP .metadata through an unpickler that admits only DCP's own classes
