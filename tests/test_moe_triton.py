@@ -108,6 +108,16 @@ def test_grouped_swiglu_on_pregrouped_rows_matches_the_torch_path():
         assert _rel(a, b) < 1e-5
 
 
+def test_a_rank_that_receives_no_rows_gets_empty_outputs_and_zero_weight_gradients():
+    module = _experts(16, 8, 4, seed=2)  # under EP a rank can receive no token at all
+    x = torch.zeros(0, 16, requires_grad=True)
+    y = moe_triton.grouped_swiglu(x, module.gate_up_proj, module.down_proj, torch.zeros(4, dtype=torch.long),
+                                  moe_triton.INTERPRETER_TILES)
+    (y.sum() + 0 * module.gate_up_proj.sum() + 0 * module.down_proj.sum()).backward()
+    assert y.shape == (0, 16) and x.grad.shape == (0, 16)
+    assert not module.gate_up_proj.grad.any() and not module.down_proj.grad.any()
+
+
 def test_torch_is_the_default_and_triton_refuses_experts_it_cannot_run():
     module = _experts(16, 8, 4, seed=0)
     x = torch.zeros(3, 16)
