@@ -97,8 +97,15 @@ def _job(meshes):
         totals = {}
         with count_sent_bytes(totals):
             model(input_ids=ids, labels=ids).loss.backward()
+        opt = torch.optim.AdamW(model.parameters())
+        opt.step()
+        local = [p.to_local() for p in model.parameters()]
+        memory = {"params": sum(t.numel() * t.element_size() for t in local),
+                  "grads": sum(p.grad.to_local().numel() * p.grad.element_size() for p in model.parameters()),
+                  "optimizer": sum(v.to_local().numel() * v.element_size() for state in opt.state.values()
+                                   for v in state.values() if v.dim())}
         gathered = [None] * WORLD
-        dist.all_gather_object(gathered, totals)
+        dist.all_gather_object(gathered, (totals, memory))
         out[name] = gathered
     return out
 
@@ -120,7 +127,7 @@ def test_planner_predicts_collective_bytes_within_5_percent(measured, mesh):
                  "all_reduce": c["all_reduce (HSDP grads)"],
                  "all_to_all": c["all_to_all (EP tokens)"] + c["all_to_all (emb ids + vectors)"]
                  + c["all_to_all (head hidden states)"]}
-    ranks = measured[mesh]
+    ranks = [comm for comm, _ in measured[mesh]]
     for kind, want in predicted.items():
         got = sum(r.get(kind, 0.0) for r in ranks) / WORLD  # the planner predicts the per-rank average
         if want == 0:
@@ -129,6 +136,20 @@ def test_planner_predicts_collective_bytes_within_5_percent(measured, mesh):
             assert abs(got - want) <= 0.05 * want, f"{kind}: measured {got:.0f} B/rank, predicted {want:.0f}"
     total = sum(sum(r.values()) for r in ranks) / WORLD
     assert abs(total - est.comm_total) <= 0.05 * est.comm_total
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_planner_predicts_parameter_gradient_and_optimizer_memory_within_5_percent(measured, mesh):
+    """The exact memory terms against the bytes each rank really holds after one AdamW step (averaged over ranks;
+    the planner counts FSDP's padding, the local shards do not)."""
+    sizes, replicate = MESHES[mesh]
+    cfg = parity.tiny_config("qwen3_moe", vocab_size=VOCAB)
+    est = planner.estimate(cfg, WORLD, sizes, replicate, optimizer="adamw")
+    predicted = {"params": est.memory["parameters (fp32 shards)"], "grads": est.memory["gradients (fp32 shards)"],
+                 "optimizer": est.memory["optimizer states (adamw)"]}
+    for kind, want in predicted.items():
+        got = sum(memory[kind] for _, memory in measured[mesh]) / WORLD
+        assert abs(got - want) <= 0.05 * want, f"{kind}: measured {got:.0f} B/rank, predicted {want:.0f}"
 
 
 def test_suggestions_fit_the_world_and_the_shapes():
