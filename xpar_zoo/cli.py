@@ -39,9 +39,11 @@ def _load_config(name: str):
 
     from .registry import supported_architectures
 
+    from .hub import resolve_config
+
     if name in supported_architectures():
         return AutoConfig.for_model(name)
-    return AutoConfig.from_pretrained(name)
+    return AutoConfig.from_pretrained(resolve_config(name).parent)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -63,6 +63,28 @@ def resolve(name: str | os.PathLike, revision: str | None = None, *, cache_dir: 
     return _resolve_hub(str(name), revision, cache_dir, token)
 
 
+def resolve_config(name: str | os.PathLike, revision: str | None = None, *, cache_dir: str | os.PathLike | None = None,
+                   token: str | bool | None = None) -> Path:
+    """The ``config.json`` of a local directory or hub repo (fetched alone, or from the cache offline), for tools
+    that need the architecture but no weights (the planner). Raises :class:`HubResolutionError` naming the problem."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HFValidationError
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / CONFIG_FILE).is_file():
+            raise HubResolutionError(f"{path} is a directory without {CONFIG_FILE}")
+        return path / CONFIG_FILE
+    where = f"{str(name)!r}" + (f" at revision {revision!r}" if revision else "")
+    mode = " (HF_HUB_OFFLINE=1: only the local huggingface_hub cache is searched)" if is_offline() else ""
+    try:
+        return Path(hf_hub_download(str(name), CONFIG_FILE, revision=revision, cache_dir=cache_dir, token=token))
+    except HFValidationError:
+        raise HubResolutionError(f"{str(name)!r} is neither a local directory nor a valid hub repo id") from None
+    except Exception as e:  # not found, no network, not cached, gated…: one clear error naming the repo
+        raise HubResolutionError(f"cannot get the {CONFIG_FILE} of {where}{mode}: {type(e).__name__}") from None
+
+
 def _resolve_hub(repo_id: str, revision: str | None, cache_dir, token) -> ResolvedModel:
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
