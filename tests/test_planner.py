@@ -200,3 +200,38 @@ def test_plan_cli_reads_a_cached_hub_config_offline_and_names_bad_models(tmp_pat
     for (argv, want_rc, message), (rc, out, err) in zip(cases, json.loads(proc.stdout.splitlines()[-1])):
         assert rc == want_rc and message in (out if rc == 0 else err), (argv, rc, out[-300:], err[-300:])
         assert "Traceback" not in err, err
+
+
+def _saved_for_backward_bytes(model, ids) -> int:
+    """Bytes of the distinct non-parameter storages autograd keeps for backward during one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("arch,dims", [
+    ("qwen3_moe", dict(hidden_size=512, moe_intermediate_size=256, num_attention_heads=8, head_dim=64,
+                       vocab_size=8192)),
+    ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=128, vocab_size=2048)),
+    ("llama", dict(hidden_size=256, intermediate_size=512, vocab_size=4096)),
+], ids=["qwen3_moe_512", "qwen3_moe_256", "llama_256"])
+def test_activation_estimate_is_within_30_percent_of_what_autograd_saves(arch, dims):
+    """The activation term (a formula, not a count) against the storages autograd really keeps, fp32, no
+    recomputation: measured 1.05× / 1.27× / 1.04× of them on these models."""
+    import xpar_zoo.moe  # noqa: F401  (the experts implementation the parallel model uses)
+
+    cfg = parity.tiny_config(arch, num_hidden_layers=2, **dims)
+    model = parity.build_model(cfg, experts_implementation="xpar_zoo" if arch.endswith("moe") else None)
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
+    got = _saved_for_backward_bytes(model, ids)
+    want = planner.activation_bytes(cfg, ids.numel(), ids.shape[1], 4)
+    assert 0.7 * got <= want <= 1.3 * got, f"estimate {want / 2**20:.1f} MiB, autograd keeps {got / 2**20:.1f} MiB"
