@@ -315,6 +315,20 @@ def bench_block(args, device, dtype, tiles=None) -> dict:
     return res
 
 
+def _top_kernels(step, top: int = 15) -> dict:
+    """GPU milliseconds of one step's most expensive kernels (where the model's time goes besides the experts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    out = {name[:90]: round(ms, 3) for name, ms in rows[:top]}
+    out["(all kernels)"] = round(sum(ms for _, ms in rows), 3)
+    return out
+
+
 def bench_model(args, device, dtype, tiles=None) -> dict:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -338,6 +352,8 @@ def bench_model(args, device, dtype, tiles=None) -> dict:
 
         sec = time_fn(step, device, warmup=2, iters=args.model_iters)
         res[impl] = {"tokens_per_s": args.batch * args.seq / sec, "ms": sec * 1e3}
+        if device.type == "cuda" and impl in ("xpar_zoo", "grouped_mm"):
+            res[impl]["top_kernels_ms"] = _top_kernels(step)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
