@@ -127,6 +127,10 @@ def test_torch_is_the_default_and_triton_refuses_experts_it_cannot_run():
     assert _triton_for(module, x, module.down_proj) is moe_triton
     with pytest.raises(ValueError, match="standard layout with matching dtypes"):
         _triton_for(module, x.double(), module.down_proj)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="run on CUDA tensors"):
+            _triton_for(module, x, module.down_proj)
     cfg = parity.tiny_config("gpt_oss")  # transposed, biased, custom gate: not the kernels' layout
     gpt_oss = parity.build_model(cfg, experts_implementation=EXPERTS_IMPLEMENTATION)
     assert set_experts_kernels(gpt_oss, "triton") == cfg.num_hidden_layers

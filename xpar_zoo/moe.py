@@ -23,6 +23,7 @@ per-expert ``mm`` loop everywhere else (unaligned shapes, other dtypes, no rows 
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +67,9 @@ def _triton_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
         raise ValueError(f"{type(module).__name__}: the Triton experts kernels need Triton and plain SwiGLU "
                          f"experts in transformers' standard layout with matching dtypes (got {x.dtype} rows, "
                          f"{weight.dtype} weights)")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{type(module).__name__}: the Triton experts kernels run on CUDA tensors (on the CPU only "
+                         f"under TRITON_INTERPRET=1, for tests); these are on {x.device}")
     return _triton_module()
 
 
