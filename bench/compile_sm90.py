@@ -41,7 +41,8 @@ TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"
 
 def record_launches(tiles: mt.Tiles, hidden=2048, inter=768, experts=128, top_k=8, tokens=256,
                     dtype=torch.bfloat16) -> list[tuple]:
-    """``(kernel, args, meta, tiles)`` of every launch in one forward + backward of ``moe_experts``."""
+    """``(kernel, args, meta, tiles)`` of every launch in one forward + backward of ``moe_experts`` (both backward
+    variants) and of the EP path's ``grouped_swiglu(..., perm=...)``."""
     launches = []
     real = mt._launch
     mt._launch = lambda kernel, grid, t, *args, **meta: launches.append((kernel, args, meta, t))
@@ -52,7 +53,13 @@ def record_launches(tiles: mt.Tiles, hidden=2048, inter=768, experts=128, top_k=
         weights = weights.to(dtype).requires_grad_()
         gate_up = torch.empty(experts, 2 * inter, hidden, dtype=dtype, requires_grad=True)
         down = torch.empty(experts, hidden, inter, dtype=dtype, requires_grad=True)
-        mt.moe_experts(x, index, weights, gate_up, down, tiles).sum().backward()
+        for fuse in (True, False):
+            mt.moe_experts(x, index, weights, gate_up, down, tiles, fuse_router_grad=fuse).sum().backward()
+        # the EP path: rows regrouped through a permutation inside the GEMMs
+        rows = torch.randn(tokens * top_k, hidden, generator=g).to(dtype).requires_grad_()
+        counts = torch.full((experts,), tokens * top_k // experts, dtype=torch.long)
+        perm = torch.randperm(rows.shape[0], generator=g)
+        mt.grouped_swiglu(rows, gate_up, down, counts, tiles, perm=perm).sum().backward()
     finally:
         mt._launch = real
     return launches

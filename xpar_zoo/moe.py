@@ -145,8 +145,10 @@ def grouped_linear(
     return out
 
 
-def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first: int, num: int) -> torch.Tensor:
-    """The expert MLPs for rows grouped by local expert (``counts`` rows each), experts ``first … first+num-1``."""
+def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first: int, num: int,
+                 perm: torch.Tensor | None = None) -> torch.Tensor:
+    """The expert MLPs for rows grouped by local expert (``counts`` rows each), experts ``first … first+num-1``;
+    Triton path only: with ``perm``, grouped row ``s`` is ``x[perm[s]]`` and its output goes to row ``perm[s]``."""
     has_gate = getattr(module, "has_gate", True)
     has_bias = getattr(module, "has_bias", False)
     transposed = getattr(module, "is_transposed", False)
@@ -161,7 +163,7 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
         down_b = down_b[first:first + num] if down_b is not None else None
     triton_path = _triton_for(module, x, up_w)
     if triton_path is not None:
-        return triton_path.grouped_swiglu(x, up_w, down_w, counts, _tiles(module, triton_path, x))
+        return triton_path.grouped_swiglu(x, up_w, down_w, counts, _tiles(module, triton_path, x), perm=perm)
     h = grouped_linear(x, up_w, counts, transposed=transposed, bias=up_b)
     h = module._apply_gate(h) if has_gate else module.act_fn(h)
     y = grouped_linear(h, down_w, counts, transposed=transposed, bias=down_b)
@@ -222,8 +224,11 @@ def experts_forward(
         send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         received = all_to_all(rows, recv_splits, send_splits, ep.group)
         regroup = _source_major_to_expert_major(recv)
-        out = _experts_mlp(self, received[regroup], recv.sum(0), ep.offset, ep.rows)
-        out = all_to_all(out[_inverse(regroup)], send_splits, recv_splits, ep.group)
+        if triton_path is not None:  # the regrouping happens inside the GEMMs' loads and stores
+            out = _experts_mlp(self, received, recv.sum(0), ep.offset, ep.rows, perm=regroup)
+        else:
+            out = _experts_mlp(self, received[regroup], recv.sum(0), ep.offset, ep.rows)[_inverse(regroup)]
+        out = all_to_all(out, send_splits, recv_splits, ep.group)
     if triton_path is not None:
         slots = _inverse(order).to(torch.int32).view(num_tokens, top_k)
         out = triton_path.Combine.apply(out, top_k_weights, slots, order.to(torch.int32),

@@ -64,14 +64,16 @@ def _rows_gemm(
     a_ptr, src_ptr, stride_am, stride_ak,
     b_ptr, stride_bg, stride_bk, stride_bn,
     c_ptr, stride_cm, stride_cn,
-    h_ptr, stride_hm, stride_hn, scale_ptr,
+    h_ptr, stride_hm, stride_hn, scale_ptr, dst_ptr,
     row_end_ptr, tile_end_ptr, G, N, K,
-    GATHER: tl.constexpr, ROW_SCALE: tl.constexpr, EPILOGUE: tl.constexpr, G_P2: tl.constexpr,
+    GATHER: tl.constexpr, ROW_SCALE: tl.constexpr, SCATTER: tl.constexpr, EPILOGUE: tl.constexpr,
+    G_P2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # EPILOGUE 0: C = A @ B_g.  1: SwiGLU forward, B_g has 2N columns [gate | up]; h = [A@B_gate | A@B_up],
     # C = silu(A@B_gate) * A@B_up.  2: SwiGLU backward, acc = dA; reads h, writes C = [d gate | d up].
     # ROW_SCALE: row r of A is taken times scale[r] (applied to the accumulator: (diag(s) A) B = diag(s) (A B)).
+    # SCATTER: row r of C is stored at row dst[r] (h stays in grouped order).
     # N-tiles vary fastest: the programs resident at once share a few A row-tiles and one expert's B, both in L2.
     num_n = tl.cdiv(N, BN)
     pid_m = tl.program_id(0) // num_n
@@ -105,7 +107,11 @@ def _rows_gemm(
             acc = acc * tl.load(scale_ptr + rm, mask=m_mask, other=0.0).to(tl.float32)[:, None]
         rows = rm.to(tl.int64)[:, None]
         mask = m_mask[:, None] & n_mask[None, :]
-        c_ptrs = c_ptr + rows * stride_cm + rn[None, :] * stride_cn
+        if SCATTER:
+            c_rows = tl.load(dst_ptr + rm, mask=m_mask, other=0).to(tl.int64)[:, None]
+        else:
+            c_rows = rows
+        c_ptrs = c_ptr + c_rows * stride_cm + rn[None, :] * stride_cn
         if EPILOGUE == 0:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
         elif EPILOGUE == 1:
@@ -252,11 +258,11 @@ def group_layout(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torc
 def rows_gemm(
     a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], n: int, k: int,
     row_end: torch.Tensor, tile_end: torch.Tensor, rows: int, tiles: Tiles, *,
-    src: torch.Tensor | None = None, scale: torch.Tensor | None = None, epilogue: int = 0,
-    h: torch.Tensor | None = None,
+    src: torch.Tensor | None = None, scale: torch.Tensor | None = None, dst: torch.Tensor | None = None,
+    epilogue: int = 0, h: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Grouped ``A @ B_g`` over ``rows`` output rows (``A`` rows gathered through ``src`` and scaled by ``scale``);
-    see :func:`_rows_gemm`. ``b_strides`` = (group, k, n)."""
+    """Grouped ``A @ B_g`` over ``rows`` output rows (``A`` rows gathered through ``src`` and scaled by ``scale``,
+    output row ``r`` stored at ``dst[r]``); see :func:`_rows_gemm`. ``b_strides`` = (group, k, n)."""
     groups = row_end.numel()
     out_cols = 2 * n if epilogue == 2 else n
     c = torch.empty(rows, out_cols, device=a.device, dtype=a.dtype)
@@ -269,8 +275,8 @@ def rows_gemm(
         _launch(_rows_gemm, grid, tiles,
                 a, src if src is not None else row_end, a.stride(0), a.stride(1),
                 b, *b_strides, c, c.stride(0), c.stride(1), hh, hh.stride(0), hh.stride(1),
-                scale if scale is not None else c, row_end, tile_end, groups, n, k,
-                GATHER=src is not None, ROW_SCALE=scale is not None, EPILOGUE=epilogue,
+                scale if scale is not None else c, dst if dst is not None else row_end, row_end, tile_end, groups, n, k,
+                GATHER=src is not None, ROW_SCALE=scale is not None, SCATTER=dst is not None, EPILOGUE=epilogue,
                 G_P2=triton.next_power_of_2(groups), BM=tiles.bm, BN=bn, BK=tiles.bk)
     return (c, h) if epilogue == 1 else c
 
@@ -328,20 +334,23 @@ def combine_backward(dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
 # autograd
 
 
-def _mlp_forward(x, gate_up, down, counts, src, tiles):
-    """``y`` and what the backward needs: the SwiGLU expert MLPs of rows ``x[src[s]]`` (``x[s]``) grouped by expert."""
+def _mlp_forward(x, gate_up, down, counts, src, tiles, dst=None):
+    """``y`` and what the backward needs: the SwiGLU expert MLPs of rows ``x[src[s]]`` (``x[s]``) grouped by expert,
+    row ``s`` of ``y`` stored at ``dst[s]`` (at ``s``)."""
     inter, hidden = down.shape[2], down.shape[1]
     rows = src.numel() if src is not None else x.shape[0]
     row_end, tile_end = group_layout(counts, tiles.bm)
     gu = (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1))  # B[k=h, n] = gate_up[g, n, h]
     act, h = rows_gemm(x, gate_up, gu, inter, hidden, row_end, tile_end, rows, tiles, src=src, epilogue=1)
     dn = (down.stride(0), down.stride(2), down.stride(1))  # B[k=i, n=h] = down[g, h, i]
-    y = rows_gemm(act, down, dn, hidden, inter, row_end, tile_end, rows, tiles)
+    y = rows_gemm(act, down, dn, hidden, inter, row_end, tile_end, rows, tiles, dst=dst)
     return y, (row_end, tile_end, h, act)
 
 
-def _mlp_backward(dy, x, gate_up, down, src, slots, row_end, tile_end, h, act, tiles, dy_src=None, dy_scale=None):
-    """``(dx, d_gate_up, d_down)`` for output gradients ``dy`` (row ``s``'s: ``dy[dy_src[s]] * dy_scale[s]``)."""
+def _mlp_backward(dy, x, gate_up, down, src, slots, row_end, tile_end, h, act, tiles, dy_src=None, dy_scale=None,
+                  permuted=False):
+    """``(dx, d_gate_up, d_down)`` for output gradients ``dy`` (row ``s``'s: ``dy[dy_src[s]] * dy_scale[s]``);
+    ``permuted``: ``src`` is a permutation, so ``dx`` rows are stored straight through it (no gather-sum)."""
     experts, hidden, inter = down.shape
     rows = h.shape[0]
     dn = (down.stride(0), down.stride(1), down.stride(2))  # B[k=h, n=i] = down[g, h, i]
@@ -350,9 +359,9 @@ def _mlp_backward(dy, x, gate_up, down, src, slots, row_end, tile_end, h, act, t
     d_down = k_gemm(dy, act, (experts, hidden, inter), row_end, tiles, down.dtype, left_src=dy_src,
                     left_scale=dy_scale)
     gu = (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2))  # B[k=n, n=h] = gate_up[g, n, h]
-    dxs = rows_gemm(dh, gate_up, gu, hidden, 2 * inter, row_end, tile_end, rows, tiles)
+    dxs = rows_gemm(dh, gate_up, gu, hidden, 2 * inter, row_end, tile_end, rows, tiles, dst=src if permuted else None)
     d_gate_up = k_gemm(dh, x, (experts, 2 * inter, hidden), row_end, tiles, gate_up.dtype, src=src)
-    dx = gather_sum(dxs, slots, None, tiles, x.dtype) if src is not None else dxs
+    dx = gather_sum(dxs, slots, None, tiles, x.dtype) if src is not None and not permuted else dxs
     return dx, d_gate_up, d_down
 
 
@@ -360,19 +369,24 @@ class SwiGLUExperts(torch.autograd.Function):
     """``y[s] = (silu(x_s @ Wg_e^T) * (x_s @ Wu_e^T)) @ Wd_e^T`` for rows ``s`` grouped by expert ``e``, where
     ``x_s = x[src[s]]`` (or ``x[s]`` without ``src``) and ``gate_up = [E, 2I, H]``, ``down = [E, H, I]`` (the
     transformers layout). ``slots[t]`` lists the rows that read ``x[t]`` (the inverse of ``src``), so the input
-    gradient is a gather, not a scatter."""
+    gradient is a gather, not a scatter. With ``perm`` (a permutation; no ``src``/``slots``) row ``s`` reads
+    ``x[perm[s]]`` and is written to ``y[perm[s]]``: the MLP runs in grouped order on ungrouped buffers."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, counts, src, slots, tiles):
-        y, saved = _mlp_forward(x, gate_up, down, counts, src, tiles)
+    def forward(ctx, x, gate_up, down, counts, src, slots, tiles, perm=None):
+        if perm is not None:
+            src = perm
+        y, saved = _mlp_forward(x, gate_up, down, counts, src, tiles, dst=perm)
         ctx.save_for_backward(x, gate_up, down, src, slots, *saved)
-        ctx.tiles = tiles
+        ctx.tiles, ctx.permuted = tiles, perm is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        grads = _mlp_backward(dy.contiguous(), *ctx.saved_tensors, ctx.tiles)
-        return *grads, None, None, None, None
+        x, gate_up, down, src, *rest = ctx.saved_tensors
+        grads = _mlp_backward(dy.contiguous(), x, gate_up, down, src, *rest, ctx.tiles,
+                              dy_src=src if ctx.permuted else None, permuted=ctx.permuted)
+        return *grads, None, None, None, None, None
 
 
 class Combine(torch.autograd.Function):
@@ -442,6 +456,10 @@ def moe_experts(
 
 def grouped_swiglu(
     rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor, tiles: Tiles = Tiles(),
+    perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The expert MLPs on rows already grouped by expert (``counts[e]`` rows each), e.g. after an EP all-to-all."""
-    return SwiGLUExperts.apply(rows, gate_up, down, counts, None, None, tiles)
+    """The expert MLPs on rows grouped by expert (``counts[e]`` rows each), e.g. after an EP all-to-all. With
+    ``perm`` the rows are not grouped in memory: grouped row ``s`` is ``rows[perm[s]]`` and its output goes to the
+    same place — the regrouping copies (and their gradients) fused into the GEMMs."""
+    return SwiGLUExperts.apply(rows, gate_up, down, counts, None, None, tiles,
+                               perm.to(torch.int32) if perm is not None else None)
