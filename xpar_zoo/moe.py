@@ -67,6 +67,9 @@ def _triton_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
         raise ValueError(f"{type(module).__name__}: the Triton experts kernels need Triton and plain SwiGLU "
                          f"experts in transformers' standard layout with matching dtypes (got {x.dtype} rows, "
                          f"{weight.dtype} weights)")
+    if x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):  # fp32 tl.dot would round through TF32
+        raise ValueError(f"{type(module).__name__}: the Triton experts kernels run bf16 or fp16 on CUDA (got "
+                         f"{x.dtype}); fp32 experts stay on the exact torch path")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{type(module).__name__}: the Triton experts kernels run on CUDA tensors (on the CPU only "
                          f"under TRITON_INTERPRET=1, for tests); these are on {x.device}")
