@@ -69,7 +69,7 @@ def _specialise(kernel, args, meta):
     """Signature, constants and attributes the JIT would derive from these arguments."""
     names = [n for n in kernel.arg_names if n not in meta]
     signature, constants, attrs = {}, dict(meta), {}
-    for i, (name, value) in enumerate(zip(names, args)):
+    for name, value in zip(names, args):
         index = kernel.arg_names.index(name)
         if isinstance(value, torch.Tensor):
             signature[name] = TYPES[value.dtype]
