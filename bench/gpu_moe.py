@@ -216,6 +216,26 @@ def check_no_host_sync(args, device, dtype, tiles) -> dict:
     return result
 
 
+def check_perm_path(args, device, dtype, tiles) -> dict:
+    """The EP path's regrouping inside the GEMMs (``grouped_swiglu(..., perm=...)``) against permuting around the
+    plain grouped MLP: the same arithmetic on the same rows, so outputs and gradients must be bit-identical."""
+    mt, x, index, weights, gate_up, down = _moe_inputs(args, device, dtype, args.check_tokens)
+    rows = x.shape[0]
+    counts = torch.zeros(args.experts, device=device, dtype=torch.long)
+    counts[: args.experts // 2] = rows // (args.experts // 2)
+    counts[0] += rows - int(counts.sum())
+    perm = torch.randperm(rows, device=device)
+    grad = torch.randn_like(x)
+    y = mt.grouped_swiglu(x, gate_up, down, counts, tiles, perm=perm)
+    got = [y] + list(torch.autograd.grad(y, (x, gate_up, down), grad))
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(rows, device=device)
+    y2 = mt.grouped_swiglu(x[perm], gate_up, down, counts, tiles)[inverse]
+    want = [y2] + list(torch.autograd.grad(y2, (x, gate_up, down), grad))
+    names = ("out", "d_x", "d_gate_up", "d_down")
+    return {name: bool(torch.equal(a, b)) for name, a, b in zip(names, got, want)}
+
+
 def kernel_breakdown(args, device, dtype, tiles) -> dict:
     """Milliseconds of each kernel alone on the block's shapes (where the time goes)."""
     mt, x, index, weights, gate_up, down = _moe_inputs(args, device, dtype, args.tokens)
@@ -409,6 +429,7 @@ def main() -> None:
             args.impls.remove("xpar_zoo")
         else:
             section("no_host_sync", check_no_host_sync, args, device, dtype, tiles)
+            section("perm_path_bit_identical", check_perm_path, args, device, dtype, tiles)
             section("kernels", kernel_breakdown, args, device, dtype, tiles)
     section("check", check_block, args, device, dtype, tiles)
     section("block", bench_block, args, device, dtype, tiles)
