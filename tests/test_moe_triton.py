@@ -130,6 +130,32 @@ def test_grouped_swiglu_through_a_permutation_equals_permuting_around_it():
         assert _rel(a, b) < 1e-6
 
 
+def test_frozen_experts_skip_their_weight_gradients_and_keep_the_input_gradient(monkeypatch):
+    """Fine-tuning with frozen experts: no weight-gradient GEMM runs, and the input and router gradients are the
+    same as with trainable experts."""
+    tokens, hidden, inter, experts, top_k, dead = SHAPES[0]
+    module = _experts(hidden, inter, experts, seed=5)
+    index, weights = _routing(tokens, experts, top_k, dead, seed=5)
+    x = torch.randn(tokens, hidden)
+    tiles = moe_triton.INTERPRETER_TILES
+
+    def grads():
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        moe_triton.moe_experts(xi, index, wi, module.gate_up_proj, module.down_proj, tiles).square().sum().backward()
+        return xi.grad, wi.grad
+
+    trainable = grads()
+    module.zero_grad(set_to_none=True)
+    module.requires_grad_(False)
+    calls = []
+    real = moe_triton.k_gemm
+    monkeypatch.setattr(moe_triton, "k_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    frozen = grads()
+    assert calls == [] and module.gate_up_proj.grad is None
+    for a, b in zip(frozen, trainable):
+        assert torch.equal(a, b)
+
+
 def test_a_rank_that_receives_no_rows_gets_empty_outputs_and_zero_weight_gradients():
     module = _experts(16, 8, 4, seed=2)  # under EP a rank can receive no token at all
     x = torch.zeros(0, 16, requires_grad=True)

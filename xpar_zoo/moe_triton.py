@@ -348,20 +348,29 @@ def _mlp_forward(x, gate_up, down, counts, src, tiles, dst=None):
 
 
 def _mlp_backward(dy, x, gate_up, down, src, slots, row_end, tile_end, h, act, tiles, dy_src=None, dy_scale=None,
-                  permuted=False):
+                  permuted=False, need=(True, True, True)):
     """``(dx, d_gate_up, d_down)`` for output gradients ``dy`` (row ``s``'s: ``dy[dy_src[s]] * dy_scale[s]``);
-    ``permuted``: ``src`` is a permutation, so ``dx`` rows are stored straight through it (no gather-sum)."""
+    ``permuted``: ``src`` is a permutation, so ``dx`` rows are stored straight through it (no gather-sum). Only the
+    gradients ``need`` asks for are computed (frozen experts skip both weight-gradient GEMMs)."""
+    need_x, need_gate_up, need_down = need
     experts, hidden, inter = down.shape
     rows = h.shape[0]
+    dx = d_gate_up = d_down = None
+    if need_down:
+        d_down = k_gemm(dy, act, (experts, hidden, inter), row_end, tiles, down.dtype, left_src=dy_src,
+                        left_scale=dy_scale)
+    if not (need_x or need_gate_up):
+        return dx, d_gate_up, d_down
     dn = (down.stride(0), down.stride(1), down.stride(2))  # B[k=h, n=i] = down[g, h, i]
     dh = rows_gemm(dy, down, dn, inter, hidden, row_end, tile_end, rows, tiles, src=dy_src, scale=dy_scale,
                    epilogue=2, h=h)
-    d_down = k_gemm(dy, act, (experts, hidden, inter), row_end, tiles, down.dtype, left_src=dy_src,
-                    left_scale=dy_scale)
-    gu = (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2))  # B[k=n, n=h] = gate_up[g, n, h]
-    dxs = rows_gemm(dh, gate_up, gu, hidden, 2 * inter, row_end, tile_end, rows, tiles, dst=src if permuted else None)
-    d_gate_up = k_gemm(dh, x, (experts, 2 * inter, hidden), row_end, tiles, gate_up.dtype, src=src)
-    dx = gather_sum(dxs, slots, None, tiles, x.dtype) if src is not None and not permuted else dxs
+    if need_gate_up:
+        d_gate_up = k_gemm(dh, x, (experts, 2 * inter, hidden), row_end, tiles, gate_up.dtype, src=src)
+    if need_x:
+        gu = (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2))  # B[k=n, n=h] = gate_up[g, n, h]
+        dxs = rows_gemm(dh, gate_up, gu, hidden, 2 * inter, row_end, tile_end, rows, tiles,
+                        dst=src if permuted else None)
+        dx = gather_sum(dxs, slots, None, tiles, x.dtype) if src is not None and not permuted else dxs
     return dx, d_gate_up, d_down
 
 
@@ -385,7 +394,8 @@ class SwiGLUExperts(torch.autograd.Function):
     def backward(ctx, dy):
         x, gate_up, down, src, *rest = ctx.saved_tensors
         grads = _mlp_backward(dy.contiguous(), x, gate_up, down, src, *rest, ctx.tiles,
-                              dy_src=src if ctx.permuted else None, permuted=ctx.permuted)
+                              dy_src=src if ctx.permuted else None, permuted=ctx.permuted,
+                              need=ctx.needs_input_grad[:3])
         return *grads, None, None, None, None, None
 
 
@@ -424,8 +434,9 @@ class RoutedSwiGLUExperts(torch.autograd.Function):
         dout = dout.contiguous()
         _, dw = combine_backward(dout, y, weights, order, ctx.tiles, write_dy=False)
         row_weight = weights.reshape(-1)[order.long()].contiguous()
+        need = ctx.needs_input_grad
         dx, d_gate_up, d_down = _mlp_backward(dout, x, gate_up, down, src, slots, *saved, ctx.tiles,
-                                              dy_src=src, dy_scale=row_weight)
+                                              dy_src=src, dy_scale=row_weight, need=(need[0], need[2], need[3]))
         return dx, dw.to(weights.dtype), d_gate_up, d_down, None, None, None, None, None
 
 
