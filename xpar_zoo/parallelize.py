@@ -183,6 +183,22 @@ def shard_units(model: nn.Module, mesh: Mesh, plan: Plan, **fsdp_kwargs) -> list
     return units
 
 
+def _planned_after_layers(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]) -> list[nn.Module]:
+    """Planned modules outside every decoder layer that run after them (a vocab-parallel head)."""
+    in_units = {id(m) for u in units for m in u.modules()}
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    outside = [model.get_submodule(p.fqn) for p in planned if id(model.get_submodule(p.fqn)) not in in_units]
+    return [m for m in outside if units and order[id(m)] > order[id(units[-1])]]
+
+
+def keep_gathered_for_backward(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]) -> None:
+    """The last decoder layer with its planned modules, and planned modules after it, stay unsharded after forward:
+    backward starts with them, so resharding would only all-gather them again at once (one all-gather — and for
+    dim-1 shards one chunk-cat — saved per such unit and step, as torchtitan does for its last layer)."""
+    for module in units[-1:] + _planned_after_layers(model, units, planned):
+        module.set_reshard_after_forward(False, recurse=True)
+
+
 def set_prefetch(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]) -> None:
     """Forward: layer i prefetches its planned modules (overlapping attention) and layer i+1; the root prefetches
     planned modules that run before the layers (a vocab-parallel embedding) and the last layer those after them
@@ -240,6 +256,8 @@ def parallelize(
     install_styles(model, mesh, planned)
     shard_planned(model, mesh, planned, **fsdp_kwargs)
     units = shard_units(model, mesh, plan, **fsdp_kwargs)
+    if reshard_after_forward:
+        keep_gathered_for_backward(model, units, planned)
     if prefetch:
         set_prefetch(model, units, planned)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned)

@@ -4,8 +4,9 @@ a ranking of the meshes that fit a world size.
 
 Communication is counted as the bytes each rank *sends* per training step (forward + backward), per collective:
 
-- all-gather of a unit over ``F`` ranks: ``(F-1)/F ×`` the unsharded (dim-0 padded) bytes; non-root units gather
-  twice (forward, and again in backward since they reshard after forward), the root once;
+- all-gather of a unit over ``F`` ranks: ``(F-1)/F ×`` the unsharded (dim-0 padded) bytes; units gather twice
+  (forward, and again in backward since they reshard after forward), except the root, the last decoder layer with
+  its planned modules and planned modules after it, which stay gathered for backward: once;
 - reduce-scatter of its gradients: ``(F-1)/F ×`` the unsharded bytes in the reduce dtype, once;
 - HSDP all-reduce over ``R`` replicas: ``2(R-1)/R ×`` the sharded gradient bytes;
 - EP all-to-all per MoE layer: dispatch + combine in forward and both again in backward, each
@@ -45,6 +46,7 @@ class Unit:
     group: int
     replicate: int
     root: bool = False
+    gathers: int = 2  # per step: forward and backward; 1 where parameters stay unsharded after forward
 
 
 @dataclass
@@ -103,6 +105,14 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
         units.append(Unit(ufqn, sum(params[f].numel() for f in own),
                           sum(_padded(params[f].shape, shard) for f in own), shard, replicate))
         claimed.update(own)
+    # parallelize keeps the last layer (with its planned modules) and planned modules after it gathered after
+    # forward (keep_gathered_for_backward): they are all-gathered once per step
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    if unit_fqns:
+        last = unit_fqns[-1]
+        for u in units:
+            if u.name == last or u.name.startswith(last + ".") or order[u.name] > order[last]:
+                u.gathers = 1
     rest = [f for f in params if f not in claimed]
     units.append(Unit("<root>", sum(params[f].numel() for f in rest),
                       sum(_padded(params[f].shape, shard) for f in rest), shard, replicate, root=True))
@@ -172,7 +182,7 @@ def estimate(
     gather = reduce = allreduce = 0.0
     for u in units:
         frac = (u.group - 1) / u.group
-        gather += (1 if u.root else 2) * frac * u.numel_padded * pbytes
+        gather += (1 if u.root else u.gathers) * frac * u.numel_padded * pbytes
         reduce += frac * u.numel_padded * rbytes
         if u.replicate > 1:
             allreduce += 2 * (u.replicate - 1) / u.replicate * (u.numel_padded / u.group) * rbytes
