@@ -240,30 +240,21 @@ def kernel_breakdown(args, device, dtype, tiles) -> dict:
     """Milliseconds of each kernel alone on the block's shapes (where the time goes)."""
     mt, x, index, weights, gate_up, down = _moe_inputs(args, device, dtype, args.tokens)
     t, k, h, i, e = args.tokens, args.top_k, args.hidden, args.inter, args.experts
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.zeros(e, device=device, dtype=torch.int32).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    slots = torch.empty_like(order)
-    slots[order.long()] = torch.arange(order.numel(), device=device, dtype=torch.int32)
-    slots = slots.view(t, k)
-    src = torch.div(order, k, rounding_mode="floor")
+    order, counts, src, slots = mt.route(index, e)
     row_end, tile_end = mt.group_layout(counts, tiles.bm)
     s = t * k
-    gu_f = (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1))
-    dn_f = (down.stride(0), down.stride(2), down.stride(1))
-    dn_b = (down.stride(0), down.stride(1), down.stride(2))
-    gu_b = (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2))
+    gu_f, dn_f, dn_b, gu_b = mt.transposed(gate_up), mt.transposed(down), mt.as_is(down), mt.as_is(gate_up)
     with torch.no_grad():
         act, hh = mt.rows_gemm(x, gate_up, gu_f, i, h, row_end, tile_end, s, tiles, src=src, epilogue=1)
         y = mt.rows_gemm(act, down, dn_f, h, i, row_end, tile_end, s, tiles)
         dy = torch.randn_like(y)
         dout = torch.randn_like(x)
-        row_w = weights.detach().reshape(-1)[order.long()].contiguous()
+        row_w = weights.detach().reshape(-1)[order.long()]
         dh = mt.rows_gemm(dy, down, dn_b, i, h, row_end, tile_end, s, tiles, epilogue=2, h=hh)
         dxs = mt.rows_gemm(dh, gate_up, gu_b, h, 2 * i, row_end, tile_end, s, tiles)
     gemm = 2 * s * h * i  # one of the six GEMMs' FLOPs (gate_up ones are twice this)
     parts = {
-        "routing (sort, counts)": (lambda: (torch.argsort(flat, stable=True), torch.zeros(e, device=device, dtype=torch.int32).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))), 0),
+        "routing (sort, counts, inverse)": (lambda: mt.route(index, e), 0),
         "gate_up fwd + SwiGLU (gathered rows)": (lambda: mt.rows_gemm(x, gate_up, gu_f, i, h, row_end, tile_end, s, tiles, src=src, epilogue=1), 2 * gemm),
         "down fwd": (lambda: mt.rows_gemm(act, down, dn_f, h, i, row_end, tile_end, s, tiles), gemm),
         "combine fwd": (lambda: mt.gather_sum(y, slots, weights.detach(), tiles, dtype), 0),

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from xpar_zoo.errors import XparError
+from xpar_zoo.loader import build_meta
 
 from .output_dir import check_output, move_into_place, staging_dir
 
@@ -73,13 +74,6 @@ def _config_from(meta: dict, source_dir: Path | None):
     if source_dir is not None:
         return AutoConfig.from_pretrained(source_dir)
     raise ExportError("the checkpoint records no config; pass --model NAME_OR_DIR to take it from the source model")
-
-
-def _meta_model(config):
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
 
 
 def _tied_duplicates(model, config) -> set[str]:
@@ -186,21 +180,23 @@ def export_to_hf(
     files (and the config if the checkpoint lacks one); ``dtype`` casts floating tensors. Returns ``out_dir``."""
     from tqdm.auto import tqdm
 
-    from xpar_zoo.checkpoint import iter_model_tensors, model_tensor_specs, read_checkpoint_metadata
+    from xpar_zoo.checkpoint import (iter_model_tensors, model_tensor_specs, read_checkpoint_metadata,
+                                     resolve_checkpoint)
 
     cast = parse_dtype(dtype)
     shard_bytes = parse_size(max_shard_size)
     out_dir = Path(out_dir).expanduser().absolute()
     check_output(out_dir, force, ExportError)
+    checkpoint = resolve_checkpoint(checkpoint)  # once: a root that is still being saved into cannot mix steps
     meta = read_checkpoint_metadata(checkpoint)
     specs = model_tensor_specs(checkpoint)
     source_dir = None
     if model is not None:
         from xpar_zoo.hub import SIDE_FILES, resolve
 
-        source_dir = resolve(model).directory
+        source_dir = resolve(model, weights=False).directory  # its config and side files, not its weights
     config = _config_from(meta, source_dir)
-    meta_model = _meta_model(config)
+    meta_model = build_meta(config, torch.float32)
     skip = _tied_duplicates(meta_model, config)
     names = [n for n in specs if n not in skip]
 

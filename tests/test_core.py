@@ -19,29 +19,7 @@ EXPERTS = "model.layers.0.mlp.experts"
 
 def _job(meshes: dict, adamw_meshes: tuple) -> dict:
     """Every rank: SGD(lr=1) one step on each mesh, then 3 clipped AdamW steps; rank 0 compares with the reference."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    cfg = parity.tiny_config("qwen3_moe")
-    before = parity.build_model(cfg).state_dict()
-    sgd_data = parity.make_batches(cfg.vocab_size, 1, WORLD, seed=1)
-    adamw_data = parity.make_batches(cfg.vocab_size, 3, WORLD, seed=2)
-    ref_sgd = parity.train_reference(cfg, sgd_data, "sgd", None) if rank == 0 else None
-    ref_adamw = parity.train_reference(cfg, adamw_data, "adamw", 0.5) if rank == 0 else None
-    results = {}
-    for name, mesh_kwargs in meshes.items():
-        rec = parity.train_parallel(cfg, sgd_data, mesh_kwargs, "sgd", None)
-        row = {"local": {k: v for k, v in rec.local_shapes.items() if k.startswith(EXPERTS)}}
-        if rank == 0:
-            row.update(loss=(rec.losses, ref_sgd.losses), norm=(rec.grad_norms, ref_sgd.grad_norms),
-                       errors=parity.param_errors(rec.params, ref_sgd.params, before))
-        if name in adamw_meshes:
-            rec = parity.train_parallel(cfg, adamw_data, mesh_kwargs, "adamw", 0.5)
-            if rank == 0:
-                row.update(adamw_loss=(rec.losses, ref_adamw.losses), adamw_norm=(rec.grad_norms, ref_adamw.grad_norms),
-                           adamw_errors=parity.param_errors(rec.params, ref_adamw.params, before))
-        results[name] = row
-    return results
+    return parity.compare_meshes(parity.tiny_config("qwen3_moe"), WORLD, meshes, adamw_meshes)
 
 
 @pytest.fixture(scope="module")

@@ -115,26 +115,7 @@ def _job() -> dict:
 
     rank = dist.get_rank()
     cfg = parity.tiny_config("qwen3_moe")
-    before = parity.build_model(cfg).state_dict()
-    sgd_data = parity.make_batches(cfg.vocab_size, 1, WORLD, seed=1)
-    adamw_data = parity.make_batches(cfg.vocab_size, 3, WORLD, seed=2)
-    ref_sgd = parity.train_reference(cfg, sgd_data, "sgd", None) if rank == 0 else None
-    ref_adamw = parity.train_reference(cfg, adamw_data, "adamw", 0.5) if rank == 0 else None
-    results = {}
-    for name, mesh_kwargs in MESHES.items():
-        plan = _user_plan() if name == "user_plans" else None
-        rec = parity.train_parallel(cfg, sgd_data, mesh_kwargs, "sgd", None, plan=plan)
-        row = {"local": rec.local_shapes}
-        if rank == 0:
-            row.update(loss=(rec.losses, ref_sgd.losses), norm=(rec.grad_norms, ref_sgd.grad_norms),
-                       errors=parity.param_errors(rec.params, ref_sgd.params, before))
-        if name in ADAMW_MESHES:
-            rec = parity.train_parallel(cfg, adamw_data, mesh_kwargs, "adamw", 0.5, plan=plan)
-            if rank == 0:
-                row.update(adamw_loss=(rec.losses, ref_adamw.losses), adamw_norm=(rec.grad_norms, ref_adamw.grad_norms),
-                           adamw_errors=parity.param_errors(rec.params, ref_adamw.params, before))
-        results[name] = row
-
+    results = parity.compare_meshes(cfg, WORLD, MESHES, ADAMW_MESHES, plans={"user_plans": _user_plan()})
     # Allocation trace: every plain tensor created in forward + backward, with and without the head plan.
     # A vocabulary size (200) that no other dimension of the tiny model can produce by accident.
     ids = parity.make_batches(cfg.vocab_size, 1, WORLD, batch=3, seq=7, seed=4)[0, rank]  # 21 tokens per rank
@@ -156,6 +137,7 @@ def _job() -> dict:
             errors[str(mesh_kwargs)] = str(e)
     results["tied_errors"] = errors
     tied_before = parity.build_model(tied).state_dict()
+    sgd_data = parity.make_batches(cfg.vocab_size, 1, WORLD, seed=1)
     ref_tied = parity.train_reference(tied, sgd_data, "sgd", None) if rank == 0 else None
     rec = parity.train_parallel(tied, sgd_data, {"ep": 2}, "sgd", None)
     if rank == 0:

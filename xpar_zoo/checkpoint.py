@@ -177,6 +177,12 @@ def _resolve(path: Path) -> Path:
     return complete[-1][1]
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint directory ``path`` names: itself (complete, or an error), or the newest complete one under a
+    root. Resolve once when reading several parts of one checkpoint, so that they all come from the same step."""
+    return _resolve(Path(path))
+
+
 def read_checkpoint_metadata(path: str | os.PathLike) -> dict:
     """The ``xpar_checkpoint.json`` of a checkpoint directory (or of the newest complete one under a root):
     format, step, model_type, config, mesh, plans, versions, optimizer hyper-parameters."""

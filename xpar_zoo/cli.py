@@ -11,19 +11,19 @@ from .errors import XparError
 def _cmd_list(args: argparse.Namespace) -> int:
     from .registry import get_plan, supported_architectures
 
+    if args.markdown:
+        from .model_cards import render
+
+        sys.stdout.write(render())
+        return 0
     rows = []
     for model_type in supported_architectures():
         plan = get_plan(model_type)
         plans = ", ".join(f"{n} ({e.style})" for n, e in plan.extra.items())
         rows.append((model_type, plans, ", ".join(plan.hub_ids)))
-    if args.markdown:
-        from .model_cards import render
-
-        sys.stdout.write(render())
-    else:
-        width = max(len(r[0]) for r in rows) if rows else 0
-        for model_type, plans, hub in rows:
-            print(f"{model_type:<{width}}  {plans}  [{hub}]")
+    width = max(len(r[0]) for r in rows) if rows else 0
+    for model_type, plans, hub in rows:
+        print(f"{model_type:<{width}}  {plans}  [{hub}]")
     return 0
 
 

@@ -49,10 +49,11 @@ def is_offline() -> bool:
 
 
 def resolve(name: str | os.PathLike, revision: str | None = None, *, cache_dir: str | os.PathLike | None = None,
-            token: str | bool | None = None) -> ResolvedModel:
+            token: str | bool | None = None, weights: bool = True) -> ResolvedModel:
     """A local directory with ``name``'s config and weights: ``name`` itself when it is a directory, else the hub
-    snapshot of repo ``name`` at ``revision`` (downloaded, or from the cache offline). Raises
-    :class:`HubResolutionError` naming what is missing."""
+    snapshot of repo ``name`` at ``revision`` (downloaded, or from the cache offline). ``weights=False``: only the
+    config and side files (tokenizer, generation config) are fetched. Raises :class:`HubResolutionError` naming
+    what is missing."""
     path = Path(name).expanduser()
     if path.is_dir():
         if revision is not None:
@@ -60,7 +61,7 @@ def resolve(name: str | os.PathLike, revision: str | None = None, *, cache_dir: 
         if not (path / CONFIG_FILE).is_file():
             raise HubResolutionError(f"{path} is a directory without {CONFIG_FILE}")
         return ResolvedModel(path.resolve(), "local")
-    return _resolve_hub(str(name), revision, cache_dir, token)
+    return _resolve_hub(str(name), revision, cache_dir, token, weights)
 
 
 def resolve_config(name: str | os.PathLike, revision: str | None = None, *, cache_dir: str | os.PathLike | None = None,
@@ -85,7 +86,7 @@ def resolve_config(name: str | os.PathLike, revision: str | None = None, *, cach
         raise HubResolutionError(f"cannot get the {CONFIG_FILE} of {where}{mode}: {type(e).__name__}") from None
 
 
-def _resolve_hub(repo_id: str, revision: str | None, cache_dir, token) -> ResolvedModel:
+def _resolve_hub(repo_id: str, revision: str | None, cache_dir, token, weights: bool = True) -> ResolvedModel:
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
 
@@ -107,8 +108,10 @@ def _resolve_hub(repo_id: str, revision: str | None, cache_dir, token) -> Resolv
         raise HubResolutionError(f"cannot resolve {where}{mode}: {type(e).__name__}: {e}") from None
     if config is None:
         raise HubResolutionError(f"{where}: no {CONFIG_FILE} (not in the repo, or neither reachable nor cached){mode}")
-    index = fetch(INDEX_FILE)
-    if index is not None:
+    index = fetch(INDEX_FILE) if weights else None
+    if not weights:
+        needed = [CONFIG_FILE]
+    elif index is not None:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         needed = [CONFIG_FILE, INDEX_FILE, *shards]
     elif fetch(SINGLE_FILE) is not None:

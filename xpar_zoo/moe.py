@@ -149,9 +149,10 @@ def grouped_linear(
 
 
 def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first: int, num: int,
-                 perm: torch.Tensor | None = None) -> torch.Tensor:
+                 triton_path=None, tiles=None, perm: torch.Tensor | None = None) -> torch.Tensor:
     """The expert MLPs for rows grouped by local expert (``counts`` rows each), experts ``first … first+num-1``;
-    Triton path only: with ``perm``, grouped row ``s`` is ``x[perm[s]]`` and its output goes to row ``perm[s]``."""
+    with ``triton_path`` (:mod:`xpar_zoo.moe_triton`) through its kernels, where with ``perm`` grouped row ``s`` is
+    ``x[perm[s]]`` and its output goes to row ``perm[s]``."""
     has_gate = getattr(module, "has_gate", True)
     has_bias = getattr(module, "has_bias", False)
     transposed = getattr(module, "is_transposed", False)
@@ -164,9 +165,8 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
         up_w, down_w = up_w[first:first + num], down_w[first:first + num]
         up_b = up_b[first:first + num] if up_b is not None else None
         down_b = down_b[first:first + num] if down_b is not None else None
-    triton_path = _triton_for(module, x, up_w)
     if triton_path is not None:
-        return triton_path.grouped_swiglu(x, up_w, down_w, counts, _tiles(module, triton_path, x), perm=perm)
+        return triton_path.grouped_swiglu(x, up_w, down_w, counts, tiles, perm=perm)
     h = grouped_linear(x, up_w, counts, transposed=transposed, bias=up_b)
     h = module._apply_gate(h) if has_gate else module.act_fn(h)
     y = grouped_linear(h, down_w, counts, transposed=transposed, bias=down_b)
@@ -209,11 +209,13 @@ def experts_forward(
     ``top_k_index / top_k_weights [T, k]``, with expert parallelism when the module has an EP group."""
     ep: PlanShard | None = getattr(self, "_xpar_ep", None)
     num_tokens, top_k = top_k_index.shape
-    num_experts = to_local(self.down_proj).shape[0] * (ep.size if ep else 1)
-    triton_path = _triton_for(self, hidden_states, to_local(self.down_proj))
+    down = to_local(self.down_proj)
+    num_experts = down.shape[0] * (ep.size if ep else 1)
+    triton_path = _triton_for(self, hidden_states, down)
+    tiles = _tiles(self, triton_path, hidden_states) if triton_path is not None else None
     if ep is None and triton_path is not None:  # routing, permute and unpermute fused into the kernels
         out = triton_path.moe_experts(hidden_states, top_k_index, top_k_weights, to_local(self.gate_up_proj),
-                                      to_local(self.down_proj), _tiles(self, triton_path, hidden_states))
+                                      down, tiles)
         return out.to(hidden_states.dtype)
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -228,14 +230,13 @@ def experts_forward(
         received = all_to_all(rows, recv_splits, send_splits, ep.group)
         regroup = _source_major_to_expert_major(recv)
         if triton_path is not None:  # the regrouping happens inside the GEMMs' loads and stores
-            out = _experts_mlp(self, received, recv.sum(0), ep.offset, ep.rows, perm=regroup)
+            out = _experts_mlp(self, received, recv.sum(0), ep.offset, ep.rows, triton_path, tiles, perm=regroup)
         else:
             out = _experts_mlp(self, received[regroup], recv.sum(0), ep.offset, ep.rows)[_inverse(regroup)]
         out = all_to_all(out, send_splits, recv_splits, ep.group)
     if triton_path is not None:
         slots = _inverse(order).to(torch.int32).view(num_tokens, top_k)
-        out = triton_path.Combine.apply(out, top_k_weights, slots, order.to(torch.int32),
-                                        _tiles(self, triton_path, hidden_states))
+        out = triton_path.Combine.apply(out, top_k_weights, slots, order.to(torch.int32), tiles)
         return out.to(hidden_states.dtype)
     out = out[_inverse(order)] * top_k_weights.reshape(-1, 1).to(out.dtype)
     return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

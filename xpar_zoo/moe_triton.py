@@ -316,7 +316,8 @@ def gather_sum(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | Non
 
 def combine_backward(dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
                      tiles: Tiles, *, write_dy: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(dy, dw)`` of :func:`gather_sum` with weights (``dy`` only when ``write_dy``); ``dw`` in fp32."""
+    """``(dy, dw)`` of :func:`gather_sum` with (contiguous) weights (``dy`` only when ``write_dy``); ``dw`` in
+    fp32."""
     top_k = weights.shape[-1]
     dy = torch.empty_like(y) if write_dy else None
     dw = torch.empty(weights.numel(), device=y.device, dtype=torch.float32)
@@ -325,7 +326,7 @@ def combine_backward(dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
         bh = min(tiles.bh, triton.next_power_of_2(hidden))
         target = dy if dy is not None else y
         _launch(_combine_backward, (y.shape[0],), tiles,
-                dout, dout.stride(0), y, y.stride(0), order, weights.contiguous(), target, target.stride(0), dw,
+                dout, dout.stride(0), y, y.stride(0), order, weights, target, target.stride(0), dw,
                 hidden, TOP_K=top_k, WRITE_DY=write_dy, BH=bh)
     return dy, dw.view_as(weights)
 
@@ -334,21 +335,46 @@ def combine_backward(dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
 # autograd
 
 
+def transposed(w: torch.Tensor) -> tuple[int, int, int]:
+    """``b_strides`` that read ``B_g = w[g]^T`` (``w`` is ``[G, N, K]``, transformers' ``[E, out, in]``)."""
+    return w.stride(0), w.stride(2), w.stride(1)
+
+
+def as_is(w: torch.Tensor) -> tuple[int, int, int]:
+    """``b_strides`` that read ``B_g = w[g]`` (``w`` is ``[G, K, N]``)."""
+    return w.stride(0), w.stride(1), w.stride(2)
+
+
+def route(top_k_index: torch.Tensor, num_experts: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routing on the device, no host sync: ``order`` (row ``s`` of the expert-sorted rows serves slot
+    ``order[s] = t * k + j``), ``counts`` per expert, ``src`` (the token of each row) and ``slots [T, k]`` (the row
+    of each slot, the inverse of ``order``); all int32."""
+    tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # counted by scatter-add, not bincount: bincount sizes its output from max(flat), a host sync on CUDA
+    counts = torch.zeros(num_experts, device=flat.device, dtype=torch.int32)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    slots = torch.empty_like(order, dtype=torch.int32)
+    slots[order] = torch.arange(order.numel(), device=order.device, dtype=torch.int32)
+    order = order.to(torch.int32)
+    return order, counts, torch.div(order, top_k, rounding_mode="floor"), slots.view(tokens, top_k)
+
+
 def _mlp_forward(x, gate_up, down, counts, src, tiles, dst=None):
     """``y`` and what the backward needs: the SwiGLU expert MLPs of rows ``x[src[s]]`` (``x[s]``) grouped by expert,
     row ``s`` of ``y`` stored at ``dst[s]`` (at ``s``)."""
     inter, hidden = down.shape[2], down.shape[1]
     rows = src.numel() if src is not None else x.shape[0]
     row_end, tile_end = group_layout(counts, tiles.bm)
-    gu = (gate_up.stride(0), gate_up.stride(2), gate_up.stride(1))  # B[k=h, n] = gate_up[g, n, h]
-    act, h = rows_gemm(x, gate_up, gu, inter, hidden, row_end, tile_end, rows, tiles, src=src, epilogue=1)
-    dn = (down.stride(0), down.stride(2), down.stride(1))  # B[k=i, n=h] = down[g, h, i]
-    y = rows_gemm(act, down, dn, hidden, inter, row_end, tile_end, rows, tiles, dst=dst)
+    act, h = rows_gemm(x, gate_up, transposed(gate_up), inter, hidden, row_end, tile_end, rows, tiles, src=src, epilogue=1)
+    y = rows_gemm(act, down, transposed(down), hidden, inter, row_end, tile_end, rows, tiles, dst=dst)
     return y, (row_end, tile_end, h, act)
 
 
 def _mlp_backward(dy, x, gate_up, down, src, slots, row_end, tile_end, h, act, tiles, dy_src=None, dy_scale=None,
-                  permuted=False, need=(True, True, True)):
+                  *, permuted=False, need):
     """``(dx, d_gate_up, d_down)`` for output gradients ``dy`` (row ``s``'s: ``dy[dy_src[s]] * dy_scale[s]``);
     ``permuted``: ``src`` is a permutation, so ``dx`` rows are stored straight through it (no gather-sum). Only the
     gradients ``need`` asks for are computed (frozen experts skip both weight-gradient GEMMs)."""
@@ -361,14 +387,12 @@ def _mlp_backward(dy, x, gate_up, down, src, slots, row_end, tile_end, h, act, t
                         left_scale=dy_scale)
     if not (need_x or need_gate_up):
         return dx, d_gate_up, d_down
-    dn = (down.stride(0), down.stride(1), down.stride(2))  # B[k=h, n=i] = down[g, h, i]
-    dh = rows_gemm(dy, down, dn, inter, hidden, row_end, tile_end, rows, tiles, src=dy_src, scale=dy_scale,
+    dh = rows_gemm(dy, down, as_is(down), inter, hidden, row_end, tile_end, rows, tiles, src=dy_src, scale=dy_scale,
                    epilogue=2, h=h)
     if need_gate_up:
         d_gate_up = k_gemm(dh, x, (experts, 2 * inter, hidden), row_end, tiles, gate_up.dtype, src=src)
     if need_x:
-        gu = (gate_up.stride(0), gate_up.stride(1), gate_up.stride(2))  # B[k=n, n=h] = gate_up[g, n, h]
-        dxs = rows_gemm(dh, gate_up, gu, hidden, 2 * inter, row_end, tile_end, rows, tiles,
+        dxs = rows_gemm(dh, gate_up, as_is(gate_up), hidden, 2 * inter, row_end, tile_end, rows, tiles,
                         dst=src if permuted else None)
         dx = gather_sum(dxs, slots, None, tiles, x.dtype) if src is not None and not permuted else dxs
     return dx, d_gate_up, d_down
@@ -405,9 +429,10 @@ class Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, weights, slots, order, tiles):
+        weights = weights.contiguous()
         ctx.save_for_backward(y, weights, order)
         ctx.tiles = tiles
-        return gather_sum(y, slots, weights.contiguous(), tiles, y.dtype)
+        return gather_sum(y, slots, weights, tiles, y.dtype)
 
     @staticmethod
     def backward(ctx, dout):
@@ -423,17 +448,18 @@ class RoutedSwiGLUExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, counts, src, slots, order, tiles):
+        weights = weights.contiguous()
         y, saved = _mlp_forward(x, gate_up, down, counts, src, tiles)
         ctx.save_for_backward(x, weights, gate_up, down, src, slots, order, y, *saved)
         ctx.tiles = tiles
-        return gather_sum(y, slots, weights.contiguous(), tiles, y.dtype)
+        return gather_sum(y, slots, weights, tiles, y.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         x, weights, gate_up, down, src, slots, order, y, *saved = ctx.saved_tensors
         dout = dout.contiguous()
         _, dw = combine_backward(dout, y, weights, order, ctx.tiles, write_dy=False)
-        row_weight = weights.reshape(-1)[order.long()].contiguous()
+        row_weight = weights.reshape(-1)[order.long()]
         need = ctx.needs_input_grad
         dx, d_gate_up, d_down = _mlp_backward(dout, x, gate_up, down, src, slots, *saved, ctx.tiles,
                                               dy_src=src, dy_scale=row_weight, need=(need[0], need[2], need[3]))
@@ -449,16 +475,7 @@ def moe_experts(
     are fused into the kernels, and (``fuse_router_grad``) so is ``dy = w · dout[token]`` in the backward — which
     saves writing and twice reading ``dy`` but feeds one weight-gradient GEMM an operand it must scale in registers;
     ``bench/gpu_moe.py`` times both."""
-    tokens, top_k = top_k_index.shape
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True).to(torch.int32)  # row s serves slot order[s]
-    # counted by scatter-add, not bincount: bincount sizes its output from max(flat), a host sync on CUDA
-    counts = torch.zeros(gate_up.shape[0], device=flat.device, dtype=torch.int32)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    slots = torch.empty_like(order)
-    slots[order.long()] = torch.arange(order.numel(), device=order.device, dtype=torch.int32)
-    src = torch.div(order, top_k, rounding_mode="floor")
-    slots = slots.view(tokens, top_k)
+    order, counts, src, slots = route(top_k_index, gate_up.shape[0])
     if fuse_router_grad:
         return RoutedSwiGLUExperts.apply(x, top_k_weights, gate_up, down, counts, src, slots, order, tiles)
     y = SwiGLUExperts.apply(x, gate_up, down, counts, src, slots, tiles)

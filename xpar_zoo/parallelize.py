@@ -183,19 +183,26 @@ def shard_units(model: nn.Module, mesh: Mesh, plan: Plan, **fsdp_kwargs) -> list
     return units
 
 
-def _planned_after_layers(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]) -> list[nn.Module]:
-    """Planned modules outside every decoder layer that run after them (a vocab-parallel head)."""
-    in_units = {id(m) for u in units for m in u.modules()}
+def _planned_around_layers(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]
+                           ) -> tuple[dict[int, list[nn.Module]], list[nn.Module], list[nn.Module]]:
+    """Planned modules inside each decoder layer (by ``id`` of the layer), and those outside every layer that run
+    before the first (a vocab-parallel embedding) and after the last (a vocab-parallel head)."""
+    planned_modules = [model.get_submodule(p.fqn) for p in planned]
+    inside = {id(u): [m for m in u.modules() if m is not u and any(m is q for q in planned_modules)] for u in units}
+    in_units = {id(m) for ms in inside.values() for m in ms}
     order = {id(m): i for i, m in enumerate(model.modules())}
-    outside = [model.get_submodule(p.fqn) for p in planned if id(model.get_submodule(p.fqn)) not in in_units]
-    return [m for m in outside if units and order[id(m)] > order[id(units[-1])]]
+    outside = [m for m in planned_modules if id(m) not in in_units]
+    before = [m for m in outside if units and order[id(m)] < order[id(units[0])]]
+    after = [m for m in outside if units and order[id(m)] > order[id(units[-1])]]
+    return inside, before, after
 
 
 def keep_gathered_for_backward(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]) -> None:
     """The last decoder layer with its planned modules, and planned modules after it, stay unsharded after forward:
     backward starts with them, so resharding would only all-gather them again at once (one all-gather — and for
     dim-1 shards one chunk-cat — saved per such unit and step, as torchtitan does for its last layer)."""
-    for module in units[-1:] + _planned_after_layers(model, units, planned):
+    _, _, after = _planned_around_layers(model, units, planned)
+    for module in units[-1:] + after:
         module.set_reshard_after_forward(False, recurse=True)
 
 
@@ -204,13 +211,7 @@ def set_prefetch(model: nn.Module, units: list[nn.Module], planned: list[Planned
     planned modules that run before the layers (a vocab-parallel embedding) and the last layer those after them
     (a vocab-parallel head). Backward: layer i prefetches its planned modules; the last of those prefetches layer
     i-1; a planned head prefetches the last layer."""
-    planned_modules = [model.get_submodule(p.fqn) for p in planned]
-    inside = {id(u): [m for m in u.modules() if m is not u and any(m is q for q in planned_modules)] for u in units}
-    in_units = {id(m) for ms in inside.values() for m in ms}
-    order = {id(m): i for i, m in enumerate(model.modules())}
-    outside = [m for m in planned_modules if id(m) not in in_units]
-    before = [m for m in outside if units and order[id(m)] < order[id(units[0])]]
-    after = [m for m in outside if units and order[id(m)] > order[id(units[-1])]]
+    inside, before, after = _planned_around_layers(model, units, planned)
     for i, unit in enumerate(units):
         own = inside[id(unit)]
         unit.set_modules_to_forward_prefetch(own + (units[i + 1:i + 2] or after))

@@ -116,6 +116,35 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     return RunRecord(losses, norms, xpar_zoo.full_state_dict(model), local)
 
 
+def compare_meshes(config, world: int, meshes: dict[str, dict], adamw_meshes=(), plans: dict | None = None
+                   ) -> dict[str, dict]:
+    """Every rank: one SGD(lr=1) step on each mesh (and 3 AdamW steps clipped at 0.5 on ``adamw_meshes``), the
+    same data as single-process transformers. Per mesh: this rank's local shard shapes (``local``) and, on rank 0,
+    ``loss`` / ``norm`` pairs (parallel, reference) and per-parameter ``errors`` (``adamw_*`` likewise)."""
+    rank = dist.get_rank()
+    plans = plans or {}
+    before = build_model(config).state_dict()
+    runs = {"": (make_batches(config.vocab_size, 1, world, seed=1), "sgd", None),
+            "adamw_": (make_batches(config.vocab_size, 3, world, seed=2), "adamw", 0.5)}
+    refs = {key: train_reference(config, data, opt, clip) if rank == 0 else None
+            for key, (data, opt, clip) in runs.items() if key == "" or adamw_meshes}
+    results = {}
+    for name, mesh_kwargs in meshes.items():
+        row = {}
+        for key, (data, opt, clip) in runs.items():
+            if key and name not in adamw_meshes:
+                continue
+            rec = train_parallel(config, data, mesh_kwargs, opt, clip, plan=plans.get(name))
+            if not key:
+                row["local"] = rec.local_shapes
+            if rank == 0:
+                ref = refs[key]
+                row.update({f"{key}loss": (rec.losses, ref.losses), f"{key}norm": (rec.grad_norms, ref.grad_norms),
+                            f"{key}errors": param_errors(rec.params, ref.params, before)})
+        results[name] = row
+    return results
+
+
 def param_errors(par: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], before: dict[str, torch.Tensor]
                  ) -> dict[str, float]:
     """Per parameter: ``|p_par − p_ref| / |p_ref − p_before|`` (absolute error where the update is zero).

@@ -68,10 +68,9 @@ class Estimate:
 
 def meta_model(config) -> nn.Module:
     """The transformers causal-LM of ``config`` on the meta device (no memory, exact shapes)."""
-    from transformers import AutoModelForCausalLM
+    from .loader import build_meta
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    return build_meta(config, torch.float32)
 
 
 def _padded(shape: torch.Size, ranks: int) -> int:
@@ -234,10 +233,11 @@ def suggest(config, world: int, *, memory_budget: float | None = None, top: int 
     """The best meshes for ``world`` ranks: those within ``memory_budget`` bytes per rank (if given), by per-step
     communication, then memory."""
     model = meta_model(config)
+    plan = kwargs.pop("plan", None) or get_plan(config.model_type)
     ests = []
-    for cand in candidate_meshes(config, world, model=model):
+    for cand in candidate_meshes(config, world, plan=plan, model=model):
         sizes = {"ep": cand["ep"]} if cand["ep"] > 1 else {}
-        ests.append(estimate(config, world, sizes, cand["replicate"], model=model, **kwargs))
+        ests.append(estimate(config, world, sizes, cand["replicate"], plan=plan, model=model, **kwargs))
     fits = [e for e in ests if memory_budget is None or e.memory_total <= memory_budget] or ests
     return sorted(fits, key=lambda e: (e.comm_total, e.memory_total))[:top]
 

@@ -54,23 +54,10 @@ def derive_plan(model_type: str) -> Plan | None:
                 notes=f"automatic: derived from {config_class.__name__}.base_model_ep_plan ({', '.join(modules)})")
 
 
-def supported_architectures(include_auto: bool = False) -> list[str]:
-    """The ``model_type`` names that have a curated plan, sorted; with ``include_auto`` also every transformers
-    type for which :func:`derive_plan` finds fused experts."""
-    names = set(_curated())
-    if include_auto:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        names |= {m for m in CONFIG_MAPPING.keys() if m not in names and _derivable(m)}
-    return sorted(names)
-
-
-@lru_cache(maxsize=None)
-def _derivable(model_type: str) -> bool:
-    try:
-        return derive_plan(model_type) is not None
-    except Exception:  # a transformers type whose classes fail to import here: not derivable
-        return False
+def supported_architectures() -> list[str]:
+    """The ``model_type`` names that have a curated plan, sorted (MoE types without one get an automatic plan from
+    :func:`get_plan`)."""
+    return sorted(_curated())
 
 
 def get_plan(model_type: str) -> Plan:

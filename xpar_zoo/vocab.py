@@ -89,9 +89,10 @@ def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     weight = to_local(self.weight)  # [V/s, H]: this rank's rows (FSDP has gathered dim 1)
     vocab = shard.rows * shard.size
     flat = input.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
-        raise IndexError(f"token id out of range [0, {vocab}) in the vocab-parallel embedding")
     ids, inverse = torch.unique(flat, return_inverse=True)  # sorted, hence grouped by owner
+    lo, hi = ids[[0, -1]].tolist() if ids.numel() else (0, 0)  # sorted: the ends bound every id; one host sync
+    if lo < 0 or hi >= vocab:
+        raise IndexError(f"token id out of range [0, {vocab}) in the vocab-parallel embedding")
     send = torch.bincount(ids // shard.rows, minlength=shard.size)
     recv = all_to_all_counts(send, shard.group)
     send_splits, recv_splits = send.tolist(), recv.tolist()
