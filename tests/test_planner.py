@@ -192,7 +192,8 @@ def test_plan_cli_reads_a_cached_hub_config_offline_and_names_bad_models(tmp_pat
              (["plan", "org/not-cached", "--world", "4"], 2, "cannot get the config.json of 'org/not-cached'"),
              (["plan", str(tmp_path), "--world", "4"], 2, "is a directory without config.json"),
              (["plan", "bad id!!", "--world", "4"], 2, "neither a local directory nor a valid hub repo id"),
-             (["plan", "qwen3_moe", "--world", "4", "--ep", "3"], 2, "'ep' of size 3 does not divide")]
+             (["plan", "qwen3_moe", "--world", "4", "--ep", "3"], 2, "'ep' of size 3 does not divide"),
+             (["plan", "llama", "--world", "4", "--ep", "2"], 2, "mesh uses plan(s) ['ep'] that the 'llama' plan")]
     proc = subprocess.run([sys.executable, "-c", _PLAN_CLI, json.dumps([argv for argv, _, _ in cases])],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf_cache"), "HF_HUB_OFFLINE": "1"})

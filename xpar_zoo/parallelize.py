@@ -56,14 +56,19 @@ def _split(fqn: str) -> tuple[str, str]:
     return mod, name
 
 
-def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedModule]:
-    """Match ``plan`` against ``model`` for the plans ``mesh`` activates; raise :class:`PlanError` on any mismatch."""
-    unknown = [n for n in mesh.active if n not in plan.extra]
+def check_plan_names(names, plan: Plan) -> None:
+    """Raise :class:`PlanError` when a mesh names plans that ``plan`` does not define (the planner checks alike)."""
+    unknown = [n for n in names if n not in plan.extra]
     if unknown:
         raise PlanError(
             f"mesh uses plan(s) {unknown} that the {plan.model_type!r} plan does not define; "
             f"its plans: {', '.join(plan.extra) or 'none'}"
         )
+
+
+def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedModule]:
+    """Match ``plan`` against ``model`` for the plans ``mesh`` activates; raise :class:`PlanError` on any mismatch."""
+    check_plan_names(mesh.active, plan)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise PlanError("model is already parallelized (it has DTensor parameters)")
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .mesh import validate_sizes
+from .parallelize import check_plan_names
 from .plan import Plan, match_parameters
 from .registry import get_plan
 
@@ -165,6 +166,7 @@ def estimate(
     sizes = dict(sizes or {})
     validate_sizes(world, sizes, replicate)
     plan = plan or get_plan(config.model_type)
+    check_plan_names([n for n, s in sizes.items() if s > 1], plan)
     model = model if model is not None else meta_model(config)
     pbytes, rbytes = DTYPE_BYTES[param_dtype], DTYPE_BYTES[reduce_dtype]
     units = fsdp_units(model, plan, world, sizes, replicate)
