@@ -1,4 +1,4 @@
-"""Compile the Triton experts kernels for the H200 (sm_90) on a machine with no GPU, and report what the compiler
+"""Compile the Triton experts (and fused-loss) kernels for the H200 (sm_90) on a machine with no GPU, and report what the compiler
 made of them: registers, spilled bytes, shared memory, software-pipelining stages, and whether the GEMMs use wgmma.
 
     python bench/compile_sm90.py                # the default tiles
@@ -32,11 +32,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from xpar_zoo import loss_triton as lt  # noqa: E402
 from xpar_zoo import moe_triton as mt  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-         torch.int64: "*i64"}
+         torch.int64: "*i64", torch.bool: "*i1"}
 
 
 def record_launches(tiles: mt.Tiles, hidden=2048, inter=768, experts=128, top_k=8, tokens=256,
@@ -62,6 +63,21 @@ def record_launches(tiles: mt.Tiles, hidden=2048, inter=768, experts=128, top_k=
         mt.grouped_swiglu(rows, gate_up, down, counts, tiles, perm=perm).sum().backward()
     finally:
         mt._launch = real
+    return launches + record_loss_launches()
+
+
+def record_loss_launches(rows=64, vocab=151936, dtype=torch.bfloat16) -> list[tuple]:
+    """The fused loss's two chunk kernels on a bf16 chunk of Qwen3's vocab (Triton's default 4 warps, 3 stages)."""
+    launches = []
+    real = lt._launch
+    lt._launch = lambda kernel, grid, *args, **meta: launches.append((kernel, args, meta, mt.Tiles(warps=4, stages=3)))
+    try:
+        z = torch.empty(rows, vocab, dtype=dtype)
+        target, owned = torch.zeros(rows, dtype=torch.long), torch.ones(rows, dtype=torch.bool)
+        lse = lt.row_stats(z, target, owned)[0]
+        lt.softmax_grad_(z, lse, target, owned, torch.ones(rows))
+    finally:
+        lt._launch = real
     return launches
 
 

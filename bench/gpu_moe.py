@@ -47,6 +47,7 @@ def _import_experts_path():
 
 
 set_experts_kernels = _import_experts_path().set_experts_kernels
+from xpar_zoo.vocab import fused_linear_cross_entropy, install_fused_loss  # noqa: E402  (after the package entry)
 
 IMPLS = ("xpar_zoo", "xpar_zoo_torch", "grouped_mm", "eager")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -340,37 +341,121 @@ def _top_kernels(step, top: int = 15) -> dict:
     return out
 
 
-def bench_model(args, device, dtype, tiles=None) -> dict:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+LOSS_CHUNKS = (1 << 26, 1 << 28, 1 << 30)
 
-    res = {}
-    for impl in args.impls:
-        if impl == "eager" and args.skip_eager:
-            continue
-        config = Qwen3MoeConfig(hidden_size=args.hidden, moe_intermediate_size=args.inter, num_experts=args.experts,
-                                num_experts_per_tok=args.top_k, num_hidden_layers=args.layers,
-                                num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-                                intermediate_size=6144, attn_implementation="sdpa")
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=_hf_impl(impl))
-        _configure(model, impl, tiles)
-        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 
-        def step():
-            model.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=ids).loss.backward()
+def bench_loss(args, device, dtype) -> dict:
+    """The head + loss alone (T tokens, H, V = 151936, bf16, forward + backward): transformers' way (logits, then
+    ``ForCausalLMLoss``, which upcasts them to fp32) against xpar_zoo's fused linear + cross-entropy, with the torch
+    and the Triton chunk kernels at several chunk sizes. Loss and gradients checked against an fp32 reference."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
 
-        sec = time_fn(step, device, warmup=2, iters=args.model_iters)
-        res[impl] = {"tokens_per_s": args.batch * args.seq / sec, "ms": sec * 1e3}
-        if device.type == "cuda" and impl in ("xpar_zoo", "grouped_mm"):
-            res[impl]["top_kernels_ms"] = _top_kernels(step)
-        del model
+    t, h, v = args.loss_tokens, args.hidden, args.vocab
+    torch.manual_seed(3)
+    hidden = torch.randn(t, h, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, device=device) * 0.02).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (t,), device=device)
+    targets[: t // 16] = -100
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(h32 @ w32.t(), targets)
+    ref_grads = torch.autograd.grad(ref, (h32, w32))
+    del h32, w32
+    variants = {"transformers": lambda: ForCausalLMLoss((hidden @ weight.t()).unsqueeze(0), None, v,
+                                                        shift_labels=targets.unsqueeze(0))}
+    kernels = ["torch"] + (["triton"] if device.type == "cuda" or INTERPRETED else [])
+    for k in kernels:
+        for chunk in args.loss_chunks:
+            variants[f"fused_{k}_2^{chunk.bit_length() - 1}"] = (
+                lambda k=k, chunk=chunk: fused_linear_cross_entropy(hidden, weight, targets, chunk_elements=chunk, kernels=k))
+    flops = 6 * t * h * v
+    res = {"tokens": t, "vocab": v}
+    for name, fn in variants.items():
+        try:
+            loss = fn()
+            grads = torch.autograd.grad(loss, (hidden, weight))
+            err = {"loss_abs_err": abs(loss.item() - ref.item()),
+                   "grad_rel_err": max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(grads, ref_grads))}
+            del grads, loss
+
+            def step(fn=fn):
+                hidden.grad = weight.grad = None
+                fn().backward()
+
+            sec = time_fn(step, device, warmup=2, iters=args.iters)
+            row = {"ms": sec * 1e3, "tflops": flops / sec / 1e12, **err}
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                base_mem = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                row["peak_step_memory_GiB"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+            res[name] = row
+        except Exception as e:  # noqa: BLE001 - one variant failing (e.g. out of memory) must not hide the others
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        hidden.grad = weight.grad = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    base = res["grouped_mm"]["tokens_per_s"]
+    base = res["transformers"].get("ms")
     for r in res.values():
-        r["ratio_vs_grouped_mm"] = r["tokens_per_s"] / base
+        if isinstance(r, dict) and "ms" in r and base:
+            r["speedup_vs_transformers"] = base / r["ms"]
+    return res
+
+
+def bench_model(args, device, dtype, tiles=None, loss_chunk=None) -> dict:
+    """Training tokens/s of a 4-layer Qwen3-30B-A3B-shaped model: ``xpar_zoo`` (Triton experts + fused loss with
+    its Triton chunk kernels), ``xpar_zoo_torch`` (torch experts + fused loss), ``grouped_mm_fused_loss``
+    (transformers' grouped_mm experts + our fused loss: the loss's share alone), transformers' ``grouped_mm`` and
+    ``eager``."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    triton_ok = "xpar_zoo" in args.impls
+    variants = {"xpar_zoo": ("xpar_zoo", "triton"), "xpar_zoo_torch": ("xpar_zoo_torch", "torch"),
+                "grouped_mm_fused_loss": ("grouped_mm", "triton" if triton_ok else "torch"),
+                "grouped_mm": ("grouped_mm", None), "eager": ("eager", None)}
+    res = {}
+    for name, (impl, loss_kernels) in variants.items():
+        if impl not in args.impls or (impl == "eager" and args.skip_eager):
+            continue
+        try:
+            config = Qwen3MoeConfig(hidden_size=args.hidden, moe_intermediate_size=args.inter,
+                                    num_experts=args.experts, num_experts_per_tok=args.top_k,
+                                    num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=4,
+                                    head_dim=128, vocab_size=args.vocab, intermediate_size=6144,
+                                    attn_implementation="sdpa")
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=_hf_impl(impl))
+            _configure(model, impl, tiles)
+            if loss_kernels:
+                install_fused_loss(model, kernels=loss_kernels, chunk_elements=loss_chunk)
+            ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                model(input_ids=ids, labels=ids).loss.backward()
+
+            sec = time_fn(step, device, warmup=2, iters=args.model_iters)
+            res[name] = {"tokens_per_s": args.batch * args.seq / sec, "ms": sec * 1e3}
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                base_mem = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                res[name]["peak_step_memory_GiB"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+                if name in ("xpar_zoo", "grouped_mm"):
+                    res[name]["top_kernels_ms"] = _top_kernels(step)
+            del model
+        except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = res.get("grouped_mm", {}).get("tokens_per_s")
+    for r in res.values():
+        if base and "tokens_per_s" in r:
+            r["ratio_vs_grouped_mm"] = r["tokens_per_s"] / base
     return res
 
 
@@ -384,10 +469,11 @@ def main() -> None:
     dtype = torch.float32 if INTERPRETED else torch.bfloat16  # the interpreter's tl.dot mishandles bf16
     if args.smoke:
         dims = dict(hidden=64, inter=32, experts=8, top_k=2, tokens=256, check_tokens=64, layers=2, batch=1, seq=64,
-                    warmup=1, iters=2, model_iters=2)
+                    warmup=1, iters=2, model_iters=2, vocab=1000, loss_tokens=96, loss_chunks=[1 << 13, 1 << 20])
     else:
         dims = dict(hidden=2048, inter=768, experts=128, top_k=8, tokens=16384, check_tokens=2048, layers=4, batch=4,
-                    seq=4096, warmup=3, iters=10, model_iters=5)
+                    seq=4096, warmup=3, iters=10, model_iters=5, vocab=151936, loss_tokens=16384,
+                    loss_chunks=list(LOSS_CHUNKS))
     for key, value in dims.items():
         setattr(args, key, value)
     import transformers
@@ -424,8 +510,13 @@ def main() -> None:
             section("kernels", kernel_breakdown, args, device, dtype, tiles)
     section("check", check_block, args, device, dtype, tiles)
     section("block", bench_block, args, device, dtype, tiles)
+    loss = section("loss", bench_loss, args, device, dtype)
     if not args.no_model:
-        section("model", bench_model, args, device, dtype, tiles)
+        # the model's fused loss takes the fastest chunk size of the loss section (Triton kernels where they ran)
+        timed = {k: r["ms"] for k, r in loss.items() if k.startswith("fused_") and isinstance(r, dict) and "ms" in r}
+        best = min(timed, key=timed.get, default=None)
+        chunk = 1 << int(best.rsplit("^", 1)[1]) if best else None
+        section("model", bench_model, args, device, dtype, tiles, chunk)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def _shapes_during(fn) -> list[tuple[int, ...]]:
 
 def _semantics(cfg) -> dict:
     """Labels with ignore_index, num_items_in_batch, padding_idx and full logits on Mesh(emb=2, head=2), per rank
-    against single-process transformers on the same rank's data; one SGD step on the mean of the per-rank losses."""
+    against single-process transformers on the same rank's data; one SGD step on the per-rank losses, each scaled
+    by its rank + 1."""
     import torch.distributed as dist
 
     import xpar_zoo
@@ -85,7 +86,9 @@ def _semantics(cfg) -> dict:
     dist.all_gather(gathered, logits.contiguous())
     out = model(input_ids=ids[rank], labels=labels[rank])
     row["logits_none"] = out.logits is None
-    out.loss.backward()  # FSDP averages over the world; scaled back below to the sum of the per-rank losses
+    # Each rank scales its loss differently (the head's exact recompute path); FSDP averages over the world,
+    # scaled back below to the sum of the scaled per-rank losses.
+    (out.loss * (rank + 1)).backward()
     mean = out.loss.detach().clone()
     dist.all_reduce(mean)
     for p in model.parameters():
@@ -98,7 +101,7 @@ def _semantics(cfg) -> dict:
             ref_sum = ref(input_ids=ids.flatten(0, 1), labels=labels.flatten(0, 1), num_items_in_batch=n_items).loss
             ref_logits = ref(input_ids=ids.flatten(0, 1)).logits
         ref_losses = [ref(input_ids=ids[r], labels=labels[r]).loss for r in range(WORLD)]
-        sum(ref_losses).backward()
+        sum((r + 1) * loss for r, loss in enumerate(ref_losses)).backward()
         torch.optim.SGD(ref.parameters(), lr=1.0).step()
         row.update(mean=(mean.item(), sum(x.item() for x in ref_losses)), summed=(summed.item(), ref_sum.item()),
                    logits=(torch.cat(gathered) - ref_logits).abs().max().item(), logits_shape=tuple(logits.shape),
@@ -120,8 +123,11 @@ def _job() -> dict:
     # A vocabulary size (200) that no other dimension of the tiny model can produce by accident.
     ids = parity.make_batches(cfg.vocab_size, 1, WORLD, batch=3, seq=7, seed=4)[0, rank]  # 21 tokens per rank
     traced = parity.tiny_config("qwen3_moe", vocab_size=TRACE_VOCAB)
-    for name, mesh_kwargs in {"traced_head": {"emb": 2, "head": 2}, "traced_plain": {"emb": 2}}.items():
-        model = xpar_zoo.parallelize(parity.build_model(traced), xpar_zoo.Mesh(**mesh_kwargs))
+    for name, mesh_kwargs, fused in [("traced_head", {"emb": 2, "head": 2}, True),
+                                     ("traced_fused", {"emb": 2}, True), ("traced_plain", {"emb": 2}, False)]:
+        model = xpar_zoo.parallelize(parity.build_model(traced), xpar_zoo.Mesh(**mesh_kwargs), fused_loss=fused)
+        if name == "traced_fused":  # the whole-vocab fused head, in chunks of at most 8 tokens' logits
+            model.lm_head._xpar_head.chunk_elements = 8 * TRACE_VOCAB
         results[name] = _shapes_during(lambda: model(input_ids=ids, labels=ids).loss.backward())
 
     results["semantics"] = _semantics(parity.tiny_config("qwen3_moe", pad_token_id=PAD_ID))
@@ -188,7 +194,11 @@ def test_head_plan_never_allocates_full_vocab_logits(results):
 
     seen = [s for s in results["traced_head"] if logits_like(s)]
     assert not seen, f"full-vocab logits-like tensors under the head plan: {seen[:5]}"
-    # The tracer does see them when lm_head is plain FSDP: [3, 7, V] logits.
+    # The whole-vocab fused head holds at most a chunk's (8 tokens') logits.
+    hidden = parity.tiny_config("qwen3_moe").hidden_size
+    chunks = [s for s in results["traced_fused"] if s and s[-1] == vocab and s != (hidden, vocab)]  # not weight.t()
+    assert chunks and all(len(s) == 2 and s[0] <= 8 for s in chunks), chunks[:5]
+    # The tracer does see them with transformers' loss (fused_loss=False): [3, 7, V] logits.
     assert (3, 7, vocab) in results["traced_plain"]
 
 

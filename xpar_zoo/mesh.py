@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+
+if TYPE_CHECKING:  # imported where used: PlanShard (the fused loss) must import on an older torch (the GPU bench)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
 
 from .errors import MeshError
 
@@ -93,9 +96,9 @@ def validate_sizes(world: int, sizes: Mapping[str, int], replicate: int) -> None
 class PlanShard:
     """This rank's place in a plan group: ``size`` ranks (``group``), each owning ``rows`` consecutive dim-0 rows
     (experts or vocab rows) of the planned tensors; this rank is ``rank`` in the group and owns rows
-    ``offset … offset + rows - 1``."""
+    ``offset … offset + rows - 1``. A group of one (``group=None``) holds every row; nothing is communicated."""
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
     size: int
     rank: int
     rows: int
@@ -208,6 +211,8 @@ class Mesh:
 
     def fsdp_dims(self, name: str) -> DataParallelMeshDims:
         """The data-parallel dims of plan ``name``'s mesh, for ``fully_shard(..., dp_mesh_dims=...)``."""
+        from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+
         return DataParallelMeshDims(shard=f"{name}_fsdp", replicate="replicate" if self.replicate > 1 else None)
 
     def describe(self) -> dict:

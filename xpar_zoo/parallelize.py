@@ -25,7 +25,7 @@ from .gathered import install_gathered
 from .moe import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .plan import Plan, match_parameters
 from .registry import get_plan
-from .vocab import install_vocab_embedding, install_vocab_lm_head
+from .vocab import fusable_head, install_fused_loss, install_vocab_embedding, install_vocab_lm_head
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,14 @@ def install_styles(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
 
 
+def _fuses_whole_vocab_head(model: nn.Module, plan: Plan, planned: list[PlannedModule]) -> bool:
+    """Whether the whole-vocab head takes the fused loss: no head plan in the mesh, one in the plan, a fusable
+    head."""
+    if any(pm.style == "lm_head" for pm in planned):
+        return False
+    return any(p.style == "lm_head" for p in plan.extra.values()) and fusable_head(model) is not None
+
+
 def shard_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule], **fsdp_kwargs) -> None:
     """``fully_shard`` each planned module on dim 1 over its plan's FSDP ranks, submodules before parents."""
     for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
@@ -246,10 +254,16 @@ def parallelize(
     mixed_precision: bool | MixedPrecisionPolicy = False,
     reshard_after_forward: bool = True,
     prefetch: bool = True,
+    fused_loss: bool = True,
 ) -> nn.Module:
     """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (dim 1 for planned
     tensors) to a transformers model in place; returns it. ``plan`` defaults to the registry's plan for
-    ``model.config.model_type``; ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction."""
+    ``model.config.model_type``; ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction.
+
+    ``fused_loss`` (default): where the mesh has no ``head`` plan but the plan defines one (so the architecture's
+    head is proved to take it), the whole-vocab head gets the fused linear + cross-entropy of
+    :func:`~xpar_zoo.vocab.install_fused_loss` — no ``[tokens, V]`` logits with labels (``out.logits`` is ``None``
+    unless asked for with :func:`~xpar_zoo.full_logits`). ``fused_loss=False`` keeps transformers' loss."""
     plan = plan or get_plan(model.config.model_type)
     check_same_on_all_ranks(_fingerprint(model, plan), "models or plans (parameter names/shapes, plan)", PlanError)
     planned = plan_parameters(model, mesh, plan)
@@ -260,6 +274,8 @@ def parallelize(
         fsdp_kwargs["mp_policy"] = mixed_precision
     split_planned(model, mesh, planned)
     install_styles(model, mesh, planned)
+    if fused_loss and _fuses_whole_vocab_head(model, plan, planned):
+        install_fused_loss(model)
     shard_planned(model, mesh, planned, **fsdp_kwargs)
     units = shard_units(model, mesh, plan, **fsdp_kwargs)
     if reshard_after_forward:

@@ -13,8 +13,8 @@ Communication is counted as the bytes each rank *sends* per training step (forwa
   ``(s-1)/s × tokens·top_k × H`` activations (uniform routing expected), plus the ``E`` token counts;
 - ``emb``: the distinct token ids to their rows' owners, vectors back, and their gradients (exact when every id of
   a rank's batch is distinct and the ids spread evenly over the owners; repeated ids make it an upper bound);
-- ``head``: the group's hidden states and targets gathered, their gradients summed back, the loss gradients
-  gathered (all-to-all), and the per-token log-sum-exp / target-logit statistics (all-gather); exact.
+- ``head``: the group's hidden states and targets gathered, their gradients summed back, the upstream loss
+  gradients gathered (all-to-all), and the per-token log-sum-exp / target-logit statistics (all-gather); exact.
 
 Memory per rank: sharded parameters, gradients and optimizer states (exact), the largest unsharded unit twice
 (current + prefetched), and an activation estimate (documented in :func:`activation_bytes`).
@@ -119,18 +119,39 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     return units
 
 
-def activation_bytes(config, tokens: int, seq: int, dtype_bytes: int) -> float:
-    """A rough activation estimate per rank without recomputation: per layer ``34·T·H`` half-precision bytes
-    (Korthikanti et al. 2022, with a memory-efficient attention kernel so no ``seq²`` scores; scaled by
-    ``dtype_bytes/2``) plus, for MoE layers, ``T·k·(H + 3·I)`` values kept for the experts; plus ``T·V`` fp32 logits
-    for the loss."""
-    hidden = config.hidden_size
-    layers = config.num_hidden_layers
+def activation_bytes(config, tokens: int, seq: int, dtype_bytes: int, fused_head: int = 1,
+                     qk_norm: bool = False) -> float:
+    """A rough activation estimate per rank without recomputation: the values autograd keeps per token, counted
+    per module of a standard decoder layer (memory-efficient attention, so no ``seq²`` scores), times
+    ``dtype_bytes``. With ``q`` / ``kv`` the query / key-value widths: two RMSNorms ``4H``; attention
+    ``H + 2q + 2kv`` (``+ 2q + 2kv`` with ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead
+    ``2H + 2E + k·(H + 5I)`` plus its shared experts' MLP; the final norm ``2H``.
+
+    The loss: with a fused head over a group of ``fused_head`` ranks (1: the whole vocab, ``parallelize``'s
+    default), the head's gradients made in forward — ``[s·T, H]`` hidden states' and ``[V/s, H]`` weight's — and,
+    for ``s > 1``, the group's gathered hidden states; ``fused_head=0`` (transformers' loss): ``T·V`` fp32 logits."""
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    attention = h + 2 * q + 2 * kv + (2 * q + 2 * kv if qk_norm else 0)
     top_k = getattr(config, "num_experts_per_tok", 0) or 0
-    inter = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0)
-    per_layer = tokens * 34 * hidden * dtype_bytes / 2
-    per_layer += tokens * top_k * (hidden + 3 * inter) * dtype_bytes
-    return layers * per_layer + tokens * config.vocab_size * 4
+    if top_k:
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts",
+                                                     "moe_num_experts") if getattr(config, k, None)), 0)
+        shared = (getattr(config, "shared_expert_intermediate_size", None)
+                  or (getattr(config, "n_shared_experts", None) or 0) * inter)
+        mlp = 2 * h + 2 * experts + top_k * (h + 5 * inter) + (h + 4 * shared if shared else 0)
+    else:
+        mlp = h + 4 * config.intermediate_size
+    values = config.num_hidden_layers * (4 * h + attention + mlp) + 2 * h
+    s = fused_head
+    if s == 0:
+        loss = tokens * config.vocab_size * 4
+    else:
+        loss = (s * tokens * h * (1 if s == 1 else 2) + config.vocab_size // s * h) * dtype_bytes
+    return tokens * values * dtype_bytes + loss
 
 
 def _moe_layers(model: nn.Module, plan: Plan) -> list[tuple[str, int, int]]:
@@ -179,7 +200,9 @@ def estimate(
     root = next(u for u in units if u.root)
     est.memory["unsharded parameters (2 units + root)"] = (2 * biggest + root.numel_padded) * pbytes
     tokens = micro_batch * seq
-    est.memory["activations (estimate)"] = activation_bytes(config, tokens, seq, pbytes)
+    fused_head = sizes.get("head", 1) if any(p.style == "lm_head" for p in plan.extra.values()) else 0
+    qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
+    est.memory["activations (estimate)"] = activation_bytes(config, tokens, seq, pbytes, fused_head, qk_norm)
     gather = reduce = allreduce = 0.0
     for u in units:
         frac = (u.group - 1) / u.group
@@ -204,12 +227,10 @@ def estimate(
         (e - 1) / e * tokens * (8 + 2 * hidden * pbytes) + (e - 1) * 8 if e > 1 else 0.0)
     h = sizes.get("head", 1)
     # head: every rank's hidden states (and int64 targets) sent to the h-1 others, the hidden-state gradients sent
-    # back, the fp32 loss gradients gathered, the row counts; then [2, h·tokens] fp32 statistics all-gathered.
+    # back, the row counts and the fp32 upstream gradient; [2, h·tokens] fp32 statistics all-gathered.
     est.comm["all_to_all (head hidden states)"] = (
-        (h - 1) * (tokens * (2 * hidden * pbytes + 8 + 4) + 8) if h > 1 else 0.0)
+        (h - 1) * (tokens * (2 * hidden * pbytes + 8) + 8 + 4) if h > 1 else 0.0)
     est.comm["all_gather (head loss statistics)"] = (h - 1) * 2 * h * tokens * 4 if h > 1 else 0.0
-    if h > 1:
-        est.memory["activations (estimate)"] -= tokens * config.vocab_size * 4  # no [tokens, V] logits
     return est
 
 

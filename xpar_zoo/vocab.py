@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,13 +40,18 @@ from .collectives import all_to_all, all_to_all_counts, to_local
 from .errors import PlanError
 from .mesh import PlanShard
 
-# Elements of one fp32 logits chunk ``[tokens, V/s]`` in the fused head: bounds its memory (64 MiB).
-CE_CHUNK_ELEMENTS = 1 << 24
+# Logits per chunk ``[tokens, V/s]`` in the fused head, by device type: bounds its memory (a few chunk-sized
+# temporaries live at once: 64 MiB each in fp32 on the CPU). On a GPU larger chunks amortise the weight-gradient
+# accumulation (a read and write of ``[V/s, H]`` fp32 per chunk) over more tokens; bench/gpu_moe.py sweeps it.
+CE_CHUNK_ELEMENTS = {"cuda": 1 << 28, "cpu": 1 << 24}
+LOSS_KERNELS = ("torch", "triton")
 
 
 # ---- raw collectives (no autograd) over a group whose ranks hold different numbers of rows ----------------------
 
 def _group_counts(n: int, shard: PlanShard, device: torch.device) -> list[int]:
+    if shard.size == 1:
+        return [n]
     counts = torch.zeros(shard.size, dtype=torch.int64, device=device)
     out = torch.empty_like(counts)
     counts[:] = n
@@ -55,6 +61,8 @@ def _group_counts(n: int, shard: PlanShard, device: torch.device) -> list[int]:
 
 def _gather_rows(x: torch.Tensor, counts: list[int], shard: PlanShard) -> torch.Tensor:
     """``cat`` of every group rank's ``x`` (``counts[q]`` rows from rank ``q``), on every rank."""
+    if shard.size == 1:
+        return x
     n = x.shape[0]
     send = x.unsqueeze(0).expand(shard.size, *x.shape).reshape(shard.size * n, *x.shape[1:])
     out = x.new_empty((sum(counts), *x.shape[1:]))
@@ -64,6 +72,8 @@ def _gather_rows(x: torch.Tensor, counts: list[int], shard: PlanShard) -> torch.
 
 def _scatter_sum_rows(y: torch.Tensor, counts: list[int], shard: PlanShard) -> torch.Tensor:
     """The transpose of :func:`_gather_rows`: rank ``r`` gets the group-wide sum of the ``counts[r]`` rows it owns."""
+    if shard.size == 1:
+        return y
     n = counts[shard.rank]
     out = y.new_empty((shard.size * n, *y.shape[1:]))
     dist.all_to_all_single(out, y.contiguous(), [n] * shard.size, counts, group=shard.group)
@@ -114,75 +124,152 @@ def install_vocab_embedding(module: nn.Module, shard: PlanShard) -> None:
     module.forward = types.MethodType(_embedding_forward, module)
 
 
-# ---- lm_head: fused vocab-parallel logits + cross-entropy ----------------------------------------------------
+# ---- lm_head: fused (vocab-parallel) logits + cross-entropy ----------------------------------------------------
 
-def _chunks(n: int, rows: int) -> Iterator[slice]:
-    step = max(1, CE_CHUNK_ELEMENTS // max(rows, 1))
+def _chunks(n: int, rows: int, elements: int | None, device: torch.device) -> Iterator[slice]:
+    if elements is None:
+        elements = CE_CHUNK_ELEMENTS.get(device.type, CE_CHUNK_ELEMENTS["cpu"])
+    step = max(1, elements // max(rows, 1))
     for start in range(0, n, step):
         yield slice(start, min(n, start + step))
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of this rank's tokens against a vocab split over the head group.
+def _group_denominators(t_all: torch.Tensor, valid: torch.Tensor, counts: list[int], shard: PlanShard,
+                        num_items) -> torch.Tensor:
+    """Each group rank's loss denominator (fp32 ``[s]``): its ``num_items_in_batch`` if given (gathered), else its
+    number of counted tokens (read off the gathered targets)."""
+    if num_items is not None:
+        mine = torch.as_tensor(num_items, dtype=torch.float32, device=t_all.device).reshape(1)
+        return _gather_rows(mine, [1] * shard.size, shard)
+    owner = torch.repeat_interleave(torch.arange(shard.size, device=t_all.device),
+                                    torch.tensor(counts, device=t_all.device))
+    return torch.bincount(owner[valid], minlength=shard.size).float()
 
-    Forward: gather the group's hidden states and targets; per chunk, local logits ``[chunk, V/s]`` → local
-    log-sum-exp and target logit; one all-gather of those ``[2, N]`` statistics gives the exact per-token loss.
-    Backward: gather the per-token gradient coefficients, recompute each chunk's logits, ``(softmax − onehot)·g``
-    gives the weight's gradient (this rank's rows, all group tokens) and the hidden states' (summed back to owners).
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """This rank's loss (sum of its tokens' cross-entropies over its denominator) against a vocab split over the
+    head group; a group of one holds the whole vocab.
+
+    Forward, one pass over chunks of the group's gathered tokens: local logits ``[chunk, V/s]`` → local
+    log-sum-exp and target logit, combined over the group by one all-gather of ``[2, chunk]`` statistics → the
+    exact per-token losses; and, when a gradient is wanted, ``(softmax − onehot) · c`` (``c`` = 1 / the token
+    owner's denominator) straight into the hidden states' and the weight's gradients. Logits are never stored and
+    the head's GEMMs run once each (no recompute). Backward scales those by the upstream gradient: the hidden
+    states' rows by this rank's, the weight's by the group's — when the group's upstream gradients differ (a
+    per-rank loss scale) the weight's gradient is recomputed chunk by chunk, exactly.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, shard: PlanShard, counts: list[int], ignore_index: int, lead):
+    def forward(ctx, hidden, weight, targets, shard: PlanShard, counts: list[int], ignore_index: int, num_items,
+                want: tuple[bool, bool], chunk_elements: int | None, kernels: str):
         h_all = _gather_rows(hidden.detach(), counts, shard)  # [N, H]
         t_all = _gather_rows(targets, counts, shard)  # [N]
         valid = t_all != ignore_index
         local_t = t_all - shard.offset
         owned = valid & (local_t >= 0) & (local_t < shard.rows)
-        index = torch.where(owned, local_t, 0).unsqueeze(1)
+        index = torch.where(owned, local_t, 0)
+        denominators = _group_denominators(t_all, valid, counts, shard, num_items)
+        owner = torch.repeat_interleave(torch.arange(shard.size, device=t_all.device),
+                                        torch.tensor(counts, device=t_all.device))
+        coef = torch.where(valid, 1.0 / denominators[owner], 0.0)  # d(this token's owner's loss) / d(its CE)
         n = h_all.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        target_logit = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        for c in _chunks(n, shard.rows):
-            z = (h_all[c] @ weight.t()).float()
-            lse[c] = torch.logsumexp(z, dim=-1)
-            target_logit[c] = z.gather(1, index[c]).squeeze(1)
-        stats = torch.stack([lse, torch.where(owned, target_logit, 0.0)])
-        gathered = [torch.empty_like(stats) for _ in range(shard.size)]
-        dist.all_gather(gathered, stats, group=shard.group)
-        gathered = torch.stack(gathered)  # [s, 2, N]
-        group_lse = torch.logsumexp(gathered[:, 0], dim=0)
-        loss = torch.where(valid, group_lse - gathered[:, 1].sum(0), 0.0)
-        ctx.shard, ctx.counts = shard, counts
-        ctx.save_for_backward(h_all, weight, index, owned, valid, group_lse)
+        losses = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        group_lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        want_h, want_w = want
+        grad_h = torch.empty_like(h_all) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        for c in _chunks(n, shard.rows, chunk_elements, hidden.device):
+            z, stats = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
+            if shard.size > 1:
+                gathered = [torch.empty_like(stats) for _ in range(shard.size)]
+                dist.all_gather(gathered, stats, group=shard.group)
+                gathered = torch.stack(gathered)  # [s, 2, chunk]
+                stats = torch.stack([torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(0)])
+            group_lse[c] = stats[0]
+            losses[c] = torch.where(valid[c], stats[0] - stats[1], 0.0)
+            if want_h or want_w:
+                p = _chunk_softmax_grad(z, stats[0], index[c], owned[c], coef[c], kernels, weight.dtype)
+                if want_h:
+                    grad_h[c] = p @ weight
+                if want_w:
+                    grad_w.add_(p.t() @ h_all[c])
         start = sum(counts[:shard.rank])
-        return loss[start:start + counts[shard.rank]].reshape(lead).clone()
+        mine = slice(start, start + counts[shard.rank])
+        loss = (losses[mine] * coef[mine]).sum()
+        ctx.shard, ctx.counts, ctx.chunk_elements, ctx.kernels = shard, counts, chunk_elements, kernels
+        saved = [grad_h, None if grad_w is None else grad_w.to(weight.dtype)]
+        if shard.size > 1 and want_w:  # kept for the exact recompute when the group's upstream gradients differ
+            saved += [h_all, weight, index, owned, coef, group_lse]
+        ctx.save_for_backward(*saved)
+        return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h_all, weight, index, owned, valid, group_lse = ctx.saved_tensors
         shard, counts = ctx.shard, ctx.counts
-        coef = _gather_rows(grad.float().reshape(-1), counts, shard) * valid  # [N]
-        grad_h = torch.empty_like(h_all)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for c in _chunks(h_all.shape[0], shard.rows):
-            p = torch.exp((h_all[c] @ weight.t()).float() - group_lse[c, None])
-            p.scatter_add_(1, index[c], -owned[c, None].float())
-            p.mul_(coef[c, None])
-            p = p.to(weight.dtype)
-            grad_h[c] = p @ weight
-            grad_w.addmm_(p.t().float(), h_all[c].float())
-        return _scatter_sum_rows(grad_h, counts, shard), grad_w.to(weight.dtype), None, None, None, None, None
+        grad_h, grad_w, *kept = ctx.saved_tensors
+        grad = grad.float()
+        hidden_grad = weight_grad = None
+        if grad_h is not None:
+            hidden_grad = (_scatter_sum_rows(grad_h, counts, shard) * grad).to(grad_h.dtype)
+        if grad_w is not None:
+            if shard.size == 1:
+                weight_grad = (grad_w * grad).to(grad_w.dtype)
+            else:
+                grads = _gather_rows(grad.reshape(1), [1] * shard.size, shard)  # every group rank's upstream grad
+                if bool((grads == grads[0]).all()):
+                    weight_grad = (grad_w * grads[0]).to(grad_w.dtype)
+                else:
+                    weight_grad = _recompute_weight_grad(*kept, grads, counts, shard, ctx.chunk_elements,
+                                                         ctx.kernels)
+        return hidden_grad, weight_grad, None, None, None, None, None, None, None, None
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, owned: torch.Tensor, kernels: str):
+    """A chunk's local logits (fp32 on the torch path; the GEMM's dtype for the Triton kernels) and their
+    ``[2, rows]`` statistics: log-sum-exp over this rank's vocab rows, and the target's logit where owned."""
+    z = h @ weight.t()
+    if kernels == "triton":
+        from . import loss_triton
+
+        return z, loss_triton.row_stats(z, index, owned)
+    z = z.float()
+    return z, torch.stack([torch.logsumexp(z, dim=-1), torch.where(owned, z.gather(1, index[:, None])[:, 0], 0.0)])
+
+
+def _chunk_softmax_grad(z: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, owned: torch.Tensor,
+                        coef: torch.Tensor, kernels: str, dtype: torch.dtype) -> torch.Tensor:
+    """``(softmax(z) − onehot(target)) · coef`` per row in ``dtype``, computed in place on the chunk ``z``."""
+    if kernels == "triton":
+        from . import loss_triton
+
+        return loss_triton.softmax_grad_(z, lse, index, owned, coef)
+    p = z.sub_(lse[:, None]).exp_()
+    p.scatter_add_(1, index[:, None], -owned[:, None].float())
+    return p.mul_(coef[:, None]).to(dtype)
+
+
+def _recompute_weight_grad(h_all, weight, index, owned, coef, group_lse, grads, counts, shard, chunk_elements,
+                           kernels):
+    """The weight's gradient when the group ranks' upstream gradients differ: each token's coefficient times its
+    owner's upstream gradient, the logits recomputed chunk by chunk."""
+    owner = torch.repeat_interleave(torch.arange(shard.size, device=h_all.device),
+                                    torch.tensor(counts, device=h_all.device))
+    coef = coef * grads[owner]
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for c in _chunks(h_all.shape[0], shard.rows, chunk_elements, h_all.device):
+        z, _ = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
+        grad_w.add_(_chunk_softmax_grad(z, group_lse[c], index[c], owned[c], coef[c], kernels, weight.dtype).t()
+                    @ h_all[c])
+    return grad_w.to(weight.dtype)
 
 
 @dataclass
 class VocabParallelLogits(ModelOutput):
-    """What a vocab-parallel ``lm_head`` returns in place of logits: this rank's per-token losses (0 where the
-    target is ignored; ``None`` without labels), the count of counted tokens, and the full ``[…, V]`` logits only
-    inside :func:`full_logits`. The model's ``loss_function`` turns it into the loss; the model's output carries
-    ``.logits`` (``None`` unless asked)."""
+    """What a fused ``lm_head`` returns in place of logits: this rank's loss (``None`` without labels) and the full
+    ``[…, V]`` logits only inside :func:`full_logits`. The model's ``loss_function`` passes the loss on; the model's
+    output carries ``.logits`` (``None`` unless asked)."""
 
-    token_losses: torch.Tensor | None = None
-    num_valid: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
 
 
@@ -190,11 +277,16 @@ class VocabParallelLogits(ModelOutput):
 class _LossRequest:
     targets: torch.Tensor  # shifted labels, shaped like the hidden states' token dims
     ignore_index: int
+    num_items: torch.Tensor | int | None  # ``num_items_in_batch``: the loss's denominator when given
 
 
 class _HeadState:
-    def __init__(self, shard: PlanShard) -> None:
+    def __init__(self, shard: PlanShard, chunk_elements: int | None, kernels: str) -> None:
+        if kernels not in LOSS_KERNELS:
+            raise ValueError(f"kernels must be one of {LOSS_KERNELS}, got {kernels!r}")
         self.shard = shard
+        self.chunk_elements = chunk_elements
+        self.kernels = kernels
         self.request: _LossRequest | None = None
         self.full_logits = False
 
@@ -202,50 +294,77 @@ class _HeadState:
 def _head_full_logits(hidden: torch.Tensor, weight: torch.Tensor, counts: list[int], shard: PlanShard, lead):
     """Full ``[*lead, V]`` logits of this rank's tokens: local-vocab logits of the group's tokens, sent to their
     owners and concatenated by vocab block."""
+    if shard.size == 1:
+        return (hidden @ weight.t()).view(*lead, -1)
     z = _GatherRows.apply(hidden, counts, shard) @ weight.t()  # [N, V/s]
     n = counts[shard.rank]
     z = all_to_all(z, [n] * shard.size, counts, shard.group)  # [s·T, V/s], by source rank = vocab block
     return torch.cat([block.view(*lead, -1) for block in z.view(shard.size, n, -1).unbind(0)], dim=-1)
 
 
-def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParallelLogits:
+def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParallelLogits | torch.Tensor:
     state: _HeadState = self._xpar_head
     shard, request = state.shard, state.request
-    if request is None and not state.full_logits:
-        return VocabParallelLogits()
     weight = to_local(self.weight)  # [V/s, H]
+    if request is None:
+        if shard.size == 1:  # a whole-vocab head without labels: plain logits, as transformers returns them
+            return nn.functional.linear(hidden_states, weight)
+        if not state.full_logits:
+            return VocabParallelLogits()
     lead = hidden_states.shape[:-1]
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     counts = _group_counts(hidden.shape[0], shard, hidden.device)
     out = VocabParallelLogits()
     if request is not None:
         if request.targets.shape != lead:
-            raise ValueError(f"vocab-parallel loss: labels give targets of shape {tuple(request.targets.shape)} "
-                             f"but the head sees hidden states of shape {tuple(lead)} (logits_to_keep with labels?)")
+            raise ValueError(f"fused loss: labels give targets of shape {tuple(request.targets.shape)} but the "
+                             f"head sees hidden states of shape {tuple(lead)} (logits_to_keep with labels?)")
         targets = request.targets.reshape(-1).to(hidden.device)
-        out.token_losses = _VocabParallelCrossEntropy.apply(hidden, weight, targets, shard, counts,
-                                                            request.ignore_index, lead)
-        out.num_valid = (targets != request.ignore_index).sum()
+        grad = torch.is_grad_enabled()
+        want = (grad and hidden.requires_grad, grad and weight.requires_grad)
+        out.loss = _FusedLinearCrossEntropy.apply(hidden, weight, targets, shard, counts, request.ignore_index,
+                                                  request.num_items, want, state.chunk_elements,
+                                                  _checked_kernels(state.kernels, hidden))
     if state.full_logits:
         out.logits = _head_full_logits(hidden, weight, counts, shard, lead)
     return out
 
 
-def _vocab_parallel_loss(fallback, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                         shift_labels=None, **kwargs):
-    """The model's ``loss_function`` under the lm_head style: reduce the head's per-token losses like
-    transformers' ``ForCausalLMLoss`` (sum / ``num_items_in_batch``, else mean over counted tokens)."""
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               ignore_index: int = -100, *, num_items: torch.Tensor | int | None = None,
+                               chunk_elements: int | None = None, kernels: str = "torch") -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T, targets)`` — the sum over counted targets divided by ``num_items``
+    (else their number) — without ``[tokens, V]`` logits: the fused head's computation for a custom training loop.
+    ``hidden``: ``[..., H]``; ``weight``: ``[V, H]``; ``targets``: ``hidden``'s leading shape (already shifted)."""
+    if kernels not in LOSS_KERNELS:
+        raise ValueError(f"kernels must be one of {LOSS_KERNELS}, got {kernels!r}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets of shape {tuple(targets.shape)} for hidden states of shape {tuple(hidden.shape)}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    grad = torch.is_grad_enabled()
+    return _FusedLinearCrossEntropy.apply(flat, weight, targets.reshape(-1), PlanShard(None, 1, 0, weight.shape[0]),
+                                          [flat.shape[0]], ignore_index, num_items,
+                                          (grad and hidden.requires_grad, grad and weight.requires_grad),
+                                          chunk_elements, _checked_kernels(kernels, hidden))
+
+
+def _checked_kernels(kernels: str, hidden: torch.Tensor) -> str:
+    if kernels == "triton" and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the fused loss's Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
+                           f"the head got {hidden.device.type} hidden states")
+    return kernels
+
+
+def _fused_loss(fallback, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                shift_labels=None, **kwargs):
+    """The model's ``loss_function`` under a fused head: the head already reduced the loss like transformers'
+    ``ForCausalLMLoss`` (sum / ``num_items_in_batch``, else mean over counted tokens)."""
     if not isinstance(logits, VocabParallelLogits):
         return fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
-    if logits.token_losses is None:
-        raise RuntimeError("vocab-parallel loss requested but the head computed none (labels not seen by forward)")
-    total = logits.token_losses.sum()
-    if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(total.device)
-        return total / num_items_in_batch
-    return total / logits.num_valid
+    if logits.loss is None:
+        raise RuntimeError("fused loss requested but the head computed none (labels not seen by forward)")
+    return logits.loss
 
 
 def _unwrap_logits(out):
@@ -258,22 +377,30 @@ def _unwrap_logits(out):
     return out
 
 
-def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard) -> None:
+def _check_head(model: nn.Module, module: nn.Module) -> None:
+    if not isinstance(module, nn.Linear) or module.bias is not None:
+        raise PlanError(f"the fused head needs a bias-free nn.Linear, got {module}")
+    if getattr(model, "get_output_embeddings", lambda: None)() is not module:
+        raise PlanError("the fused head applies to the model's output embeddings (get_output_embeddings())")
+    if getattr(model.config, "final_logit_softcapping", None) is not None:
+        raise PlanError("the fused head does not support final_logit_softcapping")
+    if hasattr(module, "_xpar_head"):
+        raise PlanError("the model's output head is already fused")
+
+
+def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard,
+                          chunk_elements: int | None = None, kernels: str = "torch") -> None:
     """Make ``module`` (the model's output head, holding ``shard.rows`` vocab rows here) a vocab-parallel head with
     a fused cross-entropy, and hook ``model``'s forward and ``loss_function`` so that ``model(…, labels=…)`` returns
     the usual loss. Every rank of a head group must call the model alike (labels or not, :func:`full_logits` or not).
+    A group of one (:func:`install_fused_loss`) is the same fused loss over the whole vocab, with no collective.
     """
-    if not isinstance(module, nn.Linear) or module.bias is not None:
-        raise PlanError(f"the lm_head style needs a bias-free nn.Linear, got {module}")
-    if getattr(model, "get_output_embeddings", lambda: None)() is not module:
-        raise PlanError("the lm_head style applies to the model's output embeddings (get_output_embeddings())")
-    if getattr(model.config, "final_logit_softcapping", None) is not None:
-        raise PlanError("the vocab-parallel head does not support final_logit_softcapping")
-    module._xpar_head = _HeadState(shard)
+    _check_head(model, module)
+    module._xpar_head = _HeadState(shard, chunk_elements, kernels)
     module.forward = types.MethodType(_lm_head_forward, module)
 
     fallback = model.loss_function
-    model.loss_function = functools.partial(_vocab_parallel_loss, fallback)
+    model.loss_function = functools.partial(_fused_loss, fallback)
     original = model.forward
     signature = inspect.signature(original)
 
@@ -288,7 +415,7 @@ def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard)
             targets = extra.get("shift_labels")
             if targets is None:
                 targets = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-            state.request = _LossRequest(targets, ignore_index)
+            state.request = _LossRequest(targets, ignore_index, extra.get("num_items_in_batch"))
         try:
             return _unwrap_logits(original(*args, **kwargs))
         finally:
@@ -297,11 +424,43 @@ def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard)
     model.forward = forward
 
 
+def fusable_head(model: nn.Module) -> nn.Module | None:
+    """The model's output head if the fused loss applies to it (a bias-free ``nn.Linear`` without logit
+    softcapping, not fused yet), else ``None``."""
+    module = getattr(model, "get_output_embeddings", lambda: None)()
+    try:
+        _check_head(model, module)
+    except PlanError:
+        return None
+    return module
+
+
+def install_fused_loss(model: nn.Module, *, chunk_elements: int | None = None, kernels: str = "torch"
+                       ) -> nn.Module:
+    """Give ``model`` (a transformers causal LM, whole-vocab head) the fused linear + cross-entropy: with labels,
+    ``model(…, labels=…).loss`` is computed chunk by chunk (at most ``chunk_elements`` logits at once; default
+    :data:`CE_CHUNK_ELEMENTS` by device type; the head's gradients produced in the same pass) and ``out.logits`` is
+    ``None`` unless asked for with :func:`full_logits`; without labels the model returns its usual logits.
+    :func:`~xpar_zoo.parallelize` does this by default on meshes without a ``head`` plan; call it yourself for a
+    single-process model. ``kernels="triton"``: each chunk's softmax statistics and gradient by the kernels of
+    :mod:`xpar_zoo.loss_triton` (CUDA, or the CPU under ``TRITON_INTERPRET=1``) instead of torch ops. Returns
+    ``model``.
+
+    The loss and its gradients equal transformers' ``ForCausalLMLoss`` (``ignore_index``, ``shift_labels``,
+    ``num_items_in_batch``), except that a batch whose targets are all ignored gives 0 instead of NaN.
+    """
+    module = getattr(model, "get_output_embeddings", lambda: None)()
+    _check_head(model, module)
+    install_vocab_lm_head(model, module, PlanShard(None, 1, 0, module.weight.shape[0]), chunk_elements, kernels)
+    return model
+
+
 @contextlib.contextmanager
 def full_logits(model: nn.Module) -> Iterator[None]:
-    """Inside this block a vocab-parallel model's ``out.logits`` holds the full ``[batch, seq, V]`` logits of this
-    rank's tokens (differentiable; for evaluation and generation). Outside it, ``out.logits`` is ``None``. A model
-    without a vocab-parallel head is unaffected."""
+    """Inside this block a model with a fused (vocab-parallel or whole-vocab) head returns the full
+    ``[batch, seq, V]`` logits of this rank's tokens in ``out.logits``, labels or not (differentiable; for evaluation
+    and generation). Outside it, ``out.logits`` is ``None`` whenever the head computed the loss (and always under a
+    ``head`` plan). A model without a fused head is unaffected."""
     heads = [m._xpar_head for m in model.modules() if hasattr(m, "_xpar_head")]
     previous = [h.full_logits for h in heads]
     for h in heads:
