@@ -1,5 +1,6 @@
 """CPU suite (issue 9, not a test): xpar_zoo against transformers' own distributed path on the same model and mesh,
-4 gloo ranks, side by side in one run — load time and peak RSS, training step time, checkpoint save time.
+4 gloo ranks, side by side in one run — load time and peak RSS, training step time and peak RSS, checkpoint
+save time.
 
     python bench/cpu_suite.py [--keep DIR] [--steps N]
 
@@ -65,6 +66,9 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(rank)
         times = []
+        gc.collect()
+        before = load_memory._status("VmRSS")
+        load_memory._reset_peak()
         for step in range(steps + 1):
             ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
             dist.barrier()
@@ -77,6 +81,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int
             if step:  # the first step warms up
                 times.append(time.perf_counter() - t0)
         row["step_s"] = statistics.median(times)
+        row["train_peak_growth_MiB"] = (load_memory._status("VmHWM") - before) / MB  # incl. AdamW's states
         row["loss"] = loss.item()
         dist.barrier()
         t0 = time.perf_counter()
@@ -137,7 +142,9 @@ def main() -> None:
              "| | xpar_zoo `Mesh(ep=2)` | transformers `DistributedConfig(fsdp_size=4, ep_size=2)` | ratio |",
              "|---|---|---|---|"]
     for key, label in (("load_s", "load time (s)"), ("load_peak_growth_MiB", "load peak RSS growth (MiB)"),
-                       ("step_s", "training step (s)"), ("save_s", "save model weights (s)")):
+                       ("step_s", "training step (s)"),
+                       ("train_peak_growth_MiB", "training peak RSS growth (MiB, incl. AdamW states)"),
+                       ("save_s", "save model weights (s)")):
         a, b = _worst(ours, key), _worst(peer, key)
         ratio = f"{a / b:.2f}×" if a and b else "—"
         fmt = (lambda v: "failed" if v is None else f"{v:.2f}")

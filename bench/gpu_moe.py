@@ -13,6 +13,11 @@ sweep run first), ``xpar_zoo_torch`` (our torch path: grouped_mm and torch routi
 The block is Qwen3-30B-A3B's MoE block (H=2048, I=768, E=128, top-8) on T=16384 tokens, bf16, forward + backward.
 Expert FLOPs counted as 18·T·k·H·I (gate_up and down GEMMs, forward once, backward twice); router FLOPs ignored.
 Every figure is reported with the ratio to transformers' ``grouped_mm`` from the same run.
+
+The head + loss alone (``loss``: T=16384, H=2048, V=151936) is timed too: transformers' logits + ``ForCausalLMLoss``
+against xpar_zoo's fused linear + cross-entropy (torch and Triton chunk kernels, chunk sizes 2^26 / 2^28 / 2^30),
+with peak memory and errors against fp32. The model is then run with the fastest fused variant
+(``xpar_zoo``: Triton experts + fused loss; ``grouped_mm_fused_loss``: the loss's share alone).
 """
 
 from __future__ import annotations

@@ -153,7 +153,19 @@ def test_sigkill_during_to_dcp_leaves_no_output_and_the_earlier_one_intact(tiny,
     fresh = tmp_path / "fresh"
     _killed_conversion(tiny["hub"], fresh, force=False)
     assert not fresh.exists()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".fresh.tmp-")]  # the interrupted temp dir
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".fresh.tmp-")]  # the interrupted temp dir
+    assert left
+    # A staging directory of a process still running (here: this one) is only warned about, never removed.
+    from xpar_zoo.converters.output_dir import LeftoverWarning, _owner_tag
+
+    running = tmp_path / f".fresh.tmp-{_owner_tag()}-0123abcd"
+    running.mkdir()
+    with pytest.warns(LeftoverWarning) as warned:
+        assert cli.main(["convert", "to-dcp", str(tiny["hub"]), str(fresh)]) == 0
+    messages = " ".join(str(w.message) for w in warned)
+    assert f"removed {left[0]}" in messages and running.name in messages and "remove them" in messages
+    assert running.is_dir() and not (tmp_path / left[0]).exists()
+    assert latest_checkpoint(fresh) is not None
 
 
 # ---- inspect ----------------------------------------------------------------------------------------------------

@@ -11,9 +11,13 @@ statistics travel.
 - ``lm_head`` (:func:`install_vocab_lm_head`): the head group all-gathers its hidden states, each rank computes the
   logits of its ``V/s`` vocab rows for all the group's tokens, chunk by chunk, and a vocab-parallel cross-entropy
   combines per-token log-sum-exp and target logits over the group. No rank ever holds a ``[tokens, V]`` logits
-  tensor, nor even ``[tokens, V/s]`` at once: chunks are recomputed in backward (a fused linear + cross-entropy).
+  tensor, nor even ``[tokens, V/s]`` at once: each chunk's gradients are made as soon as its statistics are
+  combined, in the same pass (a fused linear + cross-entropy), and backward only scales them.
   ``model(input_ids, labels=...)`` returns the usual loss (same shift, ``ignore_index``, mean over this rank's
   tokens, or ``num_items_in_batch``); ``out.logits`` is ``None`` unless asked for with :func:`full_logits`.
+- the fused loss without a ``head`` plan (:func:`install_fused_loss`, ``parallelize``'s default; and
+  :func:`fused_linear_cross_entropy` for custom loops): the same computation over the whole vocab, a group of one —
+  no collective, at most a chunk of logits at once.
 
 Tied embeddings (``tie_word_embeddings=True``) are refused with :class:`~xpar_zoo.errors.PlanError` when a plan
 splits the shared tensor: the embedding and the head need different compute styles (lookup vs. logits), and giving
@@ -134,6 +138,11 @@ def _chunks(n: int, rows: int, elements: int | None, device: torch.device) -> It
         yield slice(start, min(n, start + step))
 
 
+def _owners(counts: list[int], device: torch.device) -> torch.Tensor:
+    """The group rank each gathered token came from (``counts[q]`` tokens from rank ``q``, in rank order)."""
+    return torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+
+
 def _group_denominators(t_all: torch.Tensor, valid: torch.Tensor, counts: list[int], shard: PlanShard,
                         num_items) -> torch.Tensor:
     """Each group rank's loss denominator (fp32 ``[s]``): its ``num_items_in_batch`` if given (gathered), else its
@@ -141,9 +150,7 @@ def _group_denominators(t_all: torch.Tensor, valid: torch.Tensor, counts: list[i
     if num_items is not None:
         mine = torch.as_tensor(num_items, dtype=torch.float32, device=t_all.device).reshape(1)
         return _gather_rows(mine, [1] * shard.size, shard)
-    owner = torch.repeat_interleave(torch.arange(shard.size, device=t_all.device),
-                                    torch.tensor(counts, device=t_all.device))
-    return torch.bincount(owner[valid], minlength=shard.size).float()
+    return torch.bincount(_owners(counts, t_all.device)[valid], minlength=shard.size).float()
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -169,9 +176,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         owned = valid & (local_t >= 0) & (local_t < shard.rows)
         index = torch.where(owned, local_t, 0)
         denominators = _group_denominators(t_all, valid, counts, shard, num_items)
-        owner = torch.repeat_interleave(torch.arange(shard.size, device=t_all.device),
-                                        torch.tensor(counts, device=t_all.device))
-        coef = torch.where(valid, 1.0 / denominators[owner], 0.0)  # d(this token's owner's loss) / d(its CE)
+        coef = torch.where(valid, 1.0 / denominators[_owners(counts, t_all.device)], 0.0)  # d(this token's owner's loss) / d(its CE)
         n = h_all.shape[0]
         losses = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         group_lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -252,9 +257,7 @@ def _recompute_weight_grad(h_all, weight, index, owned, coef, group_lse, grads, 
                            kernels):
     """The weight's gradient when the group ranks' upstream gradients differ: each token's coefficient times its
     owner's upstream gradient, the logits recomputed chunk by chunk."""
-    owner = torch.repeat_interleave(torch.arange(shard.size, device=h_all.device),
-                                    torch.tensor(counts, device=h_all.device))
-    coef = coef * grads[owner]
+    coef = coef * grads[_owners(counts, h_all.device)]
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     for c in _chunks(h_all.shape[0], shard.rows, chunk_elements, h_all.device):
         z, _ = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
