@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
+from xpar_zoo.batching import byte_batches
 from xpar_zoo.errors import XparError
 from xpar_zoo.loader import build_meta
 
+from .hub_layout import TORCH_TO_SAFETENSORS
 from .output_dir import check_output, move_into_place, staging_dir
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -84,9 +86,6 @@ def _tied_duplicates(model, config) -> set[str]:
     return set(tied) if isinstance(tied, dict) else set(tied)
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 @dataclass
@@ -98,16 +97,10 @@ class _Shard:
 
 def plan_shards(hub_tensors: list[tuple[str, tuple[int, ...], torch.dtype]], max_bytes: int) -> list[_Shard]:
     """Split the hub tensors, in order, into shards of at most ``max_bytes`` (a larger tensor gets its own)."""
-    shards: list[_Shard] = []
-    for key, shape, dtype in hub_tensors:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if not shards or (shards[-1].entries and shards[-1].nbytes + nbytes > max_bytes):
-            shards.append(_Shard(""))
-        shards[-1].entries.append((key, shape, dtype))
-        shards[-1].nbytes += nbytes
-    for i, shard in enumerate(shards, 1):
-        shard.file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-    return shards
+    groups = byte_batches(((entry, math.prod(entry[1]) * entry[2].itemsize) for entry in hub_tensors), max_bytes)
+    return [_Shard(f"model-{i:05d}-of-{len(groups):05d}.safetensors", entries,
+                   sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in entries))
+            for i, entries in enumerate(groups, 1)]
 
 
 class _StreamingShardWriter:
@@ -127,7 +120,7 @@ class _StreamingShardWriter:
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for key, shape, dtype in shard.entries:
             n = math.prod(shape) * dtype.itemsize
-            header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[key] = {"dtype": TORCH_TO_SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as safetensors does

@@ -21,10 +21,6 @@ XPAR_CHECKPOINT = "xpar_zoo DCP checkpoint"
 XPAR_ROOT = "xpar_zoo DCP checkpoint root"
 PLAIN_DCP = "plain DCP"
 _EXPERT_KEY = re.compile(r"\.experts\.\d+\.")
-# safetensors dtype names as torch names, so that hub and DCP reports read alike
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 class InspectError(XparError, ValueError):
@@ -54,7 +50,10 @@ def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
 def _inspect_hub(directory: Path) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from xpar_zoo.converters.hub_layout import DTYPE_SIZES, read_checkpoint_headers
+    from xpar_zoo.converters.hub_layout import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
+
+    def _dtype_name(code: str) -> str:  # torch's names, so that hub and DCP reports read alike
+        return str(SAFETENSORS_DTYPES[code]).removeprefix("torch.") if code in SAFETENSORS_DTYPES else code
 
     try:
         config = AutoConfig.from_pretrained(directory)
@@ -73,7 +72,7 @@ def _inspect_hub(directory: Path) -> dict[str, Any]:
         "architectures": getattr(config, "architectures", None),
         "parameters": sum(math.prod(t.shape) for t in tensors.values()),
         "tensors": len(tensors),
-        "dtypes": dict(Counter(_ST_DTYPES.get(t.dtype, t.dtype) for t in tensors.values()).most_common()),
+        "dtypes": dict(Counter(_dtype_name(t.dtype) for t in tensors.values()).most_common()),
         "tensor_bytes": sum(math.prod(t.shape) * DTYPE_SIZES.get(t.dtype, 1) for t in tensors.values()),
         "shards": [{"file": f, **files[f]} for f in sorted(files)],
     }

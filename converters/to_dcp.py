@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
+from xpar_zoo.batching import byte_batches
 from xpar_zoo.errors import XparError
 
+from .hub_layout import SAFETENSORS_DTYPES
 from .output_dir import check_output, move_into_place, staging_dir
 
 DEFAULT_BATCH_BYTES = 1 << 30
@@ -33,25 +35,6 @@ _PART_PREFIX = ".part-"
 class ConvertError(XparError, ValueError):
     """A conversion that cannot be done as asked: an existing or unwritable output, a checkpoint whose pieces
     disagree (mixed dtypes within one tensor)."""
-
-
-def _batches(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Consecutive names grouped into batches of at most ``max_bytes`` (a larger tensor alone)."""
-    out: list[list[str]] = []
-    total = 0
-    for name, n in sizes.items():
-        if not out or (out[-1] and total + n > max_bytes):
-            out.append([])
-            total = 0
-        out[-1].append(name)
-        total += n
-    return out
-
-
-# safetensors dtype names -> torch dtypes (the data is little-endian, as torch's on every platform we run)
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                 "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class _Files:
@@ -105,9 +88,9 @@ def _assemble(layout, name: str, files: _Files) -> torch.Tensor:
         raise ConvertError(f"{name}: its hub pieces have several dtypes {sorted(dtypes)} "
                            f"({', '.join(sorted({p.source.key for p in target.pieces})[:4])} …)")
     (dtype,) = dtypes
-    if dtype not in _TORCH_DTYPES:
+    if dtype not in SAFETENSORS_DTYPES:
         raise ConvertError(f"{name}: dtype {dtype} of {target.pieces[0].source.key} is not supported")
-    out = torch.empty(target.shape, dtype=_TORCH_DTYPES[dtype])
+    out = torch.empty(target.shape, dtype=SAFETENSORS_DTYPES[dtype])
     for read in layout.reads(name, tuple((0, n) for n in target.shape)):
         files.read_into(read, out[read.dest])
     return out
@@ -210,7 +193,7 @@ def convert_to_dcp(
         ckpt.mkdir(parents=True)
         bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="convert to DCP", disable=not progress)
         parts = []
-        for k, batch in enumerate(_batches(sizes, max_bytes)):
+        for k, batch in enumerate(byte_batches(sizes.items(), max_bytes)):
             files = _Files(directory)
             state = {}
             try:

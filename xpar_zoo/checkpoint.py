@@ -67,6 +67,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .batching import byte_batches
 from .errors import CheckpointError
 
 FORMAT = "xpar_zoo.checkpoint/1"
@@ -284,19 +285,12 @@ def iter_model_tensors(path: str | os.PathLike, names: list[str] | None = None, 
         md = tensors[name]
         return math.prod(md.size) * md.properties.dtype.itemsize
 
-    batch: list[str] = []
-    size = 0
-    for i, name in enumerate(names):
-        batch.append(name)
-        size += nbytes(name)
-        if i + 1 < len(names) and size + nbytes(names[i + 1]) <= max_bytes:
-            continue
+    for batch in byte_batches(((n, nbytes(n)) for n in names), max_bytes):
         state = {prefix + n: torch.empty(tuple(tensors[n].size), dtype=tensors[n].properties.dtype) for n in batch}
         with _quiet_single_process():
             dcp.load(state, storage_reader=_SafeReader(str(ckpt)), planner=_SafeLoadPlanner(), no_dist=True)
         for n in batch:
             yield n, state.pop(prefix + n)
-        batch, size = [], 0
 
 
 # ---- JSON -------------------------------------------------------------------------------------------------------
