@@ -177,7 +177,8 @@ print(json.dumps(out))
 
 def test_plan_cli_reads_a_cached_hub_config_offline_and_names_bad_models(tmp_path):
     """``xpar-zoo plan`` needs only config.json: a hub id from an offline cache works; a missing or malformed name,
-    or a mesh that does not divide, is one clear error (exit 2, no traceback)."""
+    a mesh that does not divide the world, or one whose shards parallelize would refuse, is one clear error (exit 2,
+    no traceback)."""
     import json
     import os
     import subprocess
@@ -193,6 +194,7 @@ def test_plan_cli_reads_a_cached_hub_config_offline_and_names_bad_models(tmp_pat
              (["plan", str(tmp_path), "--world", "4"], 2, "is a directory without config.json"),
              (["plan", "bad id!!", "--world", "4"], 2, "neither a local directory nor a valid hub repo id"),
              (["plan", "qwen3_moe", "--world", "4", "--ep", "3"], 2, "'ep' of size 3 does not divide"),
+             (["plan", "qwen3_moe", "--world", "12", "--ep", "2"], 2, "not divisible by ep_fsdp=6"),
              (["plan", "llama", "--world", "4", "--ep", "2"], 2, "mesh uses plan(s) ['ep'] that the 'llama' plan")]
     proc = subprocess.run([sys.executable, "-c", _PLAN_CLI, json.dumps([argv for argv, _, _ in cases])],
                           capture_output=True, text=True, timeout=120,

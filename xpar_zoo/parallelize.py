@@ -68,21 +68,27 @@ def check_plan_names(names, plan: Plan) -> None:
 
 def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedModule]:
     """Match ``plan`` against ``model`` for the plans ``mesh`` activates; raise :class:`PlanError` on any mismatch."""
-    check_plan_names(mesh.active, plan)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise PlanError("model is already parallelized (it has DTensor parameters)")
+    return match_plan(model, plan, mesh.active, mesh.shard_size)
+
+
+def match_plan(model: nn.Module, plan: Plan, active: dict[str, int], shard_size: int) -> list[PlannedModule]:
+    """The planned modules of ``model`` for plans of sizes ``active`` (each > 1) over ``shard_size`` FSDP ranks,
+    every size checked; no process group needed (the planner calls it on a meta model)."""
+    check_plan_names(active, plan)
     params = dict(model.named_parameters(remove_duplicate=False))
     names_of: dict[int, list[str]] = defaultdict(list)
     for n, p in params.items():
         names_of[id(p)].append(n)
     owner: dict[str, str] = {}
     by_module: dict[str, list[str]] = defaultdict(list)
-    for name, size in mesh.active.items():
+    for name, size in active.items():
         extra = plan.extra[name]
         fqns = match_parameters(model, extra.params)
         if not fqns:
             raise PlanError(f"plan {name!r} matched no parameter of {type(model).__name__} (patterns {extra.params})")
-        fsdp = mesh.shard_size // size
+        fsdp = shard_size // size
         for fqn in fqns:
             if fqn in owner:
                 raise PlanError(f"{fqn} is claimed by two plans: {owner[fqn]!r} and {name!r}")

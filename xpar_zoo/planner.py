@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .errors import PlanError
 from .mesh import validate_sizes
-from .parallelize import check_plan_names
+from .parallelize import check_plan_names, match_plan
 from .plan import Plan, match_parameters
 from .registry import get_plan
 
@@ -84,19 +85,14 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     """The FSDP units ``parallelize`` builds for this mesh, with their sizes (no process group needed)."""
     shard = world // replicate
     active = {n: s for n, s in sizes.items() if s > 1}
-    planned_params: dict[str, str] = {}
-    for name in active:
-        for fqn in match_parameters(model, plan.extra[name].params):
-            planned_params[fqn] = name
-    planned_modules: dict[str, str] = {fqn.rpartition(".")[0]: n for fqn, n in planned_params.items()}
     params = dict(model.named_parameters())
     units: list[Unit] = []
     claimed: set[str] = set()
-    for mod_fqn, name in sorted(planned_modules.items(), key=lambda kv: -kv[0].count(".")):
-        s = active[name]
-        own = [f for f in params if f.rpartition(".")[0] == mod_fqn]
+    for pm in sorted(match_plan(model, plan, active, shard), key=lambda p: -p.fqn.count(".")):
+        s = active[pm.plan_name]
+        own = [f"{pm.fqn}.{p}" if pm.fqn else p for p in pm.params]
         numel = sum(params[f].numel() // s for f in own)
-        units.append(Unit(mod_fqn, numel, numel, shard // s, replicate))  # dim-1 shards are even
+        units.append(Unit(pm.fqn, numel, numel, shard // s, replicate))  # dim-1 shards are even (checked)
         claimed.update(own)
     classes = set(plan.unit_classes(model))
     unit_fqns = [n for n, m in model.named_modules() if type(m).__name__ in classes]
@@ -235,18 +231,17 @@ def estimate(
 
 
 def candidate_meshes(config, world: int, plan: Plan | None = None, model: nn.Module | None = None) -> list[dict]:
-    """Every ``{ep, replicate}`` that fits ``world`` and the model's shapes (dim 0 by ``ep``, dim 1 by
-    ``ep_fsdp``)."""
+    """Every ``{ep, replicate}`` that fits ``world`` and that ``parallelize`` would accept for the model's shapes
+    (dim 0 by ``ep``, dim 1 by ``ep_fsdp``: the same checks, :func:`~xpar_zoo.parallelize.match_plan`)."""
     plan = plan or get_plan(config.model_type)
     model = model if model is not None else meta_model(config)
-    params = dict(model.named_parameters())
-    shapes = [params[f].shape for f in match_parameters(model, plan.extra["ep"].params)] if "ep" in plan.extra else []
     out = []
     for replicate in [r for r in range(1, world + 1) if world % r == 0]:
         shard = world // replicate
-        eps = [e for e in range(1, shard + 1) if shard % e == 0] if shapes else [1]
-        for ep in eps:
-            if ep > 1 and any(sh[0] % ep or sh[1] % (shard // ep) for sh in shapes):
+        for ep in [e for e in range(1, shard + 1) if shard % e == 0] if "ep" in plan.extra else [1]:
+            try:
+                match_plan(model, plan, {"ep": ep} if ep > 1 else {}, shard)
+            except PlanError:
                 continue
             out.append({"replicate": replicate, "ep": ep})
     return out
