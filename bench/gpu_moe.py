@@ -3,6 +3,7 @@ side by side in one run, plus a 4-layer Qwen3-30B-A3B-shaped model's training to
 
     python bench/gpu_moe.py                 # on a GPU: correctness, then timings; JSON to $OUT/gpu_moe.json
     python bench/gpu_moe.py --smoke         # tiny shapes, any device (checks that the script runs)
+    python bench/gpu_moe.py --loss-only 2048,1024,50000 --fp32   # the loss section alone (e.g. on the CPU)
     TRITON_INTERPRET=1 python bench/gpu_moe.py --smoke   # the same, with the Triton kernels interpreted on the CPU
 
 Implementations: ``xpar_zoo`` (the Triton kernels of ``xpar_zoo.moe_triton``, with the best tiles of a short
@@ -349,6 +350,19 @@ def _top_kernels(step, top: int = 15) -> dict:
 LOSS_CHUNKS = (1 << 26, 1 << 28, 1 << 30)
 
 
+def _cpu_peak_growth(fn) -> int:
+    """Bytes of peak RSS above the RSS before ``fn()`` (Linux: VmHWM reset through /proc/self/clear_refs)."""
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
 def bench_loss(args, device, dtype) -> dict:
     """The head + loss alone (T tokens, H, V = 151936, bf16, forward + backward): transformers' way (logits, then
     ``ForCausalLMLoss``, which upcasts them to fp32) against xpar_zoo's fused linear + cross-entropy, with the torch
@@ -395,6 +409,8 @@ def bench_loss(args, device, dtype) -> dict:
                 step()
                 torch.cuda.synchronize()
                 row["peak_step_memory_GiB"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+            elif os.path.exists("/proc/self/clear_refs"):  # CPU: peak RSS above the RSS before one step
+                row["peak_step_rss_GiB"] = _cpu_peak_growth(step) / 2**30
             res[name] = row
         except Exception as e:  # noqa: BLE001 - one variant failing (e.g. out of memory) must not hide the others
             res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -469,9 +485,12 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (any device)")
     p.add_argument("--skip-eager", action="store_true")
     p.add_argument("--no-model", action="store_true")
+    p.add_argument("--loss-only", metavar="T,H,V", help="only the loss section, at these tokens, hidden, vocab")
+    p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (the CPU's training dtype)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float32 if INTERPRETED else torch.bfloat16  # the interpreter's tl.dot mishandles bf16
+    # the interpreter's tl.dot mishandles bf16
+    dtype = torch.float32 if INTERPRETED or args.fp32 else torch.bfloat16
     if args.smoke:
         dims = dict(hidden=64, inter=32, experts=8, top_k=2, tokens=256, check_tokens=64, layers=2, batch=1, seq=64,
                     warmup=1, iters=2, model_iters=2, vocab=1000, loss_tokens=96, loss_chunks=[1 << 13, 1 << 20])
@@ -479,6 +498,10 @@ def main() -> None:
         dims = dict(hidden=2048, inter=768, experts=128, top_k=8, tokens=16384, check_tokens=2048, layers=4, batch=4,
                     seq=4096, warmup=3, iters=10, model_iters=5, vocab=151936, loss_tokens=16384,
                     loss_chunks=list(LOSS_CHUNKS))
+    if args.loss_only:
+        tokens, hidden, vocab = (int(x) for x in args.loss_only.split(","))
+        dims.update(loss_tokens=tokens, hidden=hidden, vocab=vocab, iters=5,
+                    loss_chunks=[1 << 22, 1 << 24, 1 << 26] if device.type == "cpu" else list(LOSS_CHUNKS))
     for key, value in dims.items():
         setattr(args, key, value)
     import transformers
@@ -503,6 +526,9 @@ def main() -> None:
                 json.dump(report, f, indent=1, default=str)
         return report[name]
 
+    if args.loss_only:
+        section("loss", bench_loss, args, device, dtype)
+        return
     tiles = None
     if "xpar_zoo" in args.impls:
         sweep = section("tile_sweep", sweep_tiles, args, device, dtype)

@@ -45,9 +45,11 @@ from .errors import PlanError
 from .mesh import PlanShard
 
 # Logits per chunk ``[tokens, V/s]`` in the fused head, by device type: bounds its memory (a few chunk-sized
-# temporaries live at once: 64 MiB each in fp32 on the CPU). On a GPU larger chunks amortise the weight-gradient
-# accumulation (a read and write of ``[V/s, H]`` fp32 per chunk) over more tokens; bench/gpu_moe.py sweeps it.
-CE_CHUNK_ELEMENTS = {"cuda": 1 << 28, "cpu": 1 << 24}
+# temporaries live at once: 256 MiB each in fp32 on the CPU). Every chunk also reads and writes the ``[V/s, H]``
+# fp32 weight-gradient accumulator, so chunks must not be small: on the CPU 2^26 is as fast as transformers' loss
+# at a fifth to a half of its memory, 2^24 was 1.18x slower at T=2048, H=1024, V=50000 (bench/RESULTS.md);
+# bench/gpu_moe.py sweeps it on a GPU.
+CE_CHUNK_ELEMENTS = {"cuda": 1 << 28, "cpu": 1 << 26}
 LOSS_KERNELS = ("torch", "triton")
 
 
@@ -195,9 +197,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if want_h or want_w:
                 p = _chunk_softmax_grad(z, stats[0], index[c], owned[c], coef[c], kernels, weight.dtype)
                 if want_h:
-                    grad_h[c] = p @ weight
+                    torch.mm(p, weight, out=grad_h[c]) if grad_h.dtype == p.dtype else grad_h[c].copy_(p @ weight)
                 if want_w:
-                    grad_w.add_(p.t() @ h_all[c])
+                    _accumulate(grad_w, p.t(), h_all[c])
         start = sum(counts[:shard.rank])
         mine = slice(start, start + counts[shard.rank])
         loss = (losses[mine] * coef[mine]).sum()
@@ -227,6 +229,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     weight_grad = _recompute_weight_grad(*kept, grads, counts, shard, ctx.chunk_elements,
                                                          ctx.kernels)
         return hidden_grad, weight_grad, None, None, None, None, None, None, None, None
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into the fp32 accumulator (in the GEMM itself when the operands are fp32 too)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, owned: torch.Tensor, kernels: str):
@@ -261,8 +271,8 @@ def _recompute_weight_grad(h_all, weight, index, owned, coef, group_lse, grads, 
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     for c in _chunks(h_all.shape[0], shard.rows, chunk_elements, h_all.device):
         z, _ = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
-        grad_w.add_(_chunk_softmax_grad(z, group_lse[c], index[c], owned[c], coef[c], kernels, weight.dtype).t()
-                    @ h_all[c])
+        _accumulate(grad_w, _chunk_softmax_grad(z, group_lse[c], index[c], owned[c], coef[c], kernels,
+                                                weight.dtype).t(), h_all[c])
     return grad_w.to(weight.dtype)
 
 
