@@ -205,8 +205,9 @@ def sweep_tiles(args, device, dtype) -> dict:
 
 
 def check_no_host_sync(args, device, dtype, tiles) -> dict:
-    """Forward + backward of the Triton experts under ``torch.cuda.set_sync_debug_mode("error")``: any host sync
-    (a ``.item()``, a ``bincount`` sizing its output, a data-dependent shape) raises."""
+    """Forward + backward of the Triton experts, and of the fused loss with its Triton kernels, under
+    ``torch.cuda.set_sync_debug_mode("error")``: any host sync (a ``.item()``, a ``bincount`` sizing its output, a
+    data-dependent shape, a copy from pageable host memory) raises."""
     if device.type != "cuda":
         return {"skipped": "no CUDA"}
     mt, x, index, weights, gate_up, down = _moe_inputs(args, device, dtype, args.check_tokens)
@@ -220,6 +221,22 @@ def check_no_host_sync(args, device, dtype, tiles) -> dict:
         result = {"ok": False, "error": str(e)[:300]}
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    # the fused loss with its Triton chunk kernels (a whole-vocab head: no collective, so no sync is needed either)
+    hidden = x.detach().clone().requires_grad_()
+    weight = torch.randn(4096, x.shape[1], device=device, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 4096, (x.shape[0],), device=device)
+    targets[:7] = -100
+    for num_items in (None, torch.tensor(100, device=device)):
+        fused_linear_cross_entropy(hidden, weight, targets, num_items=num_items, kernels="triton").backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fused_linear_cross_entropy(hidden, weight, targets, num_items=num_items, kernels="triton").backward()
+            result[f"fused_loss_ok{'' if num_items is None else '_num_items'}"] = True
+        except RuntimeError as e:
+            result[f"fused_loss_error{'' if num_items is None else '_num_items'}"] = str(e)[:300]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return result
 
 

@@ -142,17 +142,29 @@ def _chunks(n: int, rows: int, elements: int | None, device: torch.device) -> It
 
 def _owners(counts: list[int], device: torch.device) -> torch.Tensor:
     """The group rank each gathered token came from (``counts[q]`` tokens from rank ``q``, in rank order)."""
-    return torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+    return torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device),
+                                   output_size=sum(counts))
 
 
-def _group_denominators(t_all: torch.Tensor, valid: torch.Tensor, counts: list[int], shard: PlanShard,
-                        num_items) -> torch.Tensor:
-    """Each group rank's loss denominator (fp32 ``[s]``): its ``num_items_in_batch`` if given (gathered), else its
-    number of counted tokens (read off the gathered targets)."""
-    if num_items is not None:
-        mine = torch.as_tensor(num_items, dtype=torch.float32, device=t_all.device).reshape(1)
-        return _gather_rows(mine, [1] * shard.size, shard)
-    return torch.bincount(_owners(counts, t_all.device)[valid], minlength=shard.size).float()
+def _token_coefficients(valid: torch.Tensor, counts: list[int], shard: PlanShard, num_items) -> torch.Tensor:
+    """``d(owner's loss) / d(token's cross-entropy)`` for every gathered token (fp32 ``[N]``): 1 / its owner's
+    denominator — ``num_items_in_batch`` if given, else the owner's number of counted tokens — and 0 where ignored.
+    A group of one needs no host sync here (no shape depends on data, nothing is copied from the host)."""
+    device = valid.device
+    if num_items is None:
+        counted = valid.float()
+    elif torch.is_tensor(num_items):
+        mine = num_items.to(device=device, dtype=torch.float32).reshape(1)
+    else:
+        mine = torch.full((1,), float(num_items), device=device)
+    if shard.size == 1:
+        return torch.where(valid, 1.0 / (counted.sum() if num_items is None else mine[0]), 0.0)
+    owners = _owners(counts, device)
+    if num_items is None:
+        denominators = torch.zeros(shard.size, device=device).index_add_(0, owners, counted)
+    else:
+        denominators = _gather_rows(mine, [1] * shard.size, shard)
+    return torch.where(valid, 1.0 / denominators[owners], 0.0)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -177,8 +189,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         local_t = t_all - shard.offset
         owned = valid & (local_t >= 0) & (local_t < shard.rows)
         index = torch.where(owned, local_t, 0)
-        denominators = _group_denominators(t_all, valid, counts, shard, num_items)
-        coef = torch.where(valid, 1.0 / denominators[_owners(counts, t_all.device)], 0.0)  # d(this token's owner's loss) / d(its CE)
+        coef = _token_coefficients(valid, counts, shard, num_items)
         n = h_all.shape[0]
         losses = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         group_lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
