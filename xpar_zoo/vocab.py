@@ -207,8 +207,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             losses[c] = torch.where(valid[c], stats[0] - stats[1], 0.0)
             if want_h or want_w:
                 p = _chunk_softmax_grad(z, stats[0], index[c], owned[c], coef[c], kernels, weight.dtype)
-                if want_h:
-                    torch.mm(p, weight, out=grad_h[c]) if grad_h.dtype == p.dtype else grad_h[c].copy_(p @ weight)
+                if want_h and grad_h.dtype == p.dtype:
+                    torch.mm(p, weight, out=grad_h[c])  # straight into the rows (contiguous), no temporary
+                elif want_h:
+                    grad_h[c] = p @ weight
                 if want_w:
                     _accumulate(grad_w, p.t(), h_all[c])
         start = sum(counts[:shard.rank])
