@@ -149,6 +149,13 @@ def _job() -> dict:
     if rank == 0:
         results["tied_ep2"] = {"loss": (rec.losses, ref_tied.losses),
                                "errors": parity.param_errors(rec.params, ref_tied.params, tied_before)}
+
+    # transformers' activation checkpointing (every decoder layer recomputed in backward) on every plan at once
+    ref_plain = parity.train_reference(cfg, sgd_data, "sgd", None) if rank == 0 else None
+    rec = parity.train_parallel(cfg, sgd_data, {"ep": 2, "emb": 2, "head": 2}, "sgd", None, checkpointing=True)
+    if rank == 0:
+        results["checkpointing"] = {"loss": (rec.losses, ref_plain.losses), "errors": parity.param_errors(
+            rec.params, ref_plain.params, parity.build_model(cfg).state_dict())}
     return results
 
 
@@ -200,6 +207,12 @@ def test_head_plan_never_allocates_full_vocab_logits(results):
     assert chunks and all(len(s) == 2 and s[0] <= 8 for s in chunks), chunks[:5]
     # The tracer does see them with transformers' loss (fused_loss=False): [3, 7, V] logits.
     assert (3, 7, vocab) in results["traced_plain"]
+
+
+def test_activation_checkpointing_trains_exactly_on_every_plan(results):
+    row = results["checkpointing"]
+    parity.assert_losses_match(*row["loss"], what="activation checkpointing on ep2+emb2+head2")
+    parity.assert_params_match(row["errors"], what="activation checkpointing on ep2+emb2+head2, one SGD step:")
 
 
 def test_loss_semantics_ignore_index_num_items_padding_and_full_logits(results):

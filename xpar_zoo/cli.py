@@ -52,7 +52,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from . import planner
 
     config = _load_config(args.model)
-    common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer)
+    common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
+                  recompute=args.recompute)
     if args.ep is not None or args.emb or args.head or args.replicate != 1 or not args.suggest:
         sizes = {k: v for k, v in (("ep", args.ep), ("emb", args.emb), ("head", args.head)) if v and v > 1}
         estimates = [planner.estimate(config, args.world, sizes, args.replicate, **common)]
@@ -63,7 +64,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps([{"mesh": e.mesh, "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
     else:
         print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "
-              f"{args.dtype} compute, {args.optimizer}")
+              f"{args.dtype} compute, {args.optimizer}" + (", activation checkpointing" if args.recompute else ""))
         for e in estimates:
             print(planner.format_estimate(e))
             if args.memory_gib and e.memory_total > args.memory_gib * 2**30:
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=4096, help="sequence length")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="compute dtype")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
+    p.add_argument("--recompute", action="store_true",
+                   help="activation checkpointing of every decoder layer (model.activation_checkpointing_enable())")
     p.add_argument("--suggest", action="store_true", help="rank the meshes that fit --world")
     p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
     p.add_argument("--json", action="store_true", help="machine-readable output")

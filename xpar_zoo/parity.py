@@ -89,14 +89,18 @@ def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float 
 
 
 def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str, max_norm: float | None,
-                   seed: int = 0, plan=None, kernels: str = "torch") -> RunRecord:
+                   seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False) -> RunRecord:
     """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``kernels`` for
-    :func:`xpar_zoo.moe.set_experts_kernels`); every rank calls it, rank 0's record is complete."""
+    :func:`xpar_zoo.moe.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
+    decoder layer); every rank calls it, rank 0's record is complete."""
     import xpar_zoo
     from xpar_zoo.moe import set_experts_kernels
 
     mesh = xpar_zoo.Mesh(**mesh_kwargs)
-    model = xpar_zoo.parallelize(build_model(config, seed), mesh, plan=plan)
+    model = build_model(config, seed)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    model = xpar_zoo.parallelize(model, mesh, plan=plan)
     set_experts_kernels(model, kernels)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     rank = dist.get_rank()

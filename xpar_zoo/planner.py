@@ -116,12 +116,14 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
 
 
 def activation_bytes(config, tokens: int, seq: int, dtype_bytes: int, fused_head: int = 1,
-                     qk_norm: bool = False) -> float:
-    """A rough activation estimate per rank without recomputation: the values autograd keeps per token, counted
-    per module of a standard decoder layer (memory-efficient attention, so no ``seq²`` scores), times
-    ``dtype_bytes``. With ``q`` / ``kv`` the query / key-value widths: two RMSNorms ``4H``; attention
-    ``H + 2q + 2kv`` (``+ 2q + 2kv`` with ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead
-    ``2H + 2E + k·(H + 5I)`` plus its shared experts' MLP; the final norm ``2H``.
+                     qk_norm: bool = False, recompute: bool = False) -> float:
+    """An activation estimate per rank: the values autograd keeps per token, counted per module of a standard
+    decoder layer (memory-efficient attention, so no ``seq²`` scores), times ``dtype_bytes``. With ``q`` / ``kv``
+    the query / key-value widths: two RMSNorms ``4H``; attention ``H + 2q + 2kv`` (``+ 2q + 2kv`` with
+    ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead ``2H + 2E + k·(H + 5I)`` plus its shared experts'
+    MLP; the final norm ``2H``. With ``recompute`` (activation checkpointing of every decoder layer, e.g.
+    ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
+    layer at a time holds all of its values again while it is recomputed: the peak.
 
     The loss: with a fused head over a group of ``fused_head`` ranks (1: the whole vocab, ``parallelize``'s
     default), the head's gradients made in forward — ``[s·T, H]`` hidden states' and ``[V/s, H]`` weight's — and,
@@ -141,7 +143,9 @@ def activation_bytes(config, tokens: int, seq: int, dtype_bytes: int, fused_head
         mlp = 2 * h + 2 * experts + top_k * (h + 5 * inter) + (h + 4 * shared if shared else 0)
     else:
         mlp = h + 4 * config.intermediate_size
-    values = config.num_hidden_layers * (4 * h + attention + mlp) + 2 * h
+    layer = 4 * h + attention + mlp
+    layers = config.num_hidden_layers
+    values = (layers * h + layer if recompute else layers * layer) + 2 * h
     s = fused_head
     if s == 0:
         loss = tokens * config.vocab_size * 4
@@ -175,11 +179,13 @@ def estimate(
     param_dtype: str = "bf16",
     reduce_dtype: str = "fp32",
     optimizer: str = "adamw",
+    recompute: bool = False,
     plan: Plan | None = None,
     model: nn.Module | None = None,
 ) -> Estimate:
     """Per-rank memory and per-step communication of ``config`` on a mesh of ``world`` ranks with extra-plan
-    ``sizes`` and ``replicate`` (HSDP). Master weights, gradients and optimizer states are fp32."""
+    ``sizes`` and ``replicate`` (HSDP). Master weights, gradients and optimizer states are fp32; ``recompute``:
+    activation checkpointing of every decoder layer (see :func:`activation_bytes`)."""
     sizes = dict(sizes or {})
     validate_sizes(world, sizes, replicate)
     plan = plan or get_plan(config.model_type)
@@ -198,7 +204,8 @@ def estimate(
     tokens = micro_batch * seq
     fused_head = sizes.get("head", 1) if any(p.style == "lm_head" for p in plan.extra.values()) else 0
     qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
-    est.memory["activations (estimate)"] = activation_bytes(config, tokens, seq, pbytes, fused_head, qk_norm)
+    est.memory["activations (estimate)"] = activation_bytes(config, tokens, seq, pbytes, fused_head, qk_norm,
+                                                            recompute)
     gather = reduce = allreduce = 0.0
     for u in units:
         frac = (u.group - 1) / u.group
