@@ -158,3 +158,34 @@ def test_the_standalone_function_matches_torch_cross_entropy(kernels):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="targets of shape"):
         fused_linear_cross_entropy(hidden, weight, targets.flatten())
+
+
+@pytest.mark.parametrize("hidden_dtype,weight_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                       (torch.float32, torch.float32)])
+def test_under_autocast_the_head_computes_like_nn_linear_would(hidden_dtype, weight_dtype):
+    """Mixed input dtypes under ``torch.autocast``: one compute dtype (autocast's), gradients in each input's own
+    dtype, close to transformers' way (logits by autocast, fp32 cross-entropy) within bf16 tolerance."""
+    from xpar_zoo.vocab import fused_linear_cross_entropy
+
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(3, 7, 32, generator=g).to(hidden_dtype).requires_grad_()
+    weight = (torch.randn(200, 32, generator=g) * 0.1).to(weight_dtype).requires_grad_()
+    targets = torch.randint(0, 200, (3, 7), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_linear_cross_entropy(hidden, weight, targets, chunk_elements=5 * 200)
+        want = torch.nn.functional.cross_entropy((hidden @ weight.t()).float().flatten(0, 1), targets.flatten())
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    assert abs(got.item() - want.item()) < 2e-2
+    for a, b, x in zip(got_grads, want_grads, (hidden, weight)):
+        assert a.dtype == x.dtype
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 3e-2
+
+
+def test_a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss():
+    from xpar_zoo.vocab import fused_linear_cross_entropy
+
+    hidden, weight = torch.randn(4, 8), torch.randn(50, 8)
+    with pytest.raises(RuntimeError, match=r"outside the vocabulary \[0, 50\)"):
+        fused_linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 50, -100]))
+    assert torch.isfinite(fused_linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 49, -100])))

@@ -31,6 +31,7 @@ from torch import nn
 from .errors import PlanError
 from .mesh import validate_sizes
 from .parallelize import check_plan_names, match_plan
+from .vocab import CE_CHUNK_ELEMENTS, fusable_head
 from .plan import Plan, match_parameters
 from .registry import get_plan
 
@@ -154,6 +155,16 @@ def activation_bytes(config, tokens: int, seq: int, dtype_bytes: int, fused_head
     return tokens * values * dtype_bytes + loss
 
 
+def fused_loss_temporaries(config, tokens: int, group: int, dtype_bytes: int) -> float:
+    """What the fused head holds only while it runs (at the activation peak, on top of what autograd keeps): the
+    fp32 ``[V/s, H]`` weight-gradient accumulator, each chunk's ``[V/s, H]`` partial product (not in fp32, where it
+    accumulates inside the GEMM), and one chunk of logits (CUDA's chunk size) as fp32 plus its softmax gradient."""
+    rows = config.vocab_size // group
+    weight = rows * config.hidden_size
+    chunk = min(CE_CHUNK_ELEMENTS["cuda"], group * tokens * rows)
+    return weight * (4 + (dtype_bytes if dtype_bytes != 4 else 0)) + chunk * (4 + dtype_bytes)
+
+
 def _moe_layers(model: nn.Module, plan: Plan) -> list[tuple[str, int, int]]:
     """``(experts module, E, H)`` for every experts module the ``ep`` plan covers."""
     if "ep" not in plan.extra:
@@ -180,12 +191,14 @@ def estimate(
     reduce_dtype: str = "fp32",
     optimizer: str = "adamw",
     recompute: bool = False,
+    fused_loss: bool = True,
     plan: Plan | None = None,
     model: nn.Module | None = None,
 ) -> Estimate:
     """Per-rank memory and per-step communication of ``config`` on a mesh of ``world`` ranks with extra-plan
     ``sizes`` and ``replicate`` (HSDP). Master weights, gradients and optimizer states are fp32; ``recompute``:
-    activation checkpointing of every decoder layer (see :func:`activation_bytes`)."""
+    activation checkpointing of every decoder layer (see :func:`activation_bytes`); ``fused_loss`` as
+    :func:`~xpar_zoo.parallelize` takes it."""
     sizes = dict(sizes or {})
     validate_sizes(world, sizes, replicate)
     plan = plan or get_plan(config.model_type)
@@ -202,10 +215,15 @@ def estimate(
     root = next(u for u in units if u.root)
     est.memory["unsharded parameters (2 units + root)"] = (2 * biggest + root.numel_padded) * pbytes
     tokens = micro_batch * seq
-    fused_head = sizes.get("head", 1) if any(p.style == "lm_head" for p in plan.extra.values()) else 0
+    head = sizes.get("head", 1)
+    fused = head > 1 or (fused_loss and any(p.style == "lm_head" for p in plan.extra.values())
+                         and fusable_head(model) is not None)
+    fused_head = head if fused else 0
     qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
     est.memory["activations (estimate)"] = activation_bytes(config, tokens, seq, pbytes, fused_head, qk_norm,
                                                             recompute)
+    if fused_head:
+        est.memory["fused loss temporaries"] = fused_loss_temporaries(config, tokens, fused_head, pbytes)
     gather = reduce = allreduce = 0.0
     for u in units:
         frac = (u.group - 1) / u.group

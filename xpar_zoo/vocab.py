@@ -183,9 +183,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, shard: PlanShard, counts: list[int], ignore_index: int, num_items,
                 want: tuple[bool, bool], chunk_elements: int | None, kernels: str):
-        h_all = _gather_rows(hidden.detach(), counts, shard)  # [N, H]
+        device = hidden.device
+        compute = _compute_dtype(hidden, weight)
+        ctx.hidden_dtype = hidden.dtype
+        with torch.autocast(device.type, enabled=False):  # one explicit compute dtype, as autocast would pick
+            return _FusedLinearCrossEntropy._forward(ctx, hidden.detach().to(compute), weight, weight.to(compute),
+                                                     targets, shard, counts, ignore_index, num_items, want,
+                                                     chunk_elements, kernels)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight_input, weight, targets, shard, counts, ignore_index, num_items, want,
+                 chunk_elements, kernels):
+        h_all = _gather_rows(hidden, counts, shard)  # [N, H]
         t_all = _gather_rows(targets, counts, shard)  # [N]
         valid = t_all != ignore_index
+        vocab = shard.rows * shard.size
+        torch._assert_async(((t_all >= 0) & (t_all < vocab) | ~valid).all(),
+                            f"fused loss: a target is outside the vocabulary [0, {vocab}) and is not ignore_index")
         local_t = t_all - shard.offset
         owned = valid & (local_t >= 0) & (local_t < shard.rows)
         index = torch.where(owned, local_t, 0)
@@ -217,9 +231,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         mine = slice(start, start + counts[shard.rank])
         loss = (losses[mine] * coef[mine]).sum()
         ctx.shard, ctx.counts, ctx.chunk_elements, ctx.kernels = shard, counts, chunk_elements, kernels
-        saved = [grad_h, None if grad_w is None else grad_w.to(weight.dtype)]
+        saved = [grad_h, None if grad_w is None else grad_w.to(weight_input.dtype)]
         if shard.size > 1 and want_w:  # kept for the exact recompute when the group's upstream gradients differ
-            saved += [h_all, weight, index, owned, coef, group_lse]
+            saved += [h_all, weight_input, index, owned, coef, group_lse]
         ctx.save_for_backward(*saved)
         return loss
 
@@ -230,7 +244,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad = grad.float()
         hidden_grad = weight_grad = None
         if grad_h is not None:
-            hidden_grad = (_scatter_sum_rows(grad_h, counts, shard) * grad).to(grad_h.dtype)
+            hidden_grad = (_scatter_sum_rows(grad_h, counts, shard) * grad).to(ctx.hidden_dtype)
         if grad_w is not None:
             if shard.size == 1:
                 weight_grad = (grad_w * grad).to(grad_w.dtype)
@@ -239,9 +253,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 if bool((grads == grads[0]).all()):
                     weight_grad = (grad_w * grads[0]).to(grad_w.dtype)
                 else:
-                    weight_grad = _recompute_weight_grad(*kept, grads, counts, shard, ctx.chunk_elements,
-                                                         ctx.kernels)
+                    with torch.autocast(grad.device.type, enabled=False):
+                        weight_grad = _recompute_weight_grad(*kept, grads, counts, shard, ctx.chunk_elements,
+                                                             ctx.kernels)
         return hidden_grad, weight_grad, None, None, None, None, None, None, None, None
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The head's GEMM dtype: autocast's where it is on (as ``nn.Linear`` would run), else the promoted one."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -281,12 +303,13 @@ def _recompute_weight_grad(h_all, weight, index, owned, coef, group_lse, grads, 
     """The weight's gradient when the group ranks' upstream gradients differ: each token's coefficient times its
     owner's upstream gradient, the logits recomputed chunk by chunk."""
     coef = coef * grads[_owners(counts, h_all.device)]
+    weight_input, weight = weight, weight.to(h_all.dtype)  # the forward's compute dtype
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     for c in _chunks(h_all.shape[0], shard.rows, chunk_elements, h_all.device):
         z, _ = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
         _accumulate(grad_w, _chunk_softmax_grad(z, group_lse[c], index[c], owned[c], coef[c], kernels,
                                                 weight.dtype).t(), h_all[c])
-    return grad_w.to(weight.dtype)
+    return grad_w.to(weight_input.dtype)
 
 
 @dataclass
