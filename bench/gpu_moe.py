@@ -441,19 +441,19 @@ def bench_loss(args, device, dtype) -> dict:
     return res
 
 
-def bench_model(args, device, dtype, tiles=None, loss_chunk=None) -> dict:
+def bench_model(args, device, dtype, tiles=None, loss_chunk=None, loss_kernels="triton") -> dict:
     """Training tokens/s of a 4-layer Qwen3-30B-A3B-shaped model: ``xpar_zoo`` (Triton experts + fused loss with
-    its Triton chunk kernels), ``xpar_zoo_torch`` (torch experts + fused loss), ``grouped_mm_fused_loss``
+    the loss section's fastest kernels and chunk size), ``xpar_zoo_torch`` (torch experts + fused loss), ``grouped_mm_fused_loss``
     (transformers' grouped_mm experts + our fused loss: the loss's share alone), transformers' ``grouped_mm`` and
     ``eager``."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    triton_ok = "xpar_zoo" in args.impls
-    variants = {"xpar_zoo": ("xpar_zoo", "triton"), "xpar_zoo_torch": ("xpar_zoo_torch", "torch"),
-                "grouped_mm_fused_loss": ("grouped_mm", "triton" if triton_ok else "torch"),
+    fused = loss_kernels if "xpar_zoo" in args.impls else "torch"  # the loss section's fastest kernels
+    variants = {"xpar_zoo": ("xpar_zoo", fused), "xpar_zoo_torch": ("xpar_zoo_torch", "torch"),
+                "grouped_mm_fused_loss": ("grouped_mm", fused),
                 "grouped_mm": ("grouped_mm", None), "eager": ("eager", None)}
     res = {}
-    for name, (impl, loss_kernels) in variants.items():
+    for name, (impl, kernels) in variants.items():
         if impl not in args.impls or (impl == "eager" and args.skip_eager):
             continue
         try:
@@ -466,8 +466,8 @@ def bench_model(args, device, dtype, tiles=None, loss_chunk=None) -> dict:
             with torch.device(device):
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=_hf_impl(impl))
             _configure(model, impl, tiles)
-            if loss_kernels:
-                install_fused_loss(model, kernels=loss_kernels, chunk_elements=loss_chunk)
+            if kernels:
+                install_fused_loss(model, kernels=kernels, chunk_elements=loss_chunk)
             ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 
             def step():
@@ -562,9 +562,10 @@ def main() -> None:
     if not args.no_model:
         # the model's fused loss takes the fastest chunk size of the loss section (Triton kernels where they ran)
         timed = {k: r["ms"] for k, r in loss.items() if k.startswith("fused_") and isinstance(r, dict) and "ms" in r}
-        best = min(timed, key=timed.get, default=None)
+        best = min(timed, key=timed.get, default=None)  # e.g. "fused_triton_2^28"
         chunk = 1 << int(best.rsplit("^", 1)[1]) if best else None
-        section("model", bench_model, args, device, dtype, tiles, chunk)
+        kernels = best.split("_")[1] if best else "torch"
+        section("model", bench_model, args, device, dtype, tiles, chunk, kernels)
 
 
 if __name__ == "__main__":
