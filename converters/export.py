@@ -25,7 +25,7 @@ from xpar_zoo.errors import XparError
 from xpar_zoo.loader import build_meta
 
 from .hub_layout import TORCH_TO_SAFETENSORS
-from .output_dir import check_output, move_into_place, staging_dir
+from .output_dir import StagingDir, check_output
 
 INDEX_FILE = "model.safetensors.index.json"
 EXPORT_INFO_FILE = "xpar_export.json"
@@ -207,7 +207,8 @@ def export_to_hf(
     index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
              "weight_map": {key: s.file for s in shards for key, _, _ in s.entries}}
 
-    tmp = staging_dir(out_dir)
+    staging = StagingDir(out_dir)
+    tmp = staging.path
     try:
         writer = _StreamingShardWriter(tmp, shards)
         bar = tqdm(total=index["metadata"]["total_size"], unit="B", unit_scale=True, desc="export to hub format",
@@ -236,9 +237,9 @@ def export_to_hf(
                 "xpar_zoo_version": meta.get("xpar_zoo_version"), "dtype": str(cast or "as saved"),
                 "base_model": str(model) if model is not None else None}
         (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        move_into_place(tmp, out_dir)
+        staging.commit()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
     return out_dir
 

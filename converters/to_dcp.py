@@ -26,7 +26,7 @@ from xpar_zoo.batching import byte_batches
 from xpar_zoo.errors import XparError
 
 from .hub_layout import SAFETENSORS_DTYPES
-from .output_dir import check_output, move_into_place, staging_dir
+from .output_dir import StagingDir, check_output
 
 DEFAULT_BATCH_BYTES = 1 << 30
 _PART_PREFIX = ".part-"
@@ -187,7 +187,8 @@ def convert_to_dcp(
             alias_of.setdefault(canonical, []).append(alias)
 
     step = 0
-    tmp = staging_dir(out_dir)
+    staging = StagingDir(out_dir)
+    tmp = staging.path
     ckpt = tmp / ck.checkpoint_name(step)
     try:
         ckpt.mkdir(parents=True)
@@ -224,9 +225,9 @@ def convert_to_dcp(
         ck._write_file(ckpt / ck.EXTRA_FILE, json.dumps({}).encode())
         ck.write_complete_marker(ckpt, step)
         _check_readable(ckpt, {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()})
-        move_into_place(tmp, out_dir)
+        staging.commit()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
     return out_dir / ck.checkpoint_name(step)
 

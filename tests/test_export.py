@@ -99,7 +99,7 @@ def test_a_killed_export_leaves_no_output_and_the_earlier_one_intact(exported):
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 60
-    while time.time() < deadline and not any(p.name.startswith(".out.tmp-") and any(p.iterdir())
+    while time.time() < deadline and not any(p.name.startswith(".out.tmp-") and any(p.glob("*.safetensors"))
                                              for p in out.parent.iterdir() if p.is_dir()):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)

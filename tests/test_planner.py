@@ -249,7 +249,8 @@ def test_activation_estimate_is_within_10_percent_of_what_autograd_saves(arch, d
 
 def _saved_bytes_with_recompute(model, ids) -> int:
     """Under activation checkpointing: the bytes autograd keeps from forward to backward (each layer's input, the
-    head's gradients) plus the most that any one decoder layer saves again while it is recomputed in backward."""
+    head's gradients) plus the most that any one decoder layer saves again while it is recomputed in backward
+    (storages already kept from forward, such as the layer's own input, counted once)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     where = {"phase": "forward", "layer": None}
     seen = {}  # (phase or layer, storage) -> bytes
@@ -273,8 +274,10 @@ def _saved_bytes_with_recompute(model, ids) -> int:
         for h in hooks:
             h.remove()
     per_layer: dict = {}
-    for (key, _), n in seen.items():
-        per_layer[key] = per_layer.get(key, 0) + n
+    kept_storages = {ptr for key, ptr in seen if key == "forward"}
+    for (key, ptr), n in seen.items():
+        if key == "forward" or ptr not in kept_storages:  # a layer's kept input is not held twice in its recompute
+            per_layer[key] = per_layer.get(key, 0) + n
     kept = per_layer.pop("forward", 0)
     assert per_layer, "no layer was recomputed: is activation checkpointing on?"
     return kept + max(per_layer.values())
@@ -290,7 +293,7 @@ def test_activation_estimate_with_recompute_is_within_10_percent(arch, dims):
     """With every decoder layer checkpointed (reentrant, so that its kept inputs pass through saved-tensor
     hooks): what is kept from forward to backward plus the largest recomputed layer, against the planner's
     ``recompute`` estimate (4 layers, so the kept inputs are a visible share); the fused head as parallelize gives
-    it. Measured 0.995–0.998× of them."""
+    it. Measured 0.995–1.03× of them."""
     import xpar_zoo.moe  # noqa: F401
     from xpar_zoo.vocab import install_fused_loss
 

@@ -155,16 +155,16 @@ def test_sigkill_during_to_dcp_leaves_no_output_and_the_earlier_one_intact(tiny,
     assert not fresh.exists()
     left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".fresh.tmp-")]  # the interrupted temp dir
     assert left
-    # A staging directory of a process still running (here: this one) is only warned about, never removed.
-    from xpar_zoo.converters.output_dir import LeftoverWarning, _owner_tag
+    # A staging directory whose writer is alive (here: this process holds its lock) is only warned about.
+    from xpar_zoo.converters.output_dir import LeftoverWarning, StagingDir
 
-    running = tmp_path / f".fresh.tmp-{_owner_tag()}-0123abcd"
-    running.mkdir()
+    running = StagingDir(fresh)
     with pytest.warns(LeftoverWarning) as warned:
         assert cli.main(["convert", "to-dcp", str(tiny["hub"]), str(fresh)]) == 0
     messages = " ".join(str(w.message) for w in warned)
-    assert f"removed {left[0]}" in messages and running.name in messages and "remove them" in messages
-    assert running.is_dir() and not (tmp_path / left[0]).exists()
+    assert f"removed {left[0]}" in messages and running.path.name in messages and "still running" in messages
+    assert running.path.is_dir() and not (tmp_path / left[0]).exists()
+    running.discard()
     assert latest_checkpoint(fresh) is not None
 
 

@@ -146,7 +146,8 @@ def activation_bytes(config, tokens: int, seq: int, dtype_bytes: int, fused_head
         mlp = h + 4 * config.intermediate_size
     layer = 4 * h + attention + mlp
     layers = config.num_hidden_layers
-    values = (layers * h + layer if recompute else layers * layer) + 2 * h
+    # recompute: the other layers' inputs, and one layer's values (its input among them) while it is recomputed
+    values = (max(layers - 1, 0) * h + (layer if layers else 0) if recompute else layers * layer) + 2 * h
     s = fused_head
     if s == 0:
         loss = tokens * config.vocab_size * 4
