@@ -102,6 +102,9 @@ def test_all_ignored_targets_give_zero_not_nan():
 
 
 def test_heads_it_cannot_fuse_are_refused_clearly():
+    cohere = parity.build_model(parity.tiny_config("cohere2_moe"))  # multiplies its logits by logit_scale
+    with pytest.raises(PlanError, match=r"changes the logits before its loss \('logits = logits \* self.logit_scale'"):
+        install_fused_loss(cohere)
     _, _, fused, _ = _pair()
     with pytest.raises(PlanError, match="already fused"):
         install_fused_loss(fused)

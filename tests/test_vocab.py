@@ -150,6 +150,20 @@ def _job() -> dict:
         results["tied_ep2"] = {"loss": (rec.losses, ref_tied.losses),
                                "errors": parity.param_errors(rec.params, ref_tied.params, tied_before)}
 
+    # A model that changes its logits before the loss (granitemoe divides them by logits_scaling): the head plan is
+    # refused naming the line, and parallelize's default keeps transformers' loss for it, exactly.
+    granite = parity.tiny_config("granitemoe", logits_scaling=2.0)
+    try:
+        xpar_zoo.parallelize(parity.build_model(granite), xpar_zoo.Mesh(head=2))
+        results["granite_head_error"] = None
+    except PlanError as e:
+        results["granite_head_error"] = str(e)
+    ref_granite = parity.train_reference(granite, sgd_data, "sgd", None) if rank == 0 else None
+    rec = parity.train_parallel(granite, sgd_data, {"ep": 2}, "sgd", None)
+    if rank == 0:
+        results["granite_ep2"] = {"loss": (rec.losses, ref_granite.losses), "errors": parity.param_errors(
+            rec.params, ref_granite.params, parity.build_model(granite).state_dict())}
+
     # transformers' activation checkpointing (every decoder layer recomputed in backward) on every plan at once
     ref_plain = parity.train_reference(cfg, sgd_data, "sgd", None) if rank == 0 else None
     rec = parity.train_parallel(cfg, sgd_data, {"ep": 2, "emb": 2, "head": 2}, "sgd", None, checkpointing=True)
@@ -207,6 +221,14 @@ def test_head_plan_never_allocates_full_vocab_logits(results):
     assert chunks and all(len(s) == 2 and s[0] <= 8 for s in chunks), chunks[:5]
     # The tracer does see them with transformers' loss (fused_loss=False): [3, 7, V] logits.
     assert (3, 7, vocab) in results["traced_plain"]
+
+
+def test_a_model_that_changes_its_logits_keeps_transformers_loss_and_refuses_the_head_plan(results):
+    message = results["granite_head_error"]
+    assert message and "logits = logits / self.config.logits_scaling" in message, message
+    row = results["granite_ep2"]
+    parity.assert_losses_match(*row["loss"], what="granitemoe (logits_scaling=2) on ep2")
+    parity.assert_params_match(row["errors"], what="granitemoe (logits_scaling=2) on ep2, one SGD step:")
 
 
 def test_activation_checkpointing_trains_exactly_on_every_plan(results):

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import os
+import re
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -426,6 +427,26 @@ def _unwrap_logits(out):
     return out
 
 
+_LOGITS_CHANGED = re.compile(r"\blogits\s*(\[|[-+*/]?=(?!=))")
+
+
+def logits_transform(model: nn.Module, module: nn.Module) -> str | None:
+    """The first line of ``model``'s forward that changes the head's output between the head and the loss
+    (softcapping, a scale, a vocab slice: a fused head computes the loss inside the head and cannot honour it), or
+    a reason why the forward cannot be read; ``None`` when the logits go straight to ``loss_function``."""
+    name = next((n for n, m in model.named_children() if m is module), None)
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return "its forward's source cannot be read"
+    start = source.find(f"self.{name}(") if name else -1
+    end = source.find("loss_function", start)
+    if start < 0 or end < 0:
+        return f"its forward does not visibly pass self.{name}(...) to self.loss_function"
+    changed = [line.strip() for line in source[start:end].splitlines()[1:] if _LOGITS_CHANGED.search(line)]
+    return changed[0] if changed else None
+
+
 def _check_head(model: nn.Module, module: nn.Module) -> None:
     if not isinstance(module, nn.Linear) or module.bias is not None:
         raise PlanError(f"the fused head needs a bias-free nn.Linear, got {module}")
@@ -433,6 +454,11 @@ def _check_head(model: nn.Module, module: nn.Module) -> None:
         raise PlanError("the fused head applies to the model's output embeddings (get_output_embeddings())")
     if getattr(model.config, "final_logit_softcapping", None) is not None:
         raise PlanError("the fused head does not support final_logit_softcapping")
+    changed = logits_transform(model, module)
+    if changed:
+        raise PlanError(f"the fused head computes the loss inside the head, but {type(model).__name__} changes "
+                        f"the logits before its loss ({changed!r}); leave 'head' out of the mesh (parallelize's "
+                        "default fused loss skips such models)")
     if hasattr(module, "_xpar_head"):
         raise PlanError("the model's output head is already fused")
 
