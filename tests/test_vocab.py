@@ -123,11 +123,14 @@ def _job() -> dict:
     # A vocabulary size (200) that no other dimension of the tiny model can produce by accident.
     ids = parity.make_batches(cfg.vocab_size, 1, WORLD, batch=3, seq=7, seed=4)[0, rank]  # 21 tokens per rank
     traced = parity.tiny_config("qwen3_moe", vocab_size=TRACE_VOCAB)
+    from xpar_zoo.vocab import install_fused_loss
+
     for name, mesh_kwargs, fused in [("traced_head", {"emb": 2, "head": 2}, True),
                                      ("traced_fused", {"emb": 2}, True), ("traced_plain", {"emb": 2}, False)]:
-        model = xpar_zoo.parallelize(parity.build_model(traced), xpar_zoo.Mesh(**mesh_kwargs), fused_loss=fused)
-        if name == "traced_fused":  # the whole-vocab fused head, in chunks of at most 8 tokens' logits
-            model.lm_head._xpar_head.chunk_elements = 8 * TRACE_VOCAB
+        model = parity.build_model(traced)
+        if name == "traced_fused":  # the whole-vocab fused head, chosen before parallelize: 8 tokens' logits a chunk
+            install_fused_loss(model, chunk_elements=8 * TRACE_VOCAB)
+        model = xpar_zoo.parallelize(model, xpar_zoo.Mesh(**mesh_kwargs), fused_loss=fused)
         results[name] = _shapes_during(lambda: model(input_ids=ids, labels=ids).loss.backward())
 
     results["semantics"] = _semantics(parity.tiny_config("qwen3_moe", pad_token_id=PAD_ID))

@@ -269,7 +269,8 @@ def parallelize(
     ``fused_loss`` (default): where the mesh has no ``head`` plan but the plan defines one (so the architecture's
     head is proved to take it), the whole-vocab head gets the fused linear + cross-entropy of
     :func:`~xpar_zoo.vocab.install_fused_loss` — no ``[tokens, V]`` logits with labels (``out.logits`` is ``None``
-    unless asked for with :func:`~xpar_zoo.full_logits`). ``fused_loss=False`` keeps transformers' loss."""
+    unless asked for with :func:`~xpar_zoo.full_logits`). ``fused_loss=False`` keeps transformers' loss; to choose
+    its chunk size or kernels, call :func:`~xpar_zoo.vocab.install_fused_loss` on the model before this."""
     plan = plan or get_plan(model.config.model_type)
     check_same_on_all_ranks(_fingerprint(model, plan), "models or plans (parameter names/shapes, plan)", PlanError)
     planned = plan_parameters(model, mesh, plan)
