@@ -321,12 +321,7 @@ def bench_block(args, device, dtype, tiles=None) -> dict:
         sec = time_fn(step, device, warmup=args.warmup, iters=args.iters)
         res[impl] = {"ms": sec * 1e3, "tflops": flops / sec / 1e12}
         if device.type == "cuda":  # peak memory of one step above what was allocated before it
-            torch.cuda.synchronize()
-            base_mem = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            res[impl]["peak_step_memory_GiB"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+            res[impl]["peak_step_memory_GiB"] = _cuda_peak_growth(step) / 2**30
         del block
     base = res["grouped_mm"]["ms"]
     for r in res.values():
@@ -370,16 +365,23 @@ LOSS_CHUNKS = (1 << 26, 1 << 28, 1 << 30)
 
 
 def _cpu_peak_growth(fn) -> int:
-    """Bytes of peak RSS above the RSS before ``fn()`` (Linux: VmHWM reset through /proc/self/clear_refs)."""
-    def status(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    """Bytes of peak RSS above the RSS before ``fn()`` (Linux), with bench/load_memory.py's readers."""
+    import load_memory  # beside this script
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = status("VmRSS")
+    load_memory._reset_peak()
+    before = load_memory._status("VmRSS")
     fn()
-    return status("VmHWM") - before
+    return load_memory._status("VmHWM") - before
+
+
+def _cuda_peak_growth(fn) -> int:
+    """Bytes of peak CUDA memory allocated during ``fn()`` above what was allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def bench_loss(args, device, dtype) -> dict:
@@ -424,12 +426,7 @@ def bench_loss(args, device, dtype) -> dict:
             sec = time_fn(step, device, warmup=2, iters=args.iters)
             row = {"ms": sec * 1e3, "tflops": flops / sec / 1e12, **err}
             if device.type == "cuda":
-                torch.cuda.synchronize()
-                base_mem = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                row["peak_step_memory_GiB"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+                row["peak_step_memory_GiB"] = _cuda_peak_growth(step) / 2**30
             elif os.path.exists("/proc/self/clear_refs"):  # CPU: peak RSS above the RSS before one step
                 row["peak_step_rss_GiB"] = _cpu_peak_growth(step) / 2**30
             res[name] = row
@@ -485,12 +482,7 @@ def bench_model(args, device, dtype, tiles=None, loss_chunk=None, loss_kernels="
             sec = time_fn(step, device, warmup=2, iters=args.model_iters)
             res[name] = {"tokens_per_s": args.batch * args.seq / sec, "ms": sec * 1e3}
             if device.type == "cuda":
-                torch.cuda.synchronize()
-                base_mem = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                res[name]["peak_step_memory_GiB"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**30
+                res[name]["peak_step_memory_GiB"] = _cuda_peak_growth(step) / 2**30
                 if name in ("xpar_zoo", "grouped_mm"):
                     res[name]["top_kernels_ms"] = _top_kernels(step)
         except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others

@@ -97,9 +97,9 @@ class _Shard:
 
 def plan_shards(hub_tensors: list[tuple[str, tuple[int, ...], torch.dtype]], max_bytes: int) -> list[_Shard]:
     """Split the hub tensors, in order, into shards of at most ``max_bytes`` (a larger tensor gets its own)."""
-    groups = byte_batches(((entry, math.prod(entry[1]) * entry[2].itemsize) for entry in hub_tensors), max_bytes)
-    return [_Shard(f"model-{i:05d}-of-{len(groups):05d}.safetensors", entries,
-                   sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in entries))
+    nbytes = {entry: math.prod(entry[1]) * entry[2].itemsize for entry in hub_tensors}
+    groups = byte_batches(nbytes.items(), max_bytes)
+    return [_Shard(f"model-{i:05d}-of-{len(groups):05d}.safetensors", entries, sum(nbytes[e] for e in entries))
             for i, entries in enumerate(groups, 1)]
 
 

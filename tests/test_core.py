@@ -1,7 +1,6 @@
 """Core: qwen3_moe trains under EP + FSDP2 (dim 1) exactly like single-process transformers (4 gloo ranks, fp32)."""
 
 import pytest
-import torch
 
 from xpar_zoo import launch, parity
 

@@ -206,6 +206,16 @@ def test_plan_cli_reads_a_cached_hub_config_offline_and_names_bad_models(tmp_pat
         assert "Traceback" not in err, err
 
 
+# Models whose activation estimate is checked against what autograd keeps (with and without recompute).
+ACTIVATION_MODELS = [
+    ("qwen3_moe", dict(hidden_size=512, moe_intermediate_size=256, num_attention_heads=8, head_dim=64,
+                       vocab_size=8192)),
+    ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=128, vocab_size=2048)),
+    ("llama", dict(hidden_size=256, intermediate_size=512, vocab_size=4096)),
+]
+ACTIVATION_MODEL_IDS = ["qwen3_moe_512", "qwen3_moe_256", "llama_256"]
+
+
 def _saved_for_backward_bytes(model, ids) -> int:
     """Bytes of the distinct non-parameter storages autograd keeps for backward during one forward."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -223,12 +233,7 @@ def _saved_for_backward_bytes(model, ids) -> int:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["hf_loss", "fused_loss"])
-@pytest.mark.parametrize("arch,dims", [
-    ("qwen3_moe", dict(hidden_size=512, moe_intermediate_size=256, num_attention_heads=8, head_dim=64,
-                       vocab_size=8192)),
-    ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=128, vocab_size=2048)),
-    ("llama", dict(hidden_size=256, intermediate_size=512, vocab_size=4096)),
-], ids=["qwen3_moe_512", "qwen3_moe_256", "llama_256"])
+@pytest.mark.parametrize("arch,dims", ACTIVATION_MODELS, ids=ACTIVATION_MODEL_IDS)
 def test_activation_estimate_is_within_10_percent_of_what_autograd_saves(arch, dims, fused):
     """The activation term (a per-module formula, not a count) against the storages autograd really keeps, fp32,
     no recomputation, with transformers' loss ([T, V] logits) and with the fused whole-vocab head (its gradients
@@ -242,7 +247,7 @@ def test_activation_estimate_is_within_10_percent_of_what_autograd_saves(arch, d
         install_fused_loss(model)
     ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
     got = _saved_for_backward_bytes(model, ids)
-    want = planner.activation_bytes(cfg, ids.numel(), ids.shape[1], 4, fused_head=int(fused),
+    want = planner.activation_bytes(cfg, ids.numel(), 4, fused_head=int(fused),
                                     qk_norm=arch == "qwen3_moe")
     assert 0.9 * got <= want <= 1.1 * got, f"estimate {want / 2**20:.1f} MiB, autograd keeps {got / 2**20:.1f} MiB"
 
@@ -283,12 +288,7 @@ def _saved_bytes_with_recompute(model, ids) -> int:
     return kept + max(per_layer.values())
 
 
-@pytest.mark.parametrize("arch,dims", [
-    ("qwen3_moe", dict(hidden_size=512, moe_intermediate_size=256, num_attention_heads=8, head_dim=64,
-                       vocab_size=8192)),
-    ("qwen3_moe", dict(hidden_size=256, moe_intermediate_size=128, vocab_size=2048)),
-    ("llama", dict(hidden_size=256, intermediate_size=512, vocab_size=4096)),
-], ids=["qwen3_moe_512", "qwen3_moe_256", "llama_256"])
+@pytest.mark.parametrize("arch,dims", ACTIVATION_MODELS, ids=ACTIVATION_MODEL_IDS)
 def test_activation_estimate_with_recompute_is_within_10_percent(arch, dims):
     """With every decoder layer checkpointed (reentrant, so that its kept inputs pass through saved-tensor
     hooks): what is kept from forward to backward plus the largest recomputed layer, against the planner's
@@ -303,6 +303,6 @@ def test_activation_estimate_with_recompute_is_within_10_percent(arch, dims):
     model.activation_checkpointing_enable({"use_reentrant": True})
     ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
     got = _saved_bytes_with_recompute(model, ids)
-    want = planner.activation_bytes(cfg, ids.numel(), ids.shape[1], 4, fused_head=1, qk_norm=arch == "qwen3_moe",
+    want = planner.activation_bytes(cfg, ids.numel(), 4, fused_head=1, qk_norm=arch == "qwen3_moe",
                                     recompute=True)
     assert 0.9 * got <= want <= 1.1 * got, f"estimate {want / 2**20:.1f} MiB, autograd keeps {got / 2**20:.1f} MiB"

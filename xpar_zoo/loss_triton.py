@@ -74,7 +74,7 @@ def row_stats(z: torch.Tensor, target: torch.Tensor, owned: torch.Tensor) -> tor
     out = torch.empty(2, rows, dtype=torch.float32, device=z.device)
     if rows:
         _launch(_row_stats, (rows,), z, z.stride(0), target, owned, out[0], out[1], vocab,
-                BLOCK=min(BLOCK_V, _p2(vocab)))
+                BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab)))
     return out
 
 
@@ -85,14 +85,10 @@ def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, owne
     rows, vocab = z.shape
     if rows:
         _launch(_softmax_grad, (rows,), z, z.stride(0), target, owned, lse.contiguous(), coef.float().contiguous(),
-                vocab, BLOCK=min(BLOCK_V, _p2(vocab)))
+                vocab, BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab)))
     return z
 
 
 def _launch(kernel, grid, *args, **meta) -> None:
     """Every launch goes through here (``bench/compile_sm90.py`` records them to compile for the H200)."""
     kernel[grid](*args, **meta)
-
-
-def _p2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

@@ -166,11 +166,10 @@ def install_styles(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
 
 
-def _fuses_whole_vocab_head(model: nn.Module, plan: Plan, planned: list[PlannedModule]) -> bool:
-    """Whether the whole-vocab head takes the fused loss: no head plan in the mesh, one in the plan, a fusable
-    head."""
-    if any(pm.style == "lm_head" for pm in planned):
-        return False
+def whole_vocab_head_fusable(model: nn.Module, plan: Plan) -> bool:
+    """Whether ``parallelize``'s default fused loss applies to ``model``'s whole-vocab head (on a mesh without a
+    ``head`` plan): the plan defines a head plan (the architecture's head is proved to take it) and the head is
+    fusable (:func:`~xpar_zoo.vocab.fusable_head`). The planner asks the same."""
     return any(p.style == "lm_head" for p in plan.extra.values()) and fusable_head(model) is not None
 
 
@@ -281,7 +280,7 @@ def parallelize(
         fsdp_kwargs["mp_policy"] = mixed_precision
     split_planned(model, mesh, planned)
     install_styles(model, mesh, planned)
-    if fused_loss and _fuses_whole_vocab_head(model, plan, planned):
+    if fused_loss and not any(pm.style == "lm_head" for pm in planned) and whole_vocab_head_fusable(model, plan):
         install_fused_loss(model)
     shard_planned(model, mesh, planned, **fsdp_kwargs)
     units = shard_units(model, mesh, plan, **fsdp_kwargs)

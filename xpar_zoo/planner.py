@@ -30,8 +30,8 @@ from torch import nn
 
 from .errors import PlanError
 from .mesh import validate_sizes
-from .parallelize import check_plan_names, match_plan
-from .vocab import CE_CHUNK_ELEMENTS, fusable_head
+from .parallelize import check_plan_names, match_plan, whole_vocab_head_fusable
+from .vocab import CE_CHUNK_ELEMENTS
 from .plan import Plan, match_parameters
 from .registry import get_plan
 
@@ -116,7 +116,7 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     return units
 
 
-def activation_bytes(config, tokens: int, seq: int, dtype_bytes: int, fused_head: int = 1,
+def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
                      qk_norm: bool = False, recompute: bool = False) -> float:
     """An activation estimate per rank: the values autograd keeps per token, counted per module of a standard
     decoder layer (memory-efficient attention, so no ``seq²`` scores), times ``dtype_bytes``. With ``q`` / ``kv``
@@ -217,11 +217,10 @@ def estimate(
     est.memory["unsharded parameters (2 units + root)"] = (2 * biggest + root.numel_padded) * pbytes
     tokens = micro_batch * seq
     head = sizes.get("head", 1)
-    fused = head > 1 or (fused_loss and any(p.style == "lm_head" for p in plan.extra.values())
-                         and fusable_head(model) is not None)
+    fused = head > 1 or (fused_loss and whole_vocab_head_fusable(model, plan))
     fused_head = head if fused else 0
     qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
-    est.memory["activations (estimate)"] = activation_bytes(config, tokens, seq, pbytes, fused_head, qk_norm,
+    est.memory["activations (estimate)"] = activation_bytes(config, tokens, pbytes, fused_head, qk_norm,
                                                             recompute)
     if fused_head:
         est.memory["fused loss temporaries"] = fused_loss_temporaries(config, tokens, fused_head, pbytes)

@@ -214,9 +214,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for c in _chunks(n, shard.rows, chunk_elements, hidden.device):
             z, stats = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
             if shard.size > 1:
-                gathered = [torch.empty_like(stats) for _ in range(shard.size)]
-                dist.all_gather(gathered, stats, group=shard.group)
-                gathered = torch.stack(gathered)  # [s, 2, chunk]
+                gathered = stats.new_empty((shard.size * 2, stats.shape[1]))  # rank by rank on dim 0
+                dist.all_gather_into_tensor(gathered, stats, group=shard.group)
+                gathered = gathered.view(shard.size, 2, -1)
                 stats = torch.stack([torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(0)])
             group_lse[c] = stats[0]
             losses[c] = torch.where(valid[c], stats[0] - stats[1], 0.0)
@@ -332,8 +332,7 @@ class _LossRequest:
 
 class _HeadState:
     def __init__(self, shard: PlanShard, chunk_elements: int | None, kernels: str) -> None:
-        if kernels not in LOSS_KERNELS:
-            raise ValueError(f"kernels must be one of {LOSS_KERNELS}, got {kernels!r}")
+        _check_kernel_name(kernels)
         self.shard = shard
         self.chunk_elements = chunk_elements
         self.kernels = kernels
@@ -369,12 +368,9 @@ def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParal
         if request.targets.shape != lead:
             raise ValueError(f"fused loss: labels give targets of shape {tuple(request.targets.shape)} but the "
                              f"head sees hidden states of shape {tuple(lead)} (logits_to_keep with labels?)")
-        targets = request.targets.reshape(-1).to(hidden.device)
-        grad = torch.is_grad_enabled()
-        want = (grad and hidden.requires_grad, grad and weight.requires_grad)
-        out.loss = _FusedLinearCrossEntropy.apply(hidden, weight, targets, shard, counts, request.ignore_index,
-                                                  request.num_items, want, state.chunk_elements,
-                                                  _checked_kernels(state.kernels, hidden))
+        out.loss = _fused_cross_entropy(hidden, weight, request.targets.reshape(-1).to(hidden.device), shard,
+                                        counts, request.ignore_index, request.num_items, state.chunk_elements,
+                                        state.kernels)
     if state.full_logits:
         out.logits = _head_full_logits(hidden, weight, counts, shard, lead)
     return out
@@ -386,23 +382,33 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     """``cross_entropy(hidden @ weight.T, targets)`` — the sum over counted targets divided by ``num_items``
     (else their number) — without ``[tokens, V]`` logits: the fused head's computation for a custom training loop.
     ``hidden``: ``[..., H]``; ``weight``: ``[V, H]``; ``targets``: ``hidden``'s leading shape (already shifted)."""
-    if kernels not in LOSS_KERNELS:
-        raise ValueError(f"kernels must be one of {LOSS_KERNELS}, got {kernels!r}")
+    _check_kernel_name(kernels)
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets of shape {tuple(targets.shape)} for hidden states of shape {tuple(hidden.shape)}")
     flat = hidden.reshape(-1, hidden.shape[-1])
-    grad = torch.is_grad_enabled()
-    return _FusedLinearCrossEntropy.apply(flat, weight, targets.reshape(-1), PlanShard(None, 1, 0, weight.shape[0]),
-                                          [flat.shape[0]], ignore_index, num_items,
-                                          (grad and hidden.requires_grad, grad and weight.requires_grad),
-                                          chunk_elements, _checked_kernels(kernels, hidden))
+    return _fused_cross_entropy(flat, weight, targets.reshape(-1), _whole_vocab(weight), [flat.shape[0]],
+                                ignore_index, num_items, chunk_elements, kernels)
 
 
-def _checked_kernels(kernels: str, hidden: torch.Tensor) -> str:
+def _fused_cross_entropy(hidden, weight, targets, shard, counts, ignore_index, num_items, chunk_elements, kernels):
+    """Apply the fused loss to ``[N, H]`` hidden states and ``[N]`` targets, computing only the gradients wanted."""
     if kernels == "triton" and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the fused loss's Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
                            f"the head got {hidden.device.type} hidden states")
-    return kernels
+    grad = torch.is_grad_enabled()
+    want = (grad and hidden.requires_grad, grad and weight.requires_grad)
+    return _FusedLinearCrossEntropy.apply(hidden, weight, targets, shard, counts, ignore_index, num_items, want,
+                                          chunk_elements, kernels)
+
+
+def _check_kernel_name(kernels: str) -> None:
+    if kernels not in LOSS_KERNELS:
+        raise ValueError(f"kernels must be one of {LOSS_KERNELS}, got {kernels!r}")
+
+
+def _whole_vocab(weight: torch.Tensor) -> PlanShard:
+    """A head group of one: every vocab row here, nothing communicated."""
+    return PlanShard(None, 1, 0, weight.shape[0])
 
 
 def _fused_loss(fallback, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
@@ -525,8 +531,8 @@ def install_fused_loss(model: nn.Module, *, chunk_elements: int | None = None, k
     ``num_items_in_batch``), except that a batch whose targets are all ignored gives 0 instead of NaN.
     """
     module = getattr(model, "get_output_embeddings", lambda: None)()
-    _check_head(model, module)
-    install_vocab_lm_head(model, module, PlanShard(None, 1, 0, module.weight.shape[0]), chunk_elements, kernels)
+    _check_head(model, module)  # before reading its weight
+    install_vocab_lm_head(model, module, _whole_vocab(module.weight), chunk_elements, kernels)
     return model
 
 
