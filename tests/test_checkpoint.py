@@ -243,11 +243,15 @@ def test_saving_an_existing_step_is_refused(runs):
 @pytest.mark.parametrize("kind", ["foreach", "fused"])
 def test_adamw_foreach_and_fused_across_meshes_match_default(runs, kind):
     """Plain torch.optim.AdamW(model.parameters(), foreach/fused=True) steps DTensors on the dense and the
-    [ep_fsdp, ep] meshes exactly like the default path."""
+    [ep_fsdp, ep] meshes like the default path: the same losses, and every parameter within the parity tolerance
+    of its own update. Not bit for bit: the fused CPU kernel rounds differently from the default one by CPU (seen:
+    equal on an Intel Xeon, a few fp32 ulps apart on an AVX-512 AMD EPYC, which Adam's 1/sqrt(v) amplifies to
+    1.4e-6 on one near-zero-gradient element); a parameter that skipped its step would read 1.0."""
     got = runs["saved"][kind]
     assert got["losses"] == pytest.approx(runs["saved"]["losses"][:SAVE_AT], abs=1e-6)
-    for name, want in runs["saved"]["at_save"]["params"].items():
-        torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+    before = parity.build_model(parity.tiny_config("qwen3_moe")).state_dict()
+    parity.assert_params_match(parity.param_errors(got["params"], runs["saved"]["at_save"]["params"], before),
+                               f"AdamW {kind}")
 
 
 # ---- single process: layout, errors, RNG --------------------------------------------------------------------------
