@@ -1,6 +1,7 @@
 """CPU suite (issue 9, not a test): xpar_zoo against transformers' own distributed path on the same model and mesh,
-4 gloo ranks, side by side in one run — load time and peak RSS, training step time and peak RSS, checkpoint
-save time.
+4 gloo ranks, side by side in one run — load time (in a fresh process, and again with transformers' modules
+imported: the loader alone) and peak RSS, training step time, peak RSS and peak live tensor bytes (the torch
+profiler's allocator accounting, which glibc's retention of freed heap does not blur), checkpoint save time.
 
     python bench/cpu_suite.py [--keep DIR] [--steps N]
 
@@ -36,6 +37,7 @@ import load_memory  # noqa: E402  (the shared checkpoint and RSS helpers)
 
 WORLD = 4
 MB = 1024 * 1024
+LIVE_STEPS = 3  # profiled steps after the timed ones; each step's live peak, their median
 
 
 def cpu_model() -> str:
@@ -44,6 +46,33 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown CPU"
+
+
+def _step(model, opt, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def live_peak(fn, trace_path: str) -> int:
+    """The peak of live CPU tensor bytes during ``fn()`` above those live when it starts, from the torch
+    profiler's allocator accounting (its ``[memory]`` events' running total; the CPU analogue of
+    ``torch.cuda.max_memory_allocated``): what the stack asks for, whatever glibc keeps mapped afterwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    os.unlink(trace_path)
+    if not events:
+        return 0
+    events.sort(key=lambda e: e["ts"])
+    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in events) - start
 
 
 def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int) -> dict:
@@ -62,6 +91,13 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int
         dist.barrier()
         row["load_s"] = time.perf_counter() - t0
         row["load_peak_growth_MiB"] = (load_memory._status("VmHWM") - before) / MB
+        del model  # again, with transformers' modules imported and the config parsed: the loader alone
+        gc.collect()
+        dist.barrier()
+        t0 = time.perf_counter()
+        model = load_memory._load(which, directory)()
+        dist.barrier()
+        row["warm_load_s"] = time.perf_counter() - t0
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(rank)
@@ -73,16 +109,19 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int
             ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
             dist.barrier()
             t0 = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            loss = _step(model, opt, ids)
             dist.barrier()
             if step:  # the first step warms up
                 times.append(time.perf_counter() - t0)
         row["step_s"] = statistics.median(times)
         row["train_peak_growth_MiB"] = (load_memory._status("VmHWM") - before) / MB  # incl. AdamW's states
         row["loss"] = loss.item()
+        peaks = []
+        for _ in range(LIVE_STEPS):  # a single step's peak varies with when the async collectives land (seen: ±20 %)
+            ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+            dist.barrier()
+            peaks.append(live_peak(lambda: _step(model, opt, ids), f"{out}.trace-{rank}.json") / MB)
+        row["step_live_peak_MiB"] = statistics.median(peaks)
         dist.barrier()
         t0 = time.perf_counter()
         if which == "xpar_zoo":
@@ -141,9 +180,12 @@ def main() -> None:
              "after one warm-up", "",
              "| | xpar_zoo `Mesh(ep=2)` | transformers `DistributedConfig(fsdp_size=4, ep_size=2)` | ratio |",
              "|---|---|---|---|"]
-    for key, label in (("load_s", "load time (s)"), ("load_peak_growth_MiB", "load peak RSS growth (MiB)"),
+    for key, label in (("load_s", "load time, fresh process (s)"),
+                       ("warm_load_s", "load time, transformers imported and config read (s)"),
+                       ("load_peak_growth_MiB", "load peak RSS growth (MiB)"),
                        ("step_s", "training step (s)"),
                        ("train_peak_growth_MiB", "training peak RSS growth (MiB, incl. AdamW states)"),
+                       ("step_live_peak_MiB", "training step peak live tensors over its start (MiB, median of 3 steps)"),
                        ("save_s", "save model weights (s)")):
         a, b = _worst(ours, key), _worst(peer, key)
         ratio = f"{a / b:.2f}×" if a and b else "—"

@@ -4,7 +4,8 @@
 2. ``split_planned``       each planned tensor becomes a DTensor split on dim 0 over its plan's ranks;
 3. ``install_styles``      planned modules get their forward style (EP dispatch, vocab-parallel lookup, …);
 4. ``shard_planned``       ``fully_shard`` planned modules on dim 1 over ``<plan>_fsdp``, deepest first;
-5. ``shard_units``         ``fully_shard`` decoder layers, then the root, over all ranks (HSDP with replicate);
+5. ``shard_units``         ``fully_shard`` decoder layers, the input embedding and the output head (units of their
+                           own unless planned or tied), then the root, over all ranks (HSDP with replicate);
 6. ``set_prefetch``        explicit forward/backward prefetch across the nested units.
 """
 
@@ -190,58 +191,82 @@ def shard_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule], **
             module.set_force_sum_reduction_for_comms(True)
 
 
-def shard_units(model: nn.Module, mesh: Mesh, plan: Plan, **fsdp_kwargs) -> list[nn.Module]:
-    """``fully_shard`` the decoder layers (the plan's FSDP unit classes), then the root, over the dense mesh."""
+def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(fqn, module)`` of the input embedding and the output head, which ``shard_units`` makes FSDP units of
+    their own (torchtitan's layout): the embedding is then gathered only around its own forward and backward and
+    the head only from its forward to its backward, instead of both for the whole step as parameters of the
+    root. None when they are tied (one weight, so one unit: the root's). The planner builds the same units."""
+    inp = getattr(model, "get_input_embeddings", lambda: None)()
+    out = getattr(model, "get_output_embeddings", lambda: None)()
+    found = [m for m in (inp, out) if m is not None and m is not model and next(m.parameters(), None) is not None]
+    weights = [id(p) for m in found for p in m.parameters()]
+    if len(set(weights)) != len(weights):  # tied
+        return []
+    fqn = {id(m): n for n, m in model.named_modules()}
+    return [(fqn[id(m)], m) for m in found if id(m) in fqn]
+
+
+def shard_units(model: nn.Module, mesh: Mesh, plan: Plan, **fsdp_kwargs) -> tuple[list[nn.Module], list[nn.Module]]:
+    """``fully_shard`` the decoder layers (the plan's FSDP unit classes), then the input embedding and the output
+    head where no plan made them units already (:func:`edge_units`), then the root, over the dense mesh. Returns
+    the decoder layers and the edge units."""
     classes = set(plan.unit_classes(model))
     units = [m for m in model.modules() if type(m).__name__ in classes and not isinstance(m, FSDPModule)]
     for unit in units:
         fully_shard(unit, mesh=mesh.dense, **fsdp_kwargs)
+    edges = [m for _, m in edge_units(model) if not isinstance(m, FSDPModule)]
+    for module in edges:
+        fully_shard(module, mesh=mesh.dense, **fsdp_kwargs)
     root_kwargs = {k: v for k, v in fsdp_kwargs.items() if k != "reshard_after_forward"}
     fully_shard(model, mesh=mesh.dense, **root_kwargs)
-    return units
+    return units, edges
 
 
-def _planned_around_layers(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]
-                           ) -> tuple[dict[int, list[nn.Module]], list[nn.Module], list[nn.Module]]:
-    """Planned modules inside each decoder layer (by ``id`` of the layer), and those outside every layer that run
-    before the first (a vocab-parallel embedding) and after the last (a vocab-parallel head)."""
-    planned_modules = [model.get_submodule(p.fqn) for p in planned]
-    inside = {id(u): [m for m in u.modules() if m is not u and any(m is q for q in planned_modules)] for u in units}
+def _around_layers(model: nn.Module, units: list[nn.Module], modules: list[nn.Module]
+                   ) -> tuple[dict[int, list[nn.Module]], list[nn.Module], list[nn.Module]]:
+    """Of ``modules`` (planned modules and edge units): those inside each decoder layer (by ``id`` of the layer),
+    and those outside every layer that run before the first (the embedding) and after the last (the head)."""
+    inside = {id(u): [m for m in u.modules() if m is not u and any(m is q for q in modules)] for u in units}
     in_units = {id(m) for ms in inside.values() for m in ms}
     order = {id(m): i for i, m in enumerate(model.modules())}
-    outside = [m for m in planned_modules if id(m) not in in_units]
+    outside = sorted((m for m in modules if id(m) not in in_units), key=lambda m: order[id(m)])
     before = [m for m in outside if units and order[id(m)] < order[id(units[0])]]
     after = [m for m in outside if units and order[id(m)] > order[id(units[-1])]]
     return inside, before, after
 
 
-def keep_gathered_for_backward(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]) -> None:
-    """The last decoder layer with its planned modules, and planned modules after it, stay unsharded after forward:
-    backward starts with them, so resharding would only all-gather them again at once (one all-gather — and for
-    dim-1 shards one chunk-cat — saved per such unit and step, as torchtitan does for its last layer)."""
-    _, _, after = _planned_around_layers(model, units, planned)
+def _planned_modules(model: nn.Module, planned: list[PlannedModule]) -> list[nn.Module]:
+    return [model.get_submodule(p.fqn) for p in planned]
+
+
+def keep_gathered_for_backward(model: nn.Module, units: list[nn.Module], modules: list[nn.Module]) -> None:
+    """The last decoder layer with its planned modules, and the units after it (the head), stay unsharded after
+    forward: backward starts with them, so resharding would only all-gather them again at once (one all-gather —
+    and for dim-1 shards one chunk-cat — saved per such unit and step, as torchtitan does for its last layer)."""
+    _, _, after = _around_layers(model, units, modules)
     for module in units[-1:] + after:
         module.set_reshard_after_forward(False, recurse=True)
 
 
-def set_prefetch(model: nn.Module, units: list[nn.Module], planned: list[PlannedModule]) -> None:
+def set_prefetch(model: nn.Module, units: list[nn.Module], modules: list[nn.Module]) -> None:
     """Forward: layer i prefetches its planned modules (overlapping attention) and layer i+1; the root prefetches
-    planned modules that run before the layers (a vocab-parallel embedding) and the last layer those after them
-    (a vocab-parallel head). Backward: layer i prefetches its planned modules; the last of those prefetches layer
-    i-1; a planned head prefetches the last layer."""
-    inside, before, after = _planned_around_layers(model, units, planned)
+    the units that run before the layers (the embedding) and the first layer, the last layer those after it (the
+    head). Backward: layer i prefetches its planned modules; the last of those prefetches layer i-1, and layer 0's
+    the embedding; the head prefetches the last layer."""
+    inside, before, after = _around_layers(model, units, modules)
     for i, unit in enumerate(units):
         own = inside[id(unit)]
         unit.set_modules_to_forward_prefetch(own + (units[i + 1:i + 2] or after))
+        earlier = units[i - 1:i] if i > 0 else before[-1:]
         if own:
             unit.set_modules_to_backward_prefetch(own)
-            if i > 0:
-                own[-1].set_modules_to_backward_prefetch([units[i - 1]])
-        elif i > 0:
-            unit.set_modules_to_backward_prefetch([units[i - 1]])
+            if earlier:
+                own[-1].set_modules_to_backward_prefetch(earlier)
+        elif earlier:
+            unit.set_modules_to_backward_prefetch(earlier)
     if units:
         model.set_modules_to_forward_prefetch(before + [units[0]])
-    if len(after) == 1:
+    if after:
         after[0].set_modules_to_backward_prefetch([units[-1]])
 
 
@@ -283,10 +308,11 @@ def parallelize(
     if fused_loss and not any(pm.style == "lm_head" for pm in planned) and whole_vocab_head_fusable(model, plan):
         install_fused_loss(model)
     shard_planned(model, mesh, planned, **fsdp_kwargs)
-    units = shard_units(model, mesh, plan, **fsdp_kwargs)
+    units, edges = shard_units(model, mesh, plan, **fsdp_kwargs)
+    around = _planned_modules(model, planned) + edges
     if reshard_after_forward:
-        keep_gathered_for_backward(model, units, planned)
+        keep_gathered_for_backward(model, units, around)
     if prefetch:
-        set_prefetch(model, units, planned)
+        set_prefetch(model, units, around)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned)
     return model

@@ -6,7 +6,8 @@ Communication is counted as the bytes each rank *sends* per training step (forwa
 
 - all-gather of a unit over ``F`` ranks: ``(F-1)/F ×`` the unsharded (dim-0 padded) bytes; units gather twice
   (forward, and again in backward since they reshard after forward), except the root, the last decoder layer with
-  its planned modules and planned modules after it, which stay gathered for backward: once;
+  its planned modules and the units after it (the head), which stay gathered for backward: once; the input
+  embedding and the output head are units of their own unless planned or tied;
 - reduce-scatter of its gradients: ``(F-1)/F ×`` the unsharded bytes in the reduce dtype, once;
 - HSDP all-reduce over ``R`` replicas: ``2(R-1)/R ×`` the sharded gradient bytes;
 - EP all-to-all per MoE layer: dispatch + combine in forward and both again in backward, each
@@ -30,7 +31,7 @@ from torch import nn
 
 from .errors import PlanError
 from .mesh import validate_sizes
-from .parallelize import check_plan_names, match_plan, whole_vocab_head_fusable
+from .parallelize import check_plan_names, edge_units, match_plan, whole_vocab_head_fusable
 from .vocab import CE_CHUNK_ELEMENTS
 from .plan import Plan, match_parameters
 from .registry import get_plan
@@ -100,6 +101,13 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     for ufqn in unit_fqns:
         own = [f for f in params if f.startswith(ufqn + ".") and f not in claimed]
         units.append(Unit(ufqn, sum(params[f].numel() for f in own),
+                          sum(_padded(params[f].shape, shard) for f in own), shard, replicate))
+        claimed.update(own)
+    for efqn, module in edge_units(model):  # the embedding and the head, unless planned (claimed) or tied
+        own = [f"{efqn}.{n}" for n, _ in module.named_parameters()]
+        if any(f in claimed for f in own):
+            continue
+        units.append(Unit(efqn, sum(params[f].numel() for f in own),
                           sum(_padded(params[f].shape, shard) for f in own), shard, replicate))
         claimed.update(own)
     # parallelize keeps the last layer (with its planned modules) and planned modules after it gathered after
