@@ -196,9 +196,14 @@ def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     their own (torchtitan's layout): the embedding is then gathered only around its own forward and backward and
     the head only from its forward to its backward, instead of both for the whole step as parameters of the
     root. None when they are tied (one weight, so one unit: the root's). The planner builds the same units."""
-    inp = getattr(model, "get_input_embeddings", lambda: None)()
-    out = getattr(model, "get_output_embeddings", lambda: None)()
-    found = [m for m in (inp, out) if m is not None and m is not model and next(m.parameters(), None) is not None]
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter, lambda: None)()
+        except (NotImplementedError, AttributeError):  # models without one (e.g. a base model's head)
+            module = None
+        if isinstance(module, nn.Module) and module is not model and next(module.parameters(), None) is not None:
+            found.append(module)
     weights = [id(p) for m in found for p in m.parameters()]
     if len(set(weights)) != len(weights):  # tied
         return []
