@@ -404,9 +404,12 @@ def bench_loss(args, device, dtype) -> dict:
     variants = {"transformers": lambda: ForCausalLMLoss((hidden @ weight.t()).unsqueeze(0), None, v,
                                                         shift_labels=targets.unsqueeze(0))}
     kernels = ["torch"] + (["triton"] if device.type == "cuda" or INTERPRETED else [])
+    settings = {}  # fused variant -> its kernels and chunk size, for the model section to take the fastest
     for k in kernels:
         for chunk in args.loss_chunks:
-            variants[f"fused_{k}_2^{chunk.bit_length() - 1}"] = (
+            name = f"fused_{k}_2^{chunk.bit_length() - 1}"
+            settings[name] = {"kernels": k, "chunk_elements": chunk}
+            variants[name] = (
                 lambda k=k, chunk=chunk: fused_linear_cross_entropy(hidden, weight, targets, chunk_elements=chunk, kernels=k))
     flops = 6 * t * h * v
     res = {"tokens": t, "vocab": v}
@@ -424,7 +427,7 @@ def bench_loss(args, device, dtype) -> dict:
                 fn().backward()
 
             sec = time_fn(step, device, warmup=2, iters=args.iters)
-            row = {"ms": sec * 1e3, "tflops": flops / sec / 1e12, **err}
+            row = {"ms": sec * 1e3, "tflops": flops / sec / 1e12, **err, **settings.get(name, {})}
             if device.type == "cuda":
                 row["peak_step_memory_GiB"] = _cuda_peak_growth(step) / 2**30
             elif os.path.exists("/proc/self/clear_refs"):  # CPU: peak RSS above the RSS before one step
@@ -454,7 +457,6 @@ def bench_model(args, device, dtype, tiles=None, loss_chunk=None, loss_kernels="
                 "grouped_mm_fused_loss": ("grouped_mm", fused),
                 "grouped_mm": ("grouped_mm", None), "eager": ("eager", None)}
     res = {}
-    model = None
     for name, (impl, kernels) in variants.items():
         if impl not in args.impls or (impl == "eager" and args.skip_eager):
             continue
@@ -560,11 +562,9 @@ def main() -> None:
     loss = section("loss", bench_loss, args, device, dtype)
     if not args.no_model:
         # the model's fused loss takes the fastest chunk size of the loss section (Triton kernels where they ran)
-        timed = {k: r["ms"] for k, r in loss.items() if k.startswith("fused_") and isinstance(r, dict) and "ms" in r}
-        best = min(timed, key=timed.get, default=None)  # e.g. "fused_triton_2^28"
-        chunk = 1 << int(best.rsplit("^", 1)[1]) if best else None
-        kernels = best.split("_")[1] if best else "torch"
-        section("model", bench_model, args, device, dtype, tiles, chunk, kernels)
+        timed = [r for r in loss.values() if isinstance(r, dict) and "ms" in r and "kernels" in r]
+        best = min(timed, key=lambda r: r["ms"], default={"kernels": "torch", "chunk_elements": None})
+        section("model", bench_model, args, device, dtype, tiles, best["chunk_elements"], best["kernels"])
 
 
 if __name__ == "__main__":

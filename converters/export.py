@@ -87,7 +87,6 @@ def _tied_duplicates(model, config) -> set[str]:
 
 
 
-
 @dataclass
 class _Shard:
     file: str
@@ -207,9 +206,7 @@ def export_to_hf(
     index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
              "weight_map": {key: s.file for s in shards for key, _, _ in s.entries}}
 
-    staging = StagingDir(out_dir)
-    tmp = staging.path
-    try:
+    with StagingDir(out_dir) as tmp:  # moved into place when complete, removed on any error
         writer = _StreamingShardWriter(tmp, shards)
         bar = tqdm(total=index["metadata"]["total_size"], unit="B", unit_scale=True, desc="export to hub format",
                    disable=not progress)
@@ -237,10 +234,6 @@ def export_to_hf(
                 "xpar_zoo_version": meta.get("xpar_zoo_version"), "dtype": str(cast or "as saved"),
                 "base_model": str(model) if model is not None else None}
         (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        staging.commit()
-    except BaseException:
-        staging.discard()
-        raise
     return out_dir
 
 

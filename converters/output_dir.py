@@ -105,7 +105,8 @@ def check_output(out_dir: Path, force: bool, error: type[Exception] = OutputErro
 
 class StagingDir:
     """A new hidden directory beside ``out_dir`` to write into (``.path``), locked while this process writes:
-    :meth:`commit` moves it into place, :meth:`discard` removes it."""
+    :meth:`commit` moves it into place, :meth:`discard` removes it. As a context manager (``with StagingDir(out)
+    as tmp:``) it commits when the block completes and discards on any exception, the commit's own included."""
 
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
@@ -116,6 +117,19 @@ class StagingDir:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # no flock here: the directory stays, if abandoned, for the user to remove
             pass
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.discard()
+                raise
+        else:
+            self.discard()
 
     def _unlock(self) -> None:
         if self._lock is not None:

@@ -187,10 +187,8 @@ def convert_to_dcp(
             alias_of.setdefault(canonical, []).append(alias)
 
     step = 0
-    staging = StagingDir(out_dir)
-    tmp = staging.path
-    ckpt = tmp / ck.checkpoint_name(step)
-    try:
+    with StagingDir(out_dir) as tmp:  # moved into place when complete, removed on any error
+        ckpt = tmp / ck.checkpoint_name(step)
         ckpt.mkdir(parents=True)
         bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="convert to DCP", disable=not progress)
         parts = []
@@ -225,10 +223,6 @@ def convert_to_dcp(
         ck._write_file(ckpt / ck.EXTRA_FILE, json.dumps({}).encode())
         ck.write_complete_marker(ckpt, step)
         _check_readable(ckpt, {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()})
-        staging.commit()
-    except BaseException:
-        staging.discard()
-        raise
     return out_dir / ck.checkpoint_name(step)
 
 

@@ -240,10 +240,6 @@ def _around_layers(model: nn.Module, units: list[nn.Module], modules: list[nn.Mo
     return inside, before, after
 
 
-def _planned_modules(model: nn.Module, planned: list[PlannedModule]) -> list[nn.Module]:
-    return [model.get_submodule(p.fqn) for p in planned]
-
-
 def keep_gathered_for_backward(model: nn.Module, units: list[nn.Module], modules: list[nn.Module]) -> None:
     """The last decoder layer with its planned modules, and the units after it (the head), stay unsharded after
     forward: backward starts with them, so resharding would only all-gather them again at once (one all-gather —
@@ -314,7 +310,7 @@ def parallelize(
         install_fused_loss(model)
     shard_planned(model, mesh, planned, **fsdp_kwargs)
     units, edges = shard_units(model, mesh, plan, **fsdp_kwargs)
-    around = _planned_modules(model, planned) + edges
+    around = [model.get_submodule(p.fqn) for p in planned] + edges
     if reshard_after_forward:
         keep_gathered_for_backward(model, units, around)
     if prefetch:

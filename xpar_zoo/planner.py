@@ -90,6 +90,12 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     params = dict(model.named_parameters())
     units: list[Unit] = []
     claimed: set[str] = set()
+
+    def dense(name: str, own: list[str], root: bool = False) -> Unit:  # a unit over the dense mesh, dim-0 padded
+        claimed.update(own)
+        return Unit(name, sum(params[f].numel() for f in own), sum(_padded(params[f].shape, shard) for f in own),
+                    shard, replicate, root=root)
+
     for pm in sorted(match_plan(model, plan, active, shard), key=lambda p: -p.fqn.count(".")):
         s = active[pm.plan_name]
         own = [f"{pm.fqn}.{p}" if pm.fqn else p for p in pm.params]
@@ -99,18 +105,12 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     classes = set(plan.unit_classes(model))
     unit_fqns = [n for n, m in model.named_modules() if type(m).__name__ in classes]
     for ufqn in unit_fqns:
-        own = [f for f in params if f.startswith(ufqn + ".") and f not in claimed]
-        units.append(Unit(ufqn, sum(params[f].numel() for f in own),
-                          sum(_padded(params[f].shape, shard) for f in own), shard, replicate))
-        claimed.update(own)
+        units.append(dense(ufqn, [f for f in params if f.startswith(ufqn + ".") and f not in claimed]))
     for efqn, module in edge_units(model):  # the embedding and the head, unless planned (claimed) or tied
         own = [f"{efqn}.{n}" for n, _ in module.named_parameters()]
-        if any(f in claimed for f in own):
-            continue
-        units.append(Unit(efqn, sum(params[f].numel() for f in own),
-                          sum(_padded(params[f].shape, shard) for f in own), shard, replicate))
-        claimed.update(own)
-    # parallelize keeps the last layer (with its planned modules) and planned modules after it gathered after
+        if not any(f in claimed for f in own):
+            units.append(dense(efqn, own))
+    # parallelize keeps the last layer (with its planned modules) and the units after it (the head) gathered after
     # forward (keep_gathered_for_backward): they are all-gathered once per step
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     if unit_fqns:
@@ -118,9 +118,7 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
         for u in units:
             if u.name == last or u.name.startswith(last + ".") or order[u.name] > order[last]:
                 u.gathers = 1
-    rest = [f for f in params if f not in claimed]
-    units.append(Unit("<root>", sum(params[f].numel() for f in rest),
-                      sum(_padded(params[f].shape, shard) for f in rest), shard, replicate, root=True))
+    units.append(dense("<root>", [f for f in params if f not in claimed], root=True))
     return units
 
 

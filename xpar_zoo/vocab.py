@@ -440,9 +440,15 @@ def logits_transform(model: nn.Module, module: nn.Module) -> str | None:
     """The first line of ``model``'s forward that changes the head's output between the head and the loss
     (softcapping, a scale, a vocab slice: a fused head computes the loss inside the head and cannot honour it), or
     a reason why the forward cannot be read; ``None`` when the logits go straight to ``loss_function``."""
-    name = next((n for n, m in model.named_children() if m is module), None)
+    return _forward_logits_transform(type(model), next((n for n, m in model.named_children() if m is module), None))
+
+
+@functools.cache
+def _forward_logits_transform(cls: type, name: str | None) -> str | None:
+    """:func:`logits_transform` for a model class and its head's attribute name: the source is read once per class
+    (``parallelize``, ``install_fused_loss`` and every mesh the planner tries ask again)."""
     try:
-        source = inspect.getsource(type(model).forward)
+        source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return "its forward's source cannot be read"
     start = source.find(f"self.{name}(") if name else -1
