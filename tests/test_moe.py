@@ -1,11 +1,11 @@
 """The experts path's grouped GEMM: grouped_mm where it applies is bit-identical to the per-expert loop, and the
-single-process experts forward equals transformers' eager experts."""
+single-process experts forward equals transformers' eager experts; the default gate keeps no activation output."""
 
 import pytest
 import torch
 
-from xpar_zoo import parity
-from xpar_zoo.moe import EXPERTS_IMPLEMENTATION, _use_grouped_mm, grouped_linear, grouped_mm_loop
+from xpar_zoo import moe, parity
+from xpar_zoo.moe import EXPERTS_IMPLEMENTATION, GatedDown, SiluGate, _use_grouped_mm, grouped_linear, grouped_mm_loop
 
 
 @pytest.mark.parametrize("counts", [[0, 10, 0, 6], [0, 0, 0, 0], [3, 0, 13, 0], [4, 4, 4, 4]])
@@ -49,3 +49,57 @@ def test_single_process_experts_forward_matches_transformers_eager(arch):
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     ours = model(input_ids=ids, labels=ids).loss
     assert abs(ours.item() - ref.item()) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [[5, 0, 11, 16], [0, 0, 32, 0]])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_recomputing_gate_is_bit_identical_to_autograds_graph(dtype, counts, transposed):
+    """SiluGate (the loop path's) and GatedDown (grouped_mm's, gate and down projection together) against autograd
+    on transformers' default gate followed by grouped_linear: outputs and every gradient equal to the bit."""
+    g = torch.Generator().manual_seed(3)
+    c = torch.tensor(counts)
+    h = torch.randn(int(c.sum()), 32, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(4, *((16, 8) if transposed else (8, 16)), generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(h.shape[0], 8, generator=g).to(dtype)
+    h2, w2 = (t.detach().clone().requires_grad_() for t in (h, w))
+    gate, up = h2.chunk(2, dim=-1)
+    want = grouped_linear(torch.nn.functional.silu(gate) * up, w2, c, transposed=transposed)
+    want.backward(grad)
+    for got in (grouped_linear(SiluGate.apply(h), w, c, transposed=transposed),
+                GatedDown.apply(h, w if transposed else w.transpose(-2, -1), c)):
+        h.grad = w.grad = None
+        got.backward(grad)
+        assert torch.equal(got, want) and torch.equal(h.grad, h2.grad) and torch.equal(w.grad, w2.grad)
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct floating-point storages autograd keeps for backward while ``fn()`` runs."""
+    kept = {}
+
+    def pack(t):
+        if t.is_floating_point():
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(kept.values())
+
+
+def test_experts_keep_no_activation_output_for_backward(monkeypatch):
+    """The experts path keeps ``[gate; up]`` and recomputes ``silu(gate) * up`` in backward instead of keeping
+    ``silu(gate)`` and the product: two ``[rows, I]`` tensors less per layer for the whole step than autograd's graph
+    of the default gate and the down projection."""
+    cfg = parity.tiny_config("qwen3_moe")
+    model = parity.build_model(cfg, experts_implementation=EXPERTS_IMPLEMENTATION)
+    experts = model.model.layers[0].mlp.experts
+    tokens, k = 16, cfg.num_experts_per_tok
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, cfg.hidden_size, generator=g, requires_grad=True)
+    index = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g, requires_grad=True)
+    ours = _saved_bytes(lambda: experts(x, index, weights))
+    monkeypatch.setattr(moe, "_default_silu_gate", lambda module: False)
+    autograds = _saved_bytes(lambda: experts(x, index, weights))
+    assert autograds - ours == 2 * tokens * k * cfg.moe_intermediate_size * x.element_size()

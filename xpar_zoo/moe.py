@@ -51,12 +51,17 @@ def _triton_module():
     return moe_triton
 
 
-def _standard_swiglu(module: nn.Module) -> bool:
-    """Whether an experts module is plain SwiGLU in transformers' standard layout (what the Triton kernels do)."""
-    return (getattr(module, "has_gate", True) and not getattr(module, "has_bias", False)
-            and not getattr(module, "is_transposed", False) and not getattr(module, "has_post_expert_norm", False)
+def _default_silu_gate(module: nn.Module) -> bool:
+    """Whether an experts module's activation is transformers' default gate (``silu(gate) * up`` on ``[gate;up]``)."""
+    return (getattr(module, "has_gate", True)
             and getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate
             and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU)))
+
+
+def _standard_swiglu(module: nn.Module) -> bool:
+    """Whether an experts module is plain SwiGLU in transformers' standard layout (what the Triton kernels do)."""
+    return (_default_silu_gate(module) and not getattr(module, "has_bias", False)
+            and not getattr(module, "is_transposed", False) and not getattr(module, "has_post_expert_norm", False))
 
 
 def _triton_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
@@ -127,6 +132,12 @@ def grouped_mm_loop(x: torch.Tensor, w_in_out: torch.Tensor, counts: torch.Tenso
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
+def _add_bias(out: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+    if bias is None:
+        return out
+    return out + torch.repeat_interleave(bias, counts, dim=0, output_size=out.shape[0])
+
+
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, transposed: bool = False,
     bias: torch.Tensor | None = None,
@@ -143,9 +154,65 @@ def grouped_linear(
             out.register_hook(_dense_rows)
     else:
         out = grouped_mm_loop(x, w_in_out, counts)
-    if bias is not None:
-        out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
-    return out
+    return _add_bias(out, bias, counts)
+
+
+def _silu_gate(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' default gate on ``h = [gate; up]``: ``(silu(gate) * up, gate, up, silu(gate))``."""
+    gate, up = h.chunk(2, dim=-1)
+    silu = F.silu(gate)
+    return silu * up, gate, up, silu
+
+
+def _silu_gate_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, silu: torch.Tensor) -> torch.Tensor:
+    """``d h`` of :func:`_silu_gate` (autograd's own formulas for ``silu`` and ``mul``, on the same operands)."""
+    return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * silu], dim=-1)
+
+
+class SiluGate(torch.autograd.Function):
+    """``silu(gate) * up`` of ``h = [gate; up]`` (transformers' default gate) keeping only ``h`` for backward, where
+    ``silu(gate)`` is recomputed: autograd's own graph of the same two ops keeps ``silu(gate)`` as well, a
+    ``[rows, I]`` tensor per layer for the whole step. Forward and gradients are bit-identical to that graph's (the
+    same ops on the same operands). The path of the per-expert loop; :class:`GatedDown` is grouped_mm's."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        return _silu_gate(h)[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        return _silu_gate_backward(grad, *_silu_gate(h)[1:])
+
+
+class GatedDown(torch.autograd.Function):
+    """The default gate and the down projection in one: ``grouped_mm(silu(gate) * up, W)`` for ``h = [gate; up]``
+    and ``W = w_in_out [G, I, H]``, keeping only ``h`` (and the weight) for backward, where ``silu(gate) * up`` is
+    recomputed (two elementwise passes): autograd's graph of the same ops keeps ``silu(gate)`` and the gate's output
+    as well, two ``[rows, I]`` tensors per layer for the whole step. The backward runs grouped_mm's own gradient
+    formulas, so forward and gradients are bit-identical to that graph's."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w_in_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        ctx.save_for_backward(h, w_in_out, offs)
+        return F.grouped_mm(_silu_gate(h)[0], w_in_out, offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, w_in_out, offs = ctx.saved_tensors
+        grad = _dense_rows(grad)
+        act, gate, up, silu = _silu_gate(h)
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # in the weight's own layout, as autograd's _grouped_mm_mat2_backward does
+            if w_in_out.stride(-2) == 1 and w_in_out.stride(-1) != 1:  # column-major: transformers' [G, out, in]
+                grad_w = F.grouped_mm(grad.t(), act, offs=offs).transpose(-2, -1)
+            else:
+                grad_w = F.grouped_mm(act.t(), grad, offs=offs)
+        del act
+        grad_act = F.grouped_mm(grad, w_in_out.transpose(-2, -1), offs=offs)
+        return _silu_gate_backward(grad_act, gate, up, silu), grad_w, None
 
 
 def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first: int, num: int,
@@ -168,8 +235,15 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
     if triton_path is not None:
         return triton_path.grouped_swiglu(x, up_w, down_w, counts, tiles, perm=perm)
     h = grouped_linear(x, up_w, counts, transposed=transposed, bias=up_b)
-    h = module._apply_gate(h) if has_gate else module.act_fn(h)
-    y = grouped_linear(h, down_w, counts, transposed=transposed, bias=down_b)
+    if _default_silu_gate(module) and torch.is_grad_enabled() and h.requires_grad:
+        if _use_grouped_mm(h, down_w):  # keep only h for backward (the activation is recomputed)
+            y = GatedDown.apply(h, down_w if transposed else down_w.transpose(-2, -1), counts)
+            y = _add_bias(y, down_b, counts)
+        else:
+            y = grouped_linear(SiluGate.apply(h), down_w, counts, transposed=transposed, bias=down_b)
+    else:
+        h = module._apply_gate(h) if has_gate else module.act_fn(h)
+        y = grouped_linear(h, down_w, counts, transposed=transposed, bias=down_b)
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y)
     return y

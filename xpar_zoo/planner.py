@@ -127,7 +127,9 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     """An activation estimate per rank: the values autograd keeps per token, counted per module of a standard
     decoder layer (memory-efficient attention, so no ``seq²`` scores), times ``dtype_bytes``. With ``q`` / ``kv``
     the query / key-value widths: two RMSNorms ``4H``; attention ``H + 2q + 2kv`` (``+ 2q + 2kv`` with
-    ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead ``2H + 2E + k·(H + 5I)`` plus its shared experts'
+    ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead ``H + 2E + k·(2H + 2I)`` (the router's input and
+    scores; per routed row its input, ``[gate; up]`` — the activation is recomputed in backward — and the output
+    the combine weighs; the Triton kernels keep the gate's output too, ``k·I`` more) plus its shared experts'
     MLP; the final norm ``2H``. With ``recompute`` (activation checkpointing of every decoder layer, e.g.
     ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
     layer at a time holds all of its values again while it is recomputed: the peak.
@@ -147,7 +149,7 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
                                                      "moe_num_experts") if getattr(config, k, None)), 0)
         shared = (getattr(config, "shared_expert_intermediate_size", None)
                   or (getattr(config, "n_shared_experts", None) or 0) * inter)
-        mlp = 2 * h + 2 * experts + top_k * (h + 5 * inter) + (h + 4 * shared if shared else 0)
+        mlp = h + 2 * experts + top_k * (2 * h + 2 * inter) + (h + 4 * shared if shared else 0)
     else:
         mlp = h + 4 * config.intermediate_size
     layer = 4 * h + attention + mlp

@@ -45,10 +45,10 @@ from .collectives import all_to_all, all_to_all_counts, to_local
 from .errors import PlanError
 from .mesh import PlanShard
 
-# Logits per chunk ``[tokens, V/s]`` in the fused head, by device type: bounds its memory (a few chunk-sized
-# temporaries live at once: 256 MiB each in fp32 on the CPU). Every chunk also reads and writes the ``[V/s, H]``
+# Logits per chunk ``[tokens, V/s]`` in the fused head, by device type: bounds its memory (on the torch path one
+# chunk-sized tensor lives at a time: 256 MiB in fp32 on the CPU). Every chunk also reads and writes the ``[V/s, H]``
 # fp32 weight-gradient accumulator, so chunks must not be small: on the CPU 2^26 is as fast as transformers' loss
-# at a fifth to a half of its memory, 2^24 was 1.18x slower at T=2048, H=1024, V=50000 (bench/RESULTS.md);
+# at a fifth to two fifths of its memory, 2^24 was 1.10-1.18x slower at T=2048, H=1024, V=50000 (bench/RESULTS.md);
 # bench/gpu_moe.py sweeps it on a GPU.
 CE_CHUNK_ELEMENTS = {"cuda": 1 << 28, "cpu": 1 << 26}
 LOSS_KERNELS = ("torch", "triton")
@@ -212,7 +212,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h_all) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         for c in _chunks(n, shard.rows, chunk_elements, hidden.device):
-            z, stats = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
+            z, stats, shift = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
             if shard.size > 1:
                 gathered = stats.new_empty((shard.size * 2, stats.shape[1]))  # rank by rank on dim 0
                 dist.all_gather_into_tensor(gathered, stats, group=shard.group)
@@ -221,7 +221,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             group_lse[c] = stats[0]
             losses[c] = torch.where(valid[c], stats[0] - stats[1], 0.0)
             if want_h or want_w:
-                p = _chunk_softmax_grad(z, stats[0], index[c], owned[c], coef[c], kernels, weight.dtype)
+                p = _chunk_softmax_grad(z, stats[0], shift, index[c], owned[c], coef[c], kernels, weight.dtype)
                 if want_h and grad_h.dtype == p.dtype:
                     torch.mm(p, weight, out=grad_h[c])  # straight into the rows (contiguous), no temporary
                 elif want_h:
@@ -276,25 +276,33 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, index: torch.Tensor, owned: torch.Tensor, kernels: str):
-    """A chunk's local logits (fp32 on the torch path; the GEMM's dtype for the Triton kernels) and their
-    ``[2, rows]`` statistics: log-sum-exp over this rank's vocab rows, and the target's logit where owned."""
+    """A chunk's local logits and their ``[2, rows]`` statistics: log-sum-exp over this rank's vocab rows, and the
+    target's logit where owned. Returns ``(z, stats, shift)``. The Triton kernels leave ``z`` as the logits (in the
+    GEMM's dtype; ``shift`` is ``None``). The torch path turns the fp32 ``z`` in place into ``exp(z − shift)``, with
+    ``shift`` the rows' maxima: one chunk-sized tensor at a time (``torch.logsumexp`` would make a second) and one
+    ``exp`` pass fewer, as the softmax reuses it."""
     z = h @ weight.t()
     if kernels == "triton":
         from . import loss_triton
 
-        return z, loss_triton.row_stats(z, index, owned)
+        return z, loss_triton.row_stats(z, index, owned), None
     z = z.float()
-    return z, torch.stack([torch.logsumexp(z, dim=-1), torch.where(owned, z.gather(1, index[:, None])[:, 0], 0.0)])
+    target = torch.where(owned, z.gather(1, index[:, None])[:, 0], 0.0)
+    shift = z.amax(dim=-1)
+    shift = torch.where(torch.isfinite(shift), shift, 0.0)  # all −inf rows (as torch.logsumexp does)
+    lse = z.sub_(shift[:, None]).exp_().sum(dim=-1).log_().add_(shift)
+    return z, torch.stack([lse, target]), shift
 
 
-def _chunk_softmax_grad(z: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, owned: torch.Tensor,
-                        coef: torch.Tensor, kernels: str, dtype: torch.dtype) -> torch.Tensor:
-    """``(softmax(z) − onehot(target)) · coef`` per row in ``dtype``, computed in place on the chunk ``z``."""
+def _chunk_softmax_grad(z: torch.Tensor, lse: torch.Tensor, shift: torch.Tensor | None, index: torch.Tensor,
+                        owned: torch.Tensor, coef: torch.Tensor, kernels: str, dtype: torch.dtype) -> torch.Tensor:
+    """``(softmax(z) − onehot(target)) · coef`` per row in ``dtype``, computed in place on the chunk ``z`` as
+    :func:`_chunk_logits` left it (``lse``: the group's log-sum-exp)."""
     if kernels == "triton":
         from . import loss_triton
 
         return loss_triton.softmax_grad_(z, lse, index, owned, coef)
-    p = z.sub_(lse[:, None]).exp_()
+    p = z.mul_(torch.exp(shift - lse)[:, None])  # exp(z − shift) · exp(shift − lse)
     p.scatter_add_(1, index[:, None], -owned[:, None].float())
     return p.mul_(coef[:, None]).to(dtype)
 
@@ -307,8 +315,8 @@ def _recompute_weight_grad(h_all, weight, index, owned, coef, group_lse, grads, 
     weight_input, weight = weight, weight.to(h_all.dtype)  # the forward's compute dtype
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     for c in _chunks(h_all.shape[0], shard.rows, chunk_elements, h_all.device):
-        z, _ = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
-        _accumulate(grad_w, _chunk_softmax_grad(z, group_lse[c], index[c], owned[c], coef[c], kernels,
+        z, _, shift = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
+        _accumulate(grad_w, _chunk_softmax_grad(z, group_lse[c], shift, index[c], owned[c], coef[c], kernels,
                                                 weight.dtype).t(), h_all[c])
     return grad_w.to(weight_input.dtype)
 
