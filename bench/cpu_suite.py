@@ -3,15 +3,17 @@
 imported: the loader alone) and peak RSS, training step time, peak RSS and peak live tensor bytes (the torch
 profiler's allocator accounting, which glibc's retention of freed heap does not blur), checkpoint save time.
 
-    python bench/cpu_suite.py [--keep DIR] [--steps N]
+    python bench/cpu_suite.py [--keep DIR] [--steps N] [--seq 128,1024] [--rounds 2]
 
 Peer: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))``
 (needs ``accelerate``: ``pip install --target /tmp/accel --no-deps accelerate psutil pyyaml`` and run with
 ``PYTHONPATH=/tmp/accel``), trained with the same AdamW and saved with its own ``save_pretrained`` (model weights; ours saves the same,
 as an atomic DCP checkpoint). Ours:
 ``xpar_zoo.from_pretrained(dir, mesh=Mesh(ep=2))`` (FSDP2 over the 4 ranks, experts split in 2 and FSDP-sharded on
-dim 1), ``xpar_zoo.save_checkpoint``. The checkpoint is bench/load_memory.py's ≈ 400 MB qwen3_moe. Every figure is
-the worst rank's; ratios are xpar_zoo / transformers.
+dim 1), ``xpar_zoo.save_checkpoint``. The checkpoint is bench/load_memory.py's ≈ 400 MB qwen3_moe. The training rows
+are measured at each sequence length (2×128 tokens per rank, where FSDP's collectives dominate, and 2×1024, where
+activations and the loss do). The stacks run alternately, ``--rounds`` times each; every figure is the median over
+rounds of the worst rank's; ratios are xpar_zoo / transformers.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def live_peak(fn, trace_path: str) -> int:
     return max(e["args"]["Total Allocated"] for e in events) - start
 
 
-def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int) -> dict:
+def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: list[int]) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -101,27 +103,28 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seq: int
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(rank)
-        times = []
-        gc.collect()
-        before = load_memory._status("VmRSS")
-        load_memory._reset_peak()
-        for step in range(steps + 1):
-            ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = _step(model, opt, ids)
-            dist.barrier()
-            if step:  # the first step warms up
-                times.append(time.perf_counter() - t0)
-        row["step_s"] = statistics.median(times)
-        row["train_peak_growth_MiB"] = (load_memory._status("VmHWM") - before) / MB  # incl. AdamW's states
-        row["loss"] = loss.item()
-        peaks = []
-        for _ in range(LIVE_STEPS):  # a single step's peak varies with when the async collectives land (seen: ±20 %)
-            ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
-            dist.barrier()
-            peaks.append(live_peak(lambda: _step(model, opt, ids), f"{out}.trace-{rank}.json") / MB)
-        row["step_live_peak_MiB"] = statistics.median(peaks)
+        for seq in seqs:  # each sequence length: its step time, RSS growth and live peak
+            times = []
+            gc.collect()
+            before = load_memory._status("VmRSS")
+            load_memory._reset_peak()
+            for step in range(steps + 1):
+                ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = _step(model, opt, ids)
+                dist.barrier()
+                if step:  # the first step warms up
+                    times.append(time.perf_counter() - t0)
+            row[f"step_s@{seq}"] = statistics.median(times)
+            row[f"train_peak_growth_MiB@{seq}"] = (load_memory._status("VmHWM") - before) / MB  # incl. AdamW's
+            row[f"loss@{seq}"] = loss.item()
+            peaks = []
+            for _ in range(LIVE_STEPS):  # a single step's peak varies with when the async collectives land (±20 %)
+                ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+                dist.barrier()
+                peaks.append(live_peak(lambda: _step(model, opt, ids), f"{out}.trace-{rank}.json") / MB)
+            row[f"step_live_peak_MiB@{seq}"] = statistics.median(peaks)
         dist.barrier()
         t0 = time.perf_counter()
         if which == "xpar_zoo":
@@ -144,13 +147,24 @@ def _worst(rows: list[dict], key: str) -> float | None:
     return max(values) if values else None
 
 
+def _figure(rounds: list[list[dict]], key: str) -> float | None:
+    """The median over rounds of the worst rank's value."""
+    values = [v for v in (_worst(rows, key) for rows in rounds) if v is not None]
+    return statistics.median(values) if values else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--keep", help="work directory to keep (default: a temporary one)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--seq", default="128,1024",
+                    help="sequence lengths, comma-separated: the training rows are measured at each")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="run the two stacks alternately this many times (a 2-core host's load drifts by tens of "
+                         "percent over minutes); each figure is the median over rounds")
     args = ap.parse_args()
+    seqs = [int(x) for x in args.seq.split(",")]
     from xpar_zoo import launch
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="xpar-cpu-suite-"))
@@ -159,12 +173,13 @@ def main() -> None:
         ckpt.mkdir(parents=True)
         load_memory.make_checkpoint(ckpt)
     nbytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-    results = {}
-    for which in ("xpar_zoo", "transformers"):
-        out = work / f"save-{which}"
-        shutil.rmtree(out, ignore_errors=True)
-        results[which] = launch.run(_side, WORLD, which, str(ckpt), str(out), args.steps, args.batch, args.seq,
-                                    timeout_s=1800)
+    results = {"xpar_zoo": [], "transformers": []}  # per stack, per round: every rank's row
+    for _ in range(args.rounds):
+        for which in results:
+            out = work / f"save-{which}"
+            shutil.rmtree(out, ignore_errors=True)
+            results[which].append(launch.run(_side, WORLD, which, str(ckpt), str(out), args.steps, args.batch,
+                                             seqs, timeout_s=1800))
     print(json.dumps(results, indent=1, default=str))
 
     import torch
@@ -176,23 +191,32 @@ def main() -> None:
              f"{cpu_model()}, "
              f"{os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}",
              f"- model: bench/load_memory.py's qwen3_moe fp32 ({nbytes / MB:.0f} MiB hub checkpoint); 4 gloo ranks; "
-             f"AdamW; {args.batch}×{args.seq} tokens per rank per step; worst rank; median of {args.steps} steps "
-             "after one warm-up", "",
+             f"AdamW; {args.batch}×seq tokens per rank per step (seq = {args.seq}); worst rank; median of "
+             f"{args.steps} steps after one warm-up at each seq; the stacks run alternately, {args.rounds} rounds "
+             "each, and every figure is the median over rounds", "",
              "| | xpar_zoo `Mesh(ep=2)` | transformers `DistributedConfig(fsdp_size=4, ep_size=2)` | ratio |",
              "|---|---|---|---|"]
-    for key, label in (("load_s", "load time, fresh process (s)"),
-                       ("warm_load_s", "load time, transformers imported and config read (s)"),
-                       ("load_peak_growth_MiB", "load peak RSS growth (MiB)"),
-                       ("step_s", "training step (s)"),
-                       ("train_peak_growth_MiB", "training peak RSS growth (MiB, incl. AdamW states)"),
-                       ("step_live_peak_MiB", "training step peak live tensors over its start (MiB, median of 3 steps)"),
-                       ("save_s", "save model weights (s)")):
-        a, b = _worst(ours, key), _worst(peer, key)
+    table = [("load_s", "load time, fresh process (s)"),
+            ("warm_load_s", "load time, transformers imported and config read (s)"),
+            ("load_peak_growth_MiB", "load peak RSS growth (MiB)")]
+    for i, seq in enumerate(seqs):
+        over = "incl. AdamW states" if i == 0 else f"over the RSS after seq {seqs[i - 1]}"
+        table += [(f"step_s@{seq}", f"training step, seq {seq} (s)"),
+                 (f"train_peak_growth_MiB@{seq}", f"training peak RSS growth, seq {seq} (MiB, {over})"),
+                 (f"step_live_peak_MiB@{seq}",
+                  f"training step peak live tensors over its start, seq {seq} (MiB, median of {LIVE_STEPS} steps)")]
+    table.append(("save_s", "save model weights (s)"))
+    for key, label in table:
+        a, b = _figure(ours, key), _figure(peer, key)
         ratio = f"{a / b:.2f}×" if a and b else "—"
         fmt = (lambda v: "failed" if v is None else f"{v:.2f}")
         lines.append(f"| {label} | {fmt(a)} | {fmt(b)} | {ratio} |")
-    for which, rows in results.items():
-        errors = {r["error"] for r in rows if "error" in r}
+    for seq in seqs:
+        per_round = [(_worst(a, f"step_s@{seq}") or 0) / (_worst(b, f"step_s@{seq}") or float("inf"))
+                     for a, b in zip(ours, peer)]
+        lines.append(f"- training step ratio per round, seq {seq}: " + ", ".join(f"{r:.2f}×" for r in per_round))
+    for which, rounds in results.items():
+        errors = {r["error"] for rows in rounds for r in rows if "error" in r}
         for e in errors:
             last = e.strip().splitlines()[-1]
             lines.append(f"- {which} failed: `{last[:300]}`")
