@@ -235,8 +235,10 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
     if triton_path is not None:
         return triton_path.grouped_swiglu(x, up_w, down_w, counts, tiles, perm=perm)
     h = grouped_linear(x, up_w, counts, transposed=transposed, bias=up_b)
-    if _default_silu_gate(module) and torch.is_grad_enabled() and h.requires_grad:
-        if _use_grouped_mm(h, down_w):  # keep only h for backward (the activation is recomputed)
+    if _default_silu_gate(module) and h.requires_grad:
+        # keep only h for backward (the activation is recomputed); under autocast autograd's own graph keeps the
+        # dtypes autocast chose, so GatedDown (whose backward recomputes in h's dtype) stays out of it
+        if _use_grouped_mm(h, down_w) and not torch.is_autocast_enabled(h.device.type):
             y = GatedDown.apply(h, down_w if transposed else down_w.transpose(-2, -1), counts)
             y = _add_bias(y, down_b, counts)
         else:
