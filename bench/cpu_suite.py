@@ -58,28 +58,11 @@ def _step(model, opt, ids):
     return loss
 
 
-def live_peak(fn, trace_path: str) -> int:
-    """The peak of live CPU tensor bytes during ``fn()`` above those live when it starts, from the torch
-    profiler's allocator accounting (its ``[memory]`` events' running total; the CPU analogue of
-    ``torch.cuda.max_memory_allocated``): what the stack asks for, whatever glibc keeps mapped afterwards."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    prof.export_chrome_trace(trace_path)
-    with open(trace_path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
-    os.unlink(trace_path)
-    if not events:
-        return 0
-    events.sort(key=lambda e: e["ts"])
-    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in events) - start
-
-
 def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: list[int]) -> dict:
     import torch
     import torch.distributed as dist
+
+    from xpar_zoo import parity
 
     rank = dist.get_rank()
     gc.collect()
@@ -123,7 +106,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
             for _ in range(LIVE_STEPS):  # a single step's peak varies with when the async collectives land (±20 %)
                 ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
                 dist.barrier()
-                peaks.append(live_peak(lambda: _step(model, opt, ids), f"{out}.trace-{rank}.json") / MB)
+                peaks.append(parity.live_peak_bytes(lambda: _step(model, opt, ids), f"{out}.trace-{rank}.json") / MB)
             row[f"step_live_peak_MiB@{seq}"] = statistics.median(peaks)
         dist.barrier()
         t0 = time.perf_counter()

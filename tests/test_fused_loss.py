@@ -194,22 +194,6 @@ def test_a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss():
     assert torch.isfinite(fused_linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 49, -100])))
 
 
-def _live_peak_bytes(fn, tmp_path) -> int:
-    """Peak live CPU tensor bytes above those live at the start while ``fn()`` runs (torch profiler's allocator
-    accounting, read from its trace)."""
-    import json
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    prof.export_chrome_trace(str(tmp_path / "trace.json"))
-    events = sorted((e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-                     if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in events) - start
-
-
 def test_the_torch_path_holds_one_chunk_of_logits_at_a_time(tmp_path):
     """The log-sum-exp and the softmax reuse the chunk's own logits in place: forward and backward together peak
     at one chunk of fp32 logits (plus the small gradients), where ``torch.logsumexp`` alone makes a second."""
@@ -221,6 +205,7 @@ def test_the_torch_path_holds_one_chunk_of_logits_at_a_time(tmp_path):
     weight = torch.randn(vocab, 8, generator=g, requires_grad=True)
     targets = torch.randint(0, vocab, (tokens,), generator=g)
     chunk_bytes = tokens * vocab * 4
-    peak = _live_peak_bytes(lambda: fused_linear_cross_entropy(hidden, weight, targets,
-                                                               chunk_elements=tokens * vocab).backward(), tmp_path)
+    peak = parity.live_peak_bytes(lambda: fused_linear_cross_entropy(hidden, weight, targets,
+                                                                     chunk_elements=tokens * vocab).backward(),
+                                  str(tmp_path / "trace.json"))
     assert chunk_bytes <= peak < 1.25 * chunk_bytes, f"peak {peak / chunk_bytes:.2f} chunks of logits"

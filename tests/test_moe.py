@@ -73,20 +73,6 @@ def test_the_recomputing_gate_is_bit_identical_to_autograds_graph(dtype, counts,
         assert torch.equal(got, want) and torch.equal(h.grad, h2.grad) and torch.equal(w.grad, w2.grad)
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct floating-point storages autograd keeps for backward while ``fn()`` runs."""
-    kept = {}
-
-    def pack(t):
-        if t.is_floating_point():
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(kept.values())
-
-
 def test_experts_keep_no_activation_output_for_backward(monkeypatch):
     """The experts path keeps ``[gate; up]`` and recomputes ``silu(gate) * up`` in backward instead of keeping
     ``silu(gate)`` and the product: two ``[rows, I]`` tensors less per layer for the whole step than autograd's graph
@@ -99,7 +85,7 @@ def test_experts_keep_no_activation_output_for_backward(monkeypatch):
     x = torch.randn(tokens, cfg.hidden_size, generator=g, requires_grad=True)
     index = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=g, requires_grad=True)
-    ours = _saved_bytes(lambda: experts(x, index, weights))
+    ours = parity.saved_for_backward_bytes(lambda: experts(x, index, weights), exclude=experts.parameters())
     monkeypatch.setattr(moe, "_default_silu_gate", lambda module: False)
-    autograds = _saved_bytes(lambda: experts(x, index, weights))
+    autograds = parity.saved_for_backward_bytes(lambda: experts(x, index, weights), exclude=experts.parameters())
     assert autograds - ours == 2 * tokens * k * cfg.moe_intermediate_size * x.element_size()

@@ -216,22 +216,6 @@ ACTIVATION_MODELS = [
 ACTIVATION_MODEL_IDS = ["qwen3_moe_512", "qwen3_moe_256", "llama_256"]
 
 
-def _saved_for_backward_bytes(model, ids) -> int:
-    """Bytes of the distinct non-parameter storages autograd keeps for backward during one forward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids).loss.backward()
-    return sum(seen.values())
-
-
 @pytest.mark.parametrize("fused", [False, True], ids=["hf_loss", "fused_loss"])
 @pytest.mark.parametrize("arch,dims", ACTIVATION_MODELS, ids=ACTIVATION_MODEL_IDS)
 def test_activation_estimate_is_within_10_percent_of_what_autograd_saves(arch, dims, fused):
@@ -246,7 +230,8 @@ def test_activation_estimate_is_within_10_percent_of_what_autograd_saves(arch, d
     if fused:
         install_fused_loss(model)
     ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
-    got = _saved_for_backward_bytes(model, ids)
+    got = parity.saved_for_backward_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward(),
+                                          exclude=model.parameters())
     want = planner.activation_bytes(cfg, ids.numel(), 4, fused_head=int(fused),
                                     qk_norm=arch == "qwen3_moe")
     assert 0.9 * got <= want <= 1.1 * got, f"estimate {want / 2**20:.1f} MiB, autograd keeps {got / 2**20:.1f} MiB"

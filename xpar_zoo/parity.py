@@ -1,7 +1,8 @@
 """Parity against single-process transformers: tiny models, data, the reference run and the parallel run.
 
 Shared by the demo, the tests and the benchmarks so that the claim ("the parallel model equals the single-process
-model") and its tolerances have one source of truth.
+model") and its tolerances have one source of truth; so are the two memory measures the tests and the CPU suite
+use (:func:`saved_for_backward_bytes`, :func:`live_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -188,3 +189,45 @@ def assert_params_match(errors: dict[str, float], what: str = "") -> None:
     """Every parameter within :data:`PARAM_REL_TOL` of its update (see :func:`param_errors`)."""
     name, worst = max(errors.items(), key=lambda kv: kv[1])
     assert worst < PARAM_REL_TOL, f"{what} {name}: relative error {worst:.2e}"
+
+
+# ---- memory measures -----------------------------------------------------------------------------------------------
+
+def saved_for_backward_bytes(fn: Callable[[], object], exclude=()) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` runs, those of ``exclude``
+    (e.g. the model's parameters) left out."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def live_peak_bytes(fn: Callable[[], object], trace_path: str) -> int:
+    """The peak of live CPU tensor bytes during ``fn()`` above those live when it starts, from the torch profiler's
+    allocator accounting (its ``[memory]`` events' running total, read from a chrome trace written to
+    ``trace_path`` and removed; the CPU analogue of ``torch.cuda.max_memory_allocated``): what the code asks for,
+    whatever glibc keeps mapped afterwards."""
+    import json
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    os.unlink(trace_path)
+    if not events:
+        return 0
+    events.sort(key=lambda e: e["ts"])
+    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in events) - start
