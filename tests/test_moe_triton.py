@@ -156,6 +156,50 @@ def test_frozen_experts_skip_their_weight_gradients_and_keep_the_input_gradient(
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused_router_grad", "materialised_dy"])
+def test_triton_experts_keep_no_activation_for_backward(fuse):
+    """What the kernels keep per layer: the input, the router weights, ``h = [gate | up]``, the expert outputs (for
+    the router gradient) and int32 routing; the activation ``silu(gate) * up`` (``rows × I``) is recomputed."""
+    tokens, hidden, inter, experts, top_k, dead = SHAPES[0]
+    module = _experts(hidden, inter, experts, seed=6)
+    index, weights = _routing(tokens, experts, top_k, dead, seed=6)
+    x, w = torch.randn(tokens, hidden, requires_grad=True), weights.clone().requires_grad_()
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        moe_triton.moe_experts(x, index, w, module.gate_up_proj, module.down_proj, moe_triton.INTERPRETER_TILES,
+                               fuse_router_grad=fuse)
+    rows = tokens * top_k
+    assert (rows, 2 * inter) in shapes and (rows, inter) not in shapes
+    saved = parity.saved_for_backward_bytes(
+        lambda: moe_triton.moe_experts(x, index, w, module.gate_up_proj, module.down_proj,
+                                       moe_triton.INTERPRETER_TILES, fuse_router_grad=fuse),
+        exclude=module.parameters())
+    floats = tokens * hidden + tokens * top_k + rows * hidden + rows * 2 * inter  # x, weights, y, h
+    ints = rows + rows + rows + 2 * experts  # src, slots, order, row_end and tile_end
+    assert saved == 4 * (floats + ints)
+
+
+def test_a_trainable_down_projection_alone_gets_the_recomputed_activations_gradient():
+    """Input and gate/up frozen, down trainable (no ``dh`` GEMM to fuse the recomputation into): the down weight's
+    gradient is the one a fully trainable step computes."""
+    tokens, hidden, inter, experts, top_k, dead = SHAPES[0]
+    module = _experts(hidden, inter, experts, seed=7)
+    index, weights = _routing(tokens, experts, top_k, dead, seed=7)
+    x = torch.randn(tokens, hidden)
+    tiles = moe_triton.INTERPRETER_TILES
+
+    def down_grad(x):
+        module.zero_grad(set_to_none=True)
+        moe_triton.moe_experts(x, index, weights, module.gate_up_proj, module.down_proj, tiles).square().sum().backward()
+        return module.down_proj.grad
+
+    full = down_grad(x.clone().requires_grad_())
+    module.gate_up_proj.requires_grad_(False)
+    alone = down_grad(x)
+    assert module.gate_up_proj.grad is None
+    assert _rel(alone, full) < 1e-6
+
+
 def test_a_rank_that_receives_no_rows_gets_empty_outputs_and_zero_weight_gradients():
     module = _experts(16, 8, 4, seed=2)  # under EP a rank can receive no token at all
     x = torch.zeros(0, 16, requires_grad=True)

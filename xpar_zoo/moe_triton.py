@@ -7,7 +7,8 @@ MoE layer, forward and backward, with no padding, no host sync and no transposed
     ``C[rows of g] = A[rows of g] @ B_g`` for every group ``g`` at once. ``A`` rows may be *gathered*
     (``A[src[r]]``: the permute fused into the GEMM's loads), ``B_g`` is read through strides (any weight layout,
     no copy). Epilogues: SwiGLU forward (two accumulators, gate and up, write ``h`` and ``silu(gate) * up``) and
-    SwiGLU backward (reads ``h``, writes ``d gate`` and ``d up``); an optional per-row scale. The grid is an upper
+    SwiGLU backward (reads ``h``, writes ``d gate`` and ``d up`` and, for the down weight's gradient, the
+    activation ``silu(gate) * up`` again: the forward keeps only ``h``); an optional per-row scale. The grid is an upper
     bound of the M-tiles (``ceil(S / BM) + G``) times the N-tiles, N fastest; each program finds its group from the
     cumulative tile counts, and the spare ones exit.
 ``_k_gemm``
@@ -60,18 +61,25 @@ def _group_of_tile(tile_end_ptr, row_end_ptr, pid, G, G_P2: tl.constexpr):
 
 
 @triton.jit
+def _swiglu(gate, up):
+    """``silu(gate) * up`` in fp32: the forward's activation and the backward's recomputation of it, one formula."""
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _rows_gemm(
     a_ptr, src_ptr, stride_am, stride_ak,
     b_ptr, stride_bg, stride_bk, stride_bn,
     c_ptr, stride_cm, stride_cn,
-    h_ptr, stride_hm, stride_hn, scale_ptr, dst_ptr,
+    h_ptr, stride_hm, stride_hn, scale_ptr, dst_ptr, act_ptr, stride_actm,
     row_end_ptr, tile_end_ptr, G, N, K,
     GATHER: tl.constexpr, ROW_SCALE: tl.constexpr, SCATTER: tl.constexpr, EPILOGUE: tl.constexpr,
-    G_P2: tl.constexpr,
+    ACT_OUT: tl.constexpr, G_P2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     # EPILOGUE 0: C = A @ B_g.  1: SwiGLU forward, B_g has 2N columns [gate | up]; h = [A@B_gate | A@B_up],
-    # C = silu(A@B_gate) * A@B_up.  2: SwiGLU backward, acc = dA; reads h, writes C = [d gate | d up].
+    # C = silu(gate) * up of h as stored (rounded to h's dtype), so that the backward can recompute C exactly.
+    # 2: SwiGLU backward, acc = dA; reads h, writes C = [d gate | d up] and (ACT_OUT) act = silu(gate) * up.
     # ROW_SCALE: row r of A is taken times scale[r] (applied to the accumulator: (diag(s) A) B = diag(s) (A B)).
     # SCATTER: row r of C is stored at row dst[r] (h stays in grouped order).
     # N-tiles vary fastest: the programs resident at once share a few A row-tiles and one expert's B, both in L2.
@@ -116,9 +124,11 @@ def _rows_gemm(
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
         elif EPILOGUE == 1:
             h_ptrs = h_ptr + rows * stride_hm + rn[None, :] * stride_hn
-            tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=mask)
-            tl.store(h_ptrs + N * stride_hn, acc_up.to(h_ptr.dtype.element_ty), mask=mask)
-            act = acc * tl.sigmoid(acc) * acc_up
+            gate = acc.to(h_ptr.dtype.element_ty)
+            up = acc_up.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptrs, gate, mask=mask)
+            tl.store(h_ptrs + N * stride_hn, up, mask=mask)
+            act = _swiglu(gate.to(tl.float32), up.to(tl.float32))
             tl.store(c_ptrs, act.to(c_ptr.dtype.element_ty), mask=mask)
         else:
             h_ptrs = h_ptr + rows * stride_hm + rn[None, :] * stride_hn
@@ -129,6 +139,9 @@ def _rows_gemm(
             d_up = acc * gate * sig
             tl.store(c_ptrs, d_gate.to(c_ptr.dtype.element_ty), mask=mask)
             tl.store(c_ptrs + N * stride_cn, d_up.to(c_ptr.dtype.element_ty), mask=mask)
+            if ACT_OUT:
+                act_ptrs = act_ptr + rows * stride_actm + rn[None, :]
+                tl.store(act_ptrs, _swiglu(gate, up).to(act_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -259,26 +272,32 @@ def rows_gemm(
     a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], n: int, k: int,
     row_end: torch.Tensor, tile_end: torch.Tensor, rows: int, tiles: Tiles, *,
     src: torch.Tensor | None = None, scale: torch.Tensor | None = None, dst: torch.Tensor | None = None,
-    epilogue: int = 0, h: torch.Tensor | None = None,
+    epilogue: int = 0, h: torch.Tensor | None = None, act_out: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Grouped ``A @ B_g`` over ``rows`` output rows (``A`` rows gathered through ``src`` and scaled by ``scale``,
-    output row ``r`` stored at ``dst[r]``); see :func:`_rows_gemm`. ``b_strides`` = (group, k, n)."""
+    output row ``r`` stored at ``dst[r]``); see :func:`_rows_gemm`. ``b_strides`` = (group, k, n). Returns ``C``;
+    ``(C, h)`` for the SwiGLU forward; ``(C, act)`` for the SwiGLU backward with ``act_out``."""
     groups = row_end.numel()
     out_cols = 2 * n if epilogue == 2 else n
     c = torch.empty(rows, out_cols, device=a.device, dtype=a.dtype)
     if epilogue == 1:
         h = torch.empty(rows, 2 * n, device=a.device, dtype=a.dtype)
+    act = torch.empty(rows, n, device=a.device, dtype=h.dtype) if epilogue == 2 and act_out else None
     bn = tiles.bn_swiglu if epilogue else tiles.bn
     if rows:
         grid = ((triton.cdiv(rows, tiles.bm) + groups) * triton.cdiv(n, bn),)
         hh = h if h is not None else c
+        aa = act if act is not None else c
         _launch(_rows_gemm, grid, tiles,
                 a, src if src is not None else row_end, a.stride(0), a.stride(1),
                 b, *b_strides, c, c.stride(0), c.stride(1), hh, hh.stride(0), hh.stride(1),
-                scale if scale is not None else c, dst if dst is not None else row_end, row_end, tile_end, groups, n, k,
+                scale if scale is not None else c, dst if dst is not None else row_end, aa, aa.stride(0),
+                row_end, tile_end, groups, n, k,
                 GATHER=src is not None, ROW_SCALE=scale is not None, SCATTER=dst is not None, EPILOGUE=epilogue,
-                G_P2=triton.next_power_of_2(groups), BM=tiles.bm, BN=bn, BK=tiles.bk)
-    return (c, h) if epilogue == 1 else c
+                ACT_OUT=act is not None, G_P2=triton.next_power_of_2(groups), BM=tiles.bm, BN=bn, BK=tiles.bk)
+    if epilogue == 1:
+        return c, h
+    return (c, act) if act is not None else c
 
 
 def k_gemm(
@@ -364,31 +383,47 @@ def route(top_k_index: torch.Tensor, num_experts: int
 
 def _mlp_forward(x, gate_up, down, counts, src, tiles, dst=None):
     """``y`` and what the backward needs: the SwiGLU expert MLPs of rows ``x[src[s]]`` (``x[s]``) grouped by expert,
-    row ``s`` of ``y`` stored at ``dst[s]`` (at ``s``)."""
+    row ``s`` of ``y`` stored at ``dst[s]`` (at ``s``). The activation ``silu(gate) * up`` is not kept: the
+    backward recomputes it from ``h = [gate | up]`` (``k·I`` values per token and layer fewer, as on the torch
+    path)."""
     inter, hidden = down.shape[2], down.shape[1]
     rows = src.numel() if src is not None else x.shape[0]
     row_end, tile_end = group_layout(counts, tiles.bm)
     act, h = rows_gemm(x, gate_up, transposed(gate_up), inter, hidden, row_end, tile_end, rows, tiles, src=src, epilogue=1)
     y = rows_gemm(act, down, transposed(down), hidden, inter, row_end, tile_end, rows, tiles, dst=dst)
-    return y, (row_end, tile_end, h, act)
+    return y, (row_end, tile_end, h)
 
 
-def _mlp_backward(dy, x, gate_up, down, src, slots, row_end, tile_end, h, act, tiles, dy_src=None, dy_scale=None,
+def _recomputed_act(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``h = [gate | up]`` with torch ops, for the one backward with no ``dh`` GEMM to fuse
+    it into (input and gate/up weights frozen, down trainable); equal to the kernels' to a few fp32 ulps."""
+    gate, up = h.float().chunk(2, dim=1)
+    return (gate * torch.sigmoid(gate) * up).to(h.dtype)
+
+
+def _mlp_backward(dy, x, gate_up, down, src, slots, row_end, tile_end, h, tiles, dy_src=None, dy_scale=None,
                   *, permuted=False, need):
     """``(dx, d_gate_up, d_down)`` for output gradients ``dy`` (row ``s``'s: ``dy[dy_src[s]] * dy_scale[s]``);
     ``permuted``: ``src`` is a permutation, so ``dx`` rows are stored straight through it (no gather-sum). Only the
-    gradients ``need`` asks for are computed (frozen experts skip both weight-gradient GEMMs)."""
+    gradients ``need`` asks for are computed (frozen experts skip both weight-gradient GEMMs). The activation the
+    down weight's gradient needs is recomputed in the ``dh`` GEMM's epilogue, which reads ``h`` anyway, and lives
+    only until that gradient is made."""
     need_x, need_gate_up, need_down = need
     experts, hidden, inter = down.shape
     rows = h.shape[0]
-    dx = d_gate_up = d_down = None
+    dx = d_gate_up = d_down = dh = None
+    if need_x or need_gate_up:
+        out = rows_gemm(dy, down, as_is(down), inter, hidden, row_end, tile_end, rows, tiles, src=dy_src,
+                        scale=dy_scale, epilogue=2, h=h, act_out=need_down)
+        dh, act = out if need_down else (out, None)
+    elif need_down:
+        act = _recomputed_act(h)
     if need_down:
         d_down = k_gemm(dy, act, (experts, hidden, inter), row_end, tiles, down.dtype, left_src=dy_src,
                         left_scale=dy_scale)
-    if not (need_x or need_gate_up):
+        del act
+    if dh is None:
         return dx, d_gate_up, d_down
-    dh = rows_gemm(dy, down, as_is(down), inter, hidden, row_end, tile_end, rows, tiles, src=dy_src, scale=dy_scale,
-                   epilogue=2, h=h)
     if need_gate_up:
         d_gate_up = k_gemm(dh, x, (experts, 2 * inter, hidden), row_end, tiles, gate_up.dtype, src=src)
     if need_x:
