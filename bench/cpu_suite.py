@@ -50,6 +50,13 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def allocator_env() -> str:
+    """The environment variables that change how CPU memory is allocated (glibc's ``MALLOC_*``, torch's
+    ``THP_MEM_ALLOC_ENABLE``, a preloaded allocator): the ranks inherit them, so they hold for both stacks."""
+    keys = sorted(k for k in os.environ if k.startswith("MALLOC_") or k in ("THP_MEM_ALLOC_ENABLE", "LD_PRELOAD"))
+    return ", ".join(f"`{k}={os.environ[k]}`" for k in keys) or "glibc's and torch's defaults"
+
+
 def _step(model, opt, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -172,7 +179,8 @@ def main() -> None:
     lines = ["", "## CPU suite: xpar_zoo vs transformers DistributedConfig (issue 9)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: "
              f"{cpu_model()}, "
-             f"{os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}",
+             f"{os.cpu_count()} cores; torch {torch.__version__}, transformers {transformers.__version__}; "
+             f"allocator settings (both stacks): {allocator_env()}",
              f"- model: bench/load_memory.py's qwen3_moe fp32 ({nbytes / MB:.0f} MiB hub checkpoint); 4 gloo ranks; "
              f"AdamW; {args.batch}×seq tokens per rank per step (seq = {args.seq}); worst rank; median of "
              f"{args.steps} steps after one warm-up at each seq; the stacks run alternately, {args.rounds} rounds "
