@@ -135,13 +135,13 @@ def _rows_gemm(
             gate = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(h_ptrs + N * stride_hn, mask=mask, other=0.0).to(tl.float32)
             sig = tl.sigmoid(gate)
+            if ACT_OUT:  # first: stored after the gradients, sm_90 code holds ~250 registers a thread, not ~135
+                act_ptrs = act_ptr + rows * stride_actm + rn[None, :]
+                tl.store(act_ptrs, _swiglu(gate, up).to(act_ptr.dtype.element_ty), mask=mask)
             d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
             d_up = acc * gate * sig
             tl.store(c_ptrs, d_gate.to(c_ptr.dtype.element_ty), mask=mask)
             tl.store(c_ptrs + N * stride_cn, d_up.to(c_ptr.dtype.element_ty), mask=mask)
-            if ACT_OUT:
-                act_ptrs = act_ptr + rows * stride_actm + rn[None, :]
-                tl.store(act_ptrs, _swiglu(gate, up).to(act_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
