@@ -190,7 +190,8 @@ def test_a_trainable_down_projection_alone_gets_the_recomputed_activations_gradi
 
     def down_grad(x):
         module.zero_grad(set_to_none=True)
-        moe_triton.moe_experts(x, index, weights, module.gate_up_proj, module.down_proj, tiles).square().sum().backward()
+        y = moe_triton.moe_experts(x, index, weights, module.gate_up_proj, module.down_proj, tiles)
+        y.square().sum().backward()
         return module.down_proj.grad
 
     full = down_grad(x.clone().requires_grad_())

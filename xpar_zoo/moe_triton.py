@@ -8,9 +8,9 @@ MoE layer, forward and backward, with no padding, no host sync and no transposed
     (``A[src[r]]``: the permute fused into the GEMM's loads), ``B_g`` is read through strides (any weight layout,
     no copy). Epilogues: SwiGLU forward (two accumulators, gate and up, write ``h`` and ``silu(gate) * up``) and
     SwiGLU backward (reads ``h``, writes ``d gate`` and ``d up`` and, for the down weight's gradient, the
-    activation ``silu(gate) * up`` again: the forward keeps only ``h``); an optional per-row scale. The grid is an upper
-    bound of the M-tiles (``ceil(S / BM) + G``) times the N-tiles, N fastest; each program finds its group from the
-    cumulative tile counts, and the spare ones exit.
+    activation ``silu(gate) * up`` again: the forward keeps only ``h``); an optional per-row scale. The grid is an
+    upper bound of the M-tiles (``ceil(S / BM) + G``) times the N-tiles, N fastest; each program finds its group
+    from the cumulative tile counts, and the spare ones exit.
 ``_k_gemm``
     Weight gradients: ``dW_g = L[rows of g]^T @ R[rows of g]`` with either side's rows optionally gathered (and
     ``L``'s scaled), written straight into the weight's own ``[G, P, Q]`` layout.

@@ -129,7 +129,8 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     the query / key-value widths: two RMSNorms ``4H``; attention ``H + 2q + 2kv`` (``+ 2q + 2kv`` with
     ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead ``H + 2E + k·(2H + 2I)`` (the router's input and
     scores; per routed row its input, ``[gate; up]`` — the activation is recomputed in backward, on the torch path
-    and in the Triton kernels alike — and the output the combine weighs) plus its shared experts' MLP; the final norm ``2H``. With ``recompute`` (activation checkpointing of every decoder layer, e.g.
+    and in the Triton kernels alike — and the output the combine weighs) plus its shared experts' MLP; the final
+    norm ``2H``. With ``recompute`` (activation checkpointing of every decoder layer, e.g.
     ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
     layer at a time holds all of its values again while it is recomputed: the peak.
 
