@@ -157,15 +157,16 @@ def grouped_linear(
     return _add_bias(out, bias, counts)
 
 
-def _silu_gate(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """transformers' default gate on ``h = [gate; up]``: ``(silu(gate) * up, gate, up, silu(gate))``."""
+def _silu_gate(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operands of transformers' default gate on ``h = [gate; up]``: ``(gate, up, silu(gate))``; the gate's
+    output is ``silu(gate) * up``, made only where it is needed."""
     gate, up = h.chunk(2, dim=-1)
-    silu = F.silu(gate)
-    return silu * up, gate, up, silu
+    return gate, up, F.silu(gate)
 
 
 def _silu_gate_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, silu: torch.Tensor) -> torch.Tensor:
-    """``d h`` of :func:`_silu_gate` (autograd's own formulas for ``silu`` and ``mul``, on the same operands)."""
+    """``d h`` of the default gate ``silu(gate) * up`` (autograd's own formulas for ``silu`` and ``mul``, on the same
+    operands)."""
     return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * silu], dim=-1)
 
 
@@ -178,12 +179,13 @@ class SiluGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(h)
-        return _silu_gate(h)[0]
+        _, up, silu = _silu_gate(h)
+        return silu * up
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (h,) = ctx.saved_tensors
-        return _silu_gate_backward(grad, *_silu_gate(h)[1:])
+        return _silu_gate_backward(grad, *_silu_gate(h))
 
 
 class GatedDown(torch.autograd.Function):
@@ -197,20 +199,22 @@ class GatedDown(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, w_in_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         ctx.save_for_backward(h, w_in_out, offs)
-        return F.grouped_mm(_silu_gate(h)[0], w_in_out, offs=offs)
+        _, up, silu = _silu_gate(h)
+        return F.grouped_mm(silu * up, w_in_out, offs=offs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, w_in_out, offs = ctx.saved_tensors
         grad = _dense_rows(grad)
-        act, gate, up, silu = _silu_gate(h)
+        gate, up, silu = _silu_gate(h)
         grad_w = None
         if ctx.needs_input_grad[1]:  # in the weight's own layout, as autograd's _grouped_mm_mat2_backward does
+            act = silu * up  # recomputed only for the weight's gradient (frozen experts skip it)
             if w_in_out.stride(-2) == 1 and w_in_out.stride(-1) != 1:  # column-major: transformers' [G, out, in]
                 grad_w = F.grouped_mm(grad.t(), act, offs=offs).transpose(-2, -1)
             else:
                 grad_w = F.grouped_mm(act.t(), grad, offs=offs)
-        del act
+            del act
         grad_act = F.grouped_mm(grad, w_in_out.transpose(-2, -1), offs=offs)
         return _silu_gate_backward(grad_act, gate, up, silu), grad_w, None
 
