@@ -3,7 +3,8 @@
 from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
                          save_checkpoint)
 from .clip import clip_grad_norm_
-from .errors import CheckpointError, MeshError, PlanError, UnknownArchitectureError, XparError
+from .errors import (CheckpointError, MeshError, PlanError, RefusedArchitectureError, UnknownArchitectureError,
+                     XparError)
 from .loader import from_pretrained
 from .mesh import Mesh
 from .parallelize import parallelize
@@ -16,7 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "CheckpointFuture", "ExtraPlan", "Mesh", "MeshError", "Plan", "PlanError",
-    "UnknownArchitectureError", "XparError", "clip_grad_norm_", "from_pretrained", "full_logits", "full_state_dict",
+    "RefusedArchitectureError", "UnknownArchitectureError", "XparError", "clip_grad_norm_", "from_pretrained",
+    "full_logits", "full_state_dict",
     "get_plan", "latest_checkpoint", "load_checkpoint", "parallelize", "read_checkpoint_metadata", "save_checkpoint",
     "supported_architectures",
 ]

@@ -25,8 +25,9 @@ from .mesh import Mesh, check_same_on_all_ranks
 from .gathered import install_gathered
 from .moe import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .plan import Plan, match_parameters
-from .registry import get_plan
-from .vocab import fusable_head, install_fused_loss, install_vocab_embedding, install_vocab_lm_head
+from .registry import plan_for
+from .vocab import (check_embedding, check_head, embedding_weight_read, fusable_head, install_fused_loss,
+                    install_vocab_embedding, install_vocab_lm_head)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,13 @@ def match_plan(model: nn.Module, plan: Plan, active: dict[str, int], shard_size:
                 f"plan {name!r} splits {mod_fqn}.{names} but not {others} of the same module; "
                 "a planned module's own parameters must all be planned"
             )
+        if plan.extra[name].style == "lm_head":  # vocab modules the styles cannot serve: refused before any work
+            check_head(model, module)
+        elif plan.extra[name].style == "embedding":
+            try:
+                check_embedding(model, module)
+            except PlanError as e:
+                raise PlanError(f"plan {name!r} ({mod_fqn}): {e}; leave {name!r} out of the mesh") from None
         planned.append(PlannedModule(mod_fqn, name, plan.extra[name].style, tuple(names)))
     modules = [p.fqn for p in planned]
     if len(set(modules)) != len(modules):
@@ -178,6 +186,9 @@ def shard_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule], **
     """``fully_shard`` each planned module on dim 1 over its plan's FSDP ranks, submodules before parents."""
     for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
         module = model.get_submodule(pm.fqn)
+        for child in module.children():  # unplanned submodules with weights (muse_spark's post_expert_norm): dense
+            if next(child.parameters(), None) is not None and not isinstance(child, FSDPModule):
+                fully_shard(child, mesh=mesh.dense, **fsdp_kwargs)
         fully_shard(module, mesh=mesh.plan_mesh(pm.plan_name), dp_mesh_dims=mesh.fsdp_dims(pm.plan_name),
                     shard_placement_fn=lambda p: Shard(1), **fsdp_kwargs)
         # FSDP averages over the ranks it reduces across (world / size); every rank saw its own micro-batch, so
@@ -195,7 +206,9 @@ def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(fqn, module)`` of the input embedding and the output head, which ``shard_units`` makes FSDP units of
     their own (torchtitan's layout): the embedding is then gathered only around its own forward and backward and
     the head only from its forward to its backward, instead of both for the whole step as parameters of the
-    root. None when they are tied (one weight, so one unit: the root's). The planner builds the same units."""
+    root. None when they are tied (one weight, so one unit: the root's); not the embedding when the model reads
+    its weight outside its forward (:func:`~xpar_zoo.vocab.embedding_weight_read`). The planner builds the same
+    units."""
     found = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         try:
@@ -203,10 +216,12 @@ def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
         except (NotImplementedError, AttributeError):  # models without one (e.g. a base model's head)
             module = None
         if isinstance(module, nn.Module) and module is not model and next(module.parameters(), None) is not None:
-            found.append(module)
-    weights = [id(p) for m in found for p in m.parameters()]
+            found.append((getter, module))
+    weights = [id(p) for _, m in found for p in m.parameters()]
     if len(set(weights)) != len(weights):  # tied
         return []
+    # a model that reads the embedding's weight outside its forward needs it whole then: it stays with the root's
+    found = [m for getter, m in found if getter != "get_input_embeddings" or not embedding_weight_read(model, m)]
     fqn = {id(m): n for n, m in model.named_modules()}
     return [(fqn[id(m)], m) for m in found if id(m) in fqn]
 
@@ -217,8 +232,9 @@ def shard_units(model: nn.Module, mesh: Mesh, plan: Plan, **fsdp_kwargs) -> tupl
     the decoder layers and the edge units."""
     classes = set(plan.unit_classes(model))
     units = [m for m in model.modules() if type(m).__name__ in classes and not isinstance(m, FSDPModule)]
-    for unit in units:
-        fully_shard(unit, mesh=mesh.dense, **fsdp_kwargs)
+    depth = {id(m): n.count(".") for n, m in model.named_modules()}
+    for unit in sorted(units, key=lambda m: -depth[id(m)]):  # bottom-up: a unit inside another (a vision block
+        fully_shard(unit, mesh=mesh.dense, **fsdp_kwargs)  # inside its encoder) first
     edges = [m for _, m in edge_units(model) if not isinstance(m, FSDPModule)]
     for module in edges:
         fully_shard(module, mesh=mesh.dense, **fsdp_kwargs)
@@ -288,15 +304,16 @@ def parallelize(
     fused_loss: bool = True,
 ) -> nn.Module:
     """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (dim 1 for planned
-    tensors) to a transformers model in place; returns it. ``plan`` defaults to the registry's plan for
-    ``model.config.model_type``; ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction.
+    tensors) to a transformers model in place; returns it. ``plan`` defaults to the registry's plan for the model
+    (:func:`~xpar_zoo.registry.plan_for`: curated, else derived from transformers' declarations);
+    ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction.
 
     ``fused_loss`` (default): where the mesh has no ``head`` plan but the plan defines one (so the architecture's
     head is proved to take it), the whole-vocab head gets the fused linear + cross-entropy of
     :func:`~xpar_zoo.vocab.install_fused_loss` — no ``[tokens, V]`` logits with labels (``out.logits`` is ``None``
     unless asked for with :func:`~xpar_zoo.full_logits`). ``fused_loss=False`` keeps transformers' loss; to choose
     its chunk size or kernels, call :func:`~xpar_zoo.vocab.install_fused_loss` on the model before this."""
-    plan = plan or get_plan(model.config.model_type)
+    plan = plan or plan_for(model)
     check_same_on_all_ranks(_fingerprint(model, plan), "models or plans (parameter names/shapes, plan)", PlanError)
     planned = plan_parameters(model, mesh, plan)
     if mixed_precision is True:
