@@ -124,7 +124,7 @@ def test_planner_predicts_collective_bytes_within_5_percent(measured, mesh):
     c = est.comm
     predicted = {"all_gather": c["all_gather (FSDP params)"] + c["all_gather (head loss statistics)"],
                  "reduce_scatter": c["reduce_scatter (FSDP grads)"],
-                 "all_reduce": c["all_reduce (HSDP grads)"],
+                 "all_reduce": c["all_reduce (HSDP grads)"] + c["all_reduce (loss target count)"],
                  "all_to_all": c["all_to_all (EP tokens)"] + c["all_to_all (emb ids + vectors)"]
                  + c["all_to_all (head hidden states)"]}
     ranks = [comm for comm, _ in measured[mesh]]

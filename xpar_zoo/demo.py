@@ -26,7 +26,8 @@ def run_demo(world: int = 4, ep: int = 2, steps: int = 5) -> bool:
     mesh_kwargs = {"ep": ep} if ep > 1 else {}
     cfg = parity.tiny_config("qwen3_moe")
     print(f"xpar_zoo demo: tiny qwen3_moe ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
-          f"top-{cfg.num_experts_per_tok}, fp32) on {world} CPU ranks (gloo), Mesh(ep={ep}), AdamW + clipping")
+          f"top-{cfg.num_experts_per_tok}, fp32) on {world} CPU ranks (gloo), Mesh(ep={ep}), AdamW + clipping; "
+          "labels masked unequally per rank (one rank has no target in step 1), loss = the global-batch mean")
     result = launch.run(_demo_job, world, world, mesh_kwargs, steps)
     if result["local"]:
         print(f"rank 0 holds gate_up_proj shard {list(result['local'])} of global "

@@ -23,3 +23,12 @@ class UnknownArchitectureError(PlanError, KeyError):
 
 class CheckpointError(XparError, ValueError):
     """A checkpoint that is incomplete, unreadable, or does not fit the model (names the tensors and shapes)."""
+
+
+class LoadError(XparError, RuntimeError):
+    """A checkpoint that cannot be loaded into the model as asked (dtype, quantization, a tensor left unfilled)."""
+
+
+class ModelStateError(XparError, RuntimeError):
+    """A parallelized model that cannot run or be saved as it is: a trainable parameter ``parallelize`` does not
+    manage (added or swapped in afterwards), tensors still on the meta device, buffers never initialised."""

@@ -6,7 +6,9 @@
 4. ``shard_planned``       ``fully_shard`` planned modules on dim 1 over ``<plan>_fsdp``, deepest first;
 5. ``shard_units``         ``fully_shard`` decoder layers, the input embedding and the output head (units of their
                            own unless planned or tied), then the root, over all ranks (HSDP with replicate);
-6. ``set_prefetch``        explicit forward/backward prefetch across the nested units.
+6. ``set_prefetch``        explicit forward/backward prefetch across the nested units;
+7. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and, with labels, makes
+                           every rank's loss its share of the global-batch mean (:mod:`xpar_zoo.loss`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .errors import PlanError
+from .errors import ModelStateError, PlanError
 from .mesh import Mesh, check_same_on_all_ranks
 from .gathered import install_gathered
+from .loss import install_global_loss
+from .materialize import check_materialized, meta_tensors, unread_buffers
 from .moe import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .plan import Plan, match_parameters
 from .registry import get_plan
@@ -46,6 +50,7 @@ class ParallelState:
     mesh: Mesh
     plan: Plan
     planned: list[PlannedModule] = field(default_factory=list)
+    unset_buffers: tuple[str, ...] = ()  # built on meta: buffers no checkpoint holds, until materialize()
 
     def planned_params(self) -> dict[str, str]:
         """``{parameter FQN: plan name}`` for every planned parameter."""
@@ -277,6 +282,37 @@ def _fingerprint(model: nn.Module, plan: Plan) -> str:
     return f"{model.config.model_type}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
+def unmanaged_parameters(model: nn.Module) -> list[str]:
+    """Names of ``model``'s trainable parameters that no FSDP unit manages — added after ``parallelize`` (e.g. a
+    LoRA adapter) or swapped in for a managed one: FSDP never reduces their gradients, so each rank would train its
+    own copy."""
+    managed: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                managed.add(id(fsdp_param.sharded_param))
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)  # while the unit is gathered
+                if unsharded is not None:
+                    managed.add(id(unsharded))
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in managed]
+
+
+def check_ready(model: nn.Module) -> None:
+    """Raise :class:`~xpar_zoo.errors.ModelStateError` when a parallelized model cannot run exactly: tensors still on
+    meta or buffers never initialised (see :mod:`xpar_zoo.materialize`), or trainable parameters that
+    ``parallelize`` does not manage (:func:`unmanaged_parameters`). ``parallelize`` runs it before every forward."""
+    check_materialized(model)
+    unmanaged = unmanaged_parameters(model)
+    if unmanaged:
+        shown = ", ".join(unmanaged[:6]) + (f", … ({len(unmanaged)} in all)" if len(unmanaged) > 6 else "")
+        raise ModelStateError(
+            f"trainable parameters that xpar_zoo.parallelize does not manage: {shown}. They were added or swapped in "
+            "after parallelize, so their gradients are never reduced across ranks and every rank would train its own "
+            "copy. Create them before parallelize (e.g. apply the PEFT adapter to the model first) or freeze them "
+            "(requires_grad=False)")
+
+
 def parallelize(
     model: nn.Module,
     mesh: Mesh,
@@ -295,10 +331,18 @@ def parallelize(
     head is proved to take it), the whole-vocab head gets the fused linear + cross-entropy of
     :func:`~xpar_zoo.vocab.install_fused_loss` — no ``[tokens, V]`` logits with labels (``out.logits`` is ``None``
     unless asked for with :func:`~xpar_zoo.full_logits`). ``fused_loss=False`` keeps transformers' loss; to choose
-    its chunk size or kernels, call :func:`~xpar_zoo.vocab.install_fused_loss` on the model before this."""
+    its chunk size or kernels, call :func:`~xpar_zoo.vocab.install_fused_loss` on the model before this.
+
+    With labels, ``out.loss`` on each rank is its share of the mean over every valid target of every rank's
+    micro-batch (the mean of ``out.loss`` over the ranks is that global mean, and the gradients are exactly its
+    gradients); ``num_items_in_batch`` sets the global count explicitly (gradient accumulation): see
+    :mod:`xpar_zoo.loss`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint."""
     plan = plan or get_plan(model.config.model_type)
-    check_same_on_all_ranks(_fingerprint(model, plan), "models or plans (parameter names/shapes, plan)", PlanError)
+    check_same_on_all_ranks({"model and plan": _fingerprint(model, plan), "mixed_precision": repr(mixed_precision),
+                             "reshard_after_forward": reshard_after_forward, "prefetch": prefetch,
+                             "fused_loss": fused_loss}, "parallelize arguments", PlanError)
     planned = plan_parameters(model, mesh, plan)
+    unset = tuple(sorted(unread_buffers(model))) if meta_tensors(model) else ()
     if mixed_precision is True:
         mixed_precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fsdp_kwargs = {"reshard_after_forward": reshard_after_forward}
@@ -315,5 +359,9 @@ def parallelize(
         keep_gathered_for_backward(model, units, around)
     if prefetch:
         set_prefetch(model, units, around)
-    model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned)
+    model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
+    install_global_loss(model, mesh.world_size)
+    # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
+    model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)
+    model._is_fsdp_managed_module = True  # transformers' generate then keeps the ranks in step (synced_gpus)
     return model

@@ -50,6 +50,20 @@ def make_batches(vocab_size: int, steps: int, world: int, batch: int = 2, seq: i
     return torch.randint(0, vocab_size, (steps, world, batch, seq), generator=g)
 
 
+def make_labels(data: torch.Tensor, seed: int = 7, ignore_index: int = -100) -> torch.Tensor:
+    """Labels for token ids ``data [steps, world, batch, seq]`` with ``ignore_index`` masks that give the ranks
+    unequal numbers of valid targets, as padding and prompt masks do in SFT: each row ignores a prefix of random
+    length, and the last rank of the first step has no valid target at all. Deterministic in ``data``'s shape."""
+    labels = data.clone()
+    steps, world, batch, seq = data.shape
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, seq, (steps, world, batch), generator=g)
+    labels[torch.arange(seq) < prefix[..., None]] = ignore_index
+    if world > 1:
+        labels[0, world - 1] = ignore_index
+    return labels
+
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -72,14 +86,17 @@ class RunRecord:
     local_shapes: dict[str, tuple[int, ...]]  # this rank's local shard shapes (parallel run only)
 
 
-def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0) -> RunRecord:
-    """Single-process transformers (HF's own eager experts) on every rank's data at once."""
+def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0,
+                    labels: torch.Tensor | None = None) -> RunRecord:
+    """Single-process transformers (HF's own eager experts) on every rank's data at once: the loss is the mean over
+    all valid targets of the step's global batch. ``labels`` default to :func:`make_labels` of ``data``."""
     model = build_model(config, seed, experts_implementation="eager")
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
+    labels = make_labels(data) if labels is None else labels
     losses, norms = [], []
     for step in range(data.shape[0]):
         ids = data[step].reshape(-1, data.shape[-1])
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=labels[step].reshape(-1, data.shape[-1])).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
         opt.step()
@@ -90,10 +107,13 @@ def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float 
 
 
 def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str, max_norm: float | None,
-                   seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False) -> RunRecord:
+                   seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False,
+                   labels: torch.Tensor | None = None) -> RunRecord:
     """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``kernels`` for
     :func:`xpar_zoo.moe.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
-    decoder layer); every rank calls it, rank 0's record is complete."""
+    decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` as in
+    :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
+    batch's. Every rank calls it; rank 0's record is complete."""
     import xpar_zoo
     from xpar_zoo.moe import set_experts_kernels
 
@@ -105,10 +125,11 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     set_experts_kernels(model, kernels)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     rank = dist.get_rank()
+    labels = make_labels(data) if labels is None else labels
     losses, norms = [], []
     for step in range(data.shape[0]):
         ids = data[step, rank]
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=labels[step, rank]).loss
         loss.backward()
         norm = xpar_zoo.clip_grad_norm_(model, max_norm if max_norm else float("inf"))
         opt.step()

@@ -242,6 +242,8 @@ def estimate(
     est.comm["all_gather (FSDP params)"] = gather
     est.comm["reduce_scatter (FSDP grads)"] = reduce
     est.comm["all_reduce (HSDP grads)"] = allreduce
+    # the global-batch loss: one fp32 count of valid targets summed over the world per forward (xpar_zoo.loss)
+    est.comm["all_reduce (loss target count)"] = 2 * (world - 1) / world * 4
     s = sizes.get("ep", 1)
     a2a = 0.0
     if s > 1:
@@ -256,9 +258,10 @@ def estimate(
         (e - 1) / e * tokens * (8 + 2 * hidden * pbytes) + (e - 1) * 8 if e > 1 else 0.0)
     h = sizes.get("head", 1)
     # head: every rank's hidden states (and int64 targets) sent to the h-1 others, the hidden-state gradients sent
-    # back, the row counts and the fp32 upstream gradient; [2, h·tokens] fp32 statistics all-gathered.
+    # back, the row counts, the fp32 loss denominator and the fp32 upstream gradient; [2, h·tokens] fp32 statistics
+    # all-gathered.
     est.comm["all_to_all (head hidden states)"] = (
-        (h - 1) * (tokens * (2 * hidden * pbytes + 8) + 8 + 4) if h > 1 else 0.0)
+        (h - 1) * (tokens * (2 * hidden * pbytes + 8) + 8 + 4 + 4) if h > 1 else 0.0)
     est.comm["all_gather (head loss statistics)"] = (h - 1) * 2 * h * tokens * 4 if h > 1 else 0.0
     return est
 

@@ -363,11 +363,8 @@ def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParal
     state: _HeadState = self._xpar_head
     shard, request = state.shard, state.request
     weight = to_local(self.weight)  # [V/s, H]
-    if request is None:
-        if shard.size == 1:  # a whole-vocab head without labels: plain logits, as transformers returns them
-            return nn.functional.linear(hidden_states, weight)
-        if not state.full_logits:
-            return VocabParallelLogits()
+    if request is None and shard.size == 1:  # a whole-vocab head without labels: plain logits, as transformers's
+        return nn.functional.linear(hidden_states, weight)
     lead = hidden_states.shape[:-1]
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     counts = _group_counts(hidden.shape[0], shard, hidden.device)
@@ -379,7 +376,7 @@ def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParal
         out.loss = _fused_cross_entropy(hidden, weight, request.targets.reshape(-1).to(hidden.device), shard,
                                         counts, request.ignore_index, request.num_items, state.chunk_elements,
                                         state.kernels)
-    if state.full_logits:
+    if state.full_logits or request is None:  # without labels a forward is for its logits (generate, evaluation)
         out.logits = _head_full_logits(hidden, weight, counts, shard, lead)
     return out
 
