@@ -149,6 +149,44 @@ def _generate(prompts) -> dict:
     return out
 
 
+def _save_pretrained(cfg, data, root: str) -> dict:
+    """One SGD step on Mesh(ep=2, emb=2, head=2), then ``model.save_pretrained`` (all ranks) twice into the same
+    directory, the second time over a stale shard: what plain transformers loads back, against the live model."""
+    import torch.distributed as dist
+    from pathlib import Path
+
+    import xpar_zoo
+
+    rank = dist.get_rank()
+    model = xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(ep=2, emb=2, head=2))
+    ids = data[0, rank]
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    out_dir = Path(root) / "saved"
+    model.save_pretrained(out_dir, max_shard_size="40KB")
+    if rank == 0:
+        (out_dir / "model-00099-of-00099.safetensors").write_bytes(b"stale")
+    model.save_pretrained(out_dir, max_shard_size="40KB")
+    live = xpar_zoo.full_state_dict(model)
+    if rank != 0:
+        return {}
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).state_dict()
+    keys = set()
+    for f in out_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as handle:
+            keys |= set(handle.keys())
+    parity.build_model(cfg).save_pretrained(Path(root) / "reference")
+    ref_keys = set()
+    for f in (Path(root) / "reference").glob("*.safetensors"):
+        with safe_open(str(f), "pt") as handle:
+            ref_keys |= set(handle.keys())
+    return {"equal": sorted(n for n in live if torch.equal(live[n], loaded[n])), "names": sorted(live),
+            "keys_as_transformers": keys == ref_keys, "files": sorted(p.name for p in out_dir.iterdir())}
+
+
 def _job(root: str) -> dict:
     cfg = parity.tiny_config("qwen3_moe")
     data = parity.make_batches(cfg.vocab_size, MICRO, WORLD, seed=11)
@@ -157,7 +195,8 @@ def _job(root: str) -> dict:
     return {"accumulation": _accumulation(cfg, data, labels),
             "unmanaged": _unmanaged(cfg, ids[0]),
             "meta": _meta_recipe(cfg, ids, parity.make_labels(ids[None])[0], root),
-            "generate": _generate(parity.make_batches(cfg.vocab_size, 1, WORLD, batch=1, seq=5, seed=13)[0, :, 0])}
+            "generate": _generate(parity.make_batches(cfg.vocab_size, 1, WORLD, batch=1, seq=5, seed=13)[0, :, 0]),
+            "save_pretrained": _save_pretrained(cfg, data, root)}
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +281,11 @@ def test_a_launched_process_without_init_process_group_is_refused():
             print("OK")
     """)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+def test_save_pretrained_on_every_rank_writes_what_plain_transformers_loads(results):
+    row = results["save_pretrained"]
+    assert row["equal"] == row["names"], f"differ: {sorted(set(row['names']) - set(row['equal']))}"
+    assert row["keys_as_transformers"], "the hub keys differ from transformers' own save_pretrained"
+    assert "model-00099-of-00099.safetensors" not in row["files"], "a stale shard of an earlier save was left"
+    assert not [f for f in row["files"] if f.startswith(".")], row["files"]

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .errors import ModelStateError, PlanError
 from .mesh import Mesh, check_same_on_all_ranks
 from .gathered import install_gathered
+from .hub_save import install_save_pretrained
 from .loss import install_global_loss
 from .materialize import check_materialized, meta_tensors, unread_buffers
 from .moe import EXPERTS_IMPLEMENTATION, install_expert_parallel
@@ -364,4 +365,5 @@ def parallelize(
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)
     model._is_fsdp_managed_module = True  # transformers' generate then keeps the ranks in step (synced_gpus)
+    install_save_pretrained(model)
     return model
