@@ -32,7 +32,7 @@ from torch import nn
 from .errors import PlanError
 from .mesh import validate_sizes
 from .parallelize import check_plan_names, edge_units, match_plan, whole_vocab_head_fusable
-from .vocab import CE_CHUNK_ELEMENTS
+from .fused_loss import CE_CHUNK_ELEMENTS
 from .plan import Plan, match_parameters
 from .registry import get_plan
 
