@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import xpar_zoo
-from xpar_zoo import parity
+from xpar_zoo.testing import parity
 from xpar_zoo.errors import PlanError
 from xpar_zoo.vocab import install_fused_loss
 

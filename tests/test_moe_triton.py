@@ -8,7 +8,7 @@ pytest.importorskip("triton")  # conftest.py sets TRITON_INTERPRET=1: the kernel
 # Triton's interpreter converts 1-element arrays to scalars, which NumPy deprecates (and 2.4 refuses: hence the pin).
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
-from xpar_zoo import launch, parity
+from xpar_zoo.testing import launch, parity
 from xpar_zoo.moe import (
     EXPERTS_IMPLEMENTATION, _standard_swiglu, _triton_for, grouped_linear, set_experts_kernels,
 )
