@@ -32,3 +32,13 @@ class LoadError(XparError, RuntimeError):
 class ModelStateError(XparError, RuntimeError):
     """A parallelized model that cannot run or be saved as it is: a trainable parameter ``parallelize`` does not
     manage (added or swapped in afterwards), tensors still on the meta device, buffers never initialised."""
+
+
+class KernelError(XparError, ValueError):
+    """A kernel choice that cannot run here: Triton missing, experts in a layout or dtype the kernels do not
+    take, tensors on a device they do not run on."""
+
+
+class BatchError(XparError, ValueError, IndexError):
+    """A batch the model cannot take: token ids outside the vocabulary, labels whose shape does not fit the
+    hidden states."""

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import gather_rows, scatter_sum_rows
+from .errors import BatchError, KernelError
 from .mesh import PlanShard
 
 # Logits per chunk ``[tokens, V/s]`` in the fused head, by device type: bounds its memory (on the torch path one
@@ -226,7 +227,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     ``hidden``: ``[..., H]``; ``weight``: ``[V, H]``; ``targets``: ``hidden``'s leading shape (already shifted)."""
     check_kernel_name(kernels)
     if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"targets of shape {tuple(targets.shape)} for hidden states of shape {tuple(hidden.shape)}")
+        raise BatchError(f"targets of shape {tuple(targets.shape)} for hidden states of shape {tuple(hidden.shape)}")
     flat = hidden.reshape(-1, hidden.shape[-1])
     return fused_cross_entropy(flat, weight, targets.reshape(-1), whole_vocab(weight), [flat.shape[0]],
                                 ignore_index, num_items, chunk_elements, kernels)
@@ -235,7 +236,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 def fused_cross_entropy(hidden, weight, targets, shard, counts, ignore_index, num_items, chunk_elements, kernels):
     """Apply the fused loss to ``[N, H]`` hidden states and ``[N]`` targets, computing only the gradients wanted."""
     if kernels == "triton" and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the fused loss's Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
+        raise KernelError("the fused loss's Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
                            f"the head got {hidden.device.type} hidden states")
     grad = torch.is_grad_enabled()
     want = (grad and hidden.requires_grad, grad and weight.requires_grad)
@@ -245,7 +246,7 @@ def fused_cross_entropy(hidden, weight, targets, shard, counts, ignore_index, nu
 
 def check_kernel_name(kernels: str) -> None:
     if kernels not in LOSS_KERNELS:
-        raise ValueError(f"kernels must be one of {LOSS_KERNELS}, got {kernels!r}")
+        raise KernelError(f"kernels must be one of {LOSS_KERNELS}, got {kernels!r}")
 
 
 def whole_vocab(weight: torch.Tensor) -> PlanShard:

@@ -36,7 +36,7 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from .collectives import GatherRows, all_to_all, all_to_all_counts, group_row_counts, to_local
-from .errors import PlanError
+from .errors import BatchError, PlanError
 from .fused_loss import check_kernel_name, fused_cross_entropy, whole_vocab
 from .mesh import PlanShard
 
@@ -52,7 +52,7 @@ def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     ids, inverse = torch.unique(flat, return_inverse=True)  # sorted, hence grouped by owner
     lo, hi = ids[[0, -1]].tolist() if ids.numel() else (0, 0)  # sorted: the ends bound every id; one host sync
     if lo < 0 or hi >= vocab:
-        raise IndexError(f"token id out of range [0, {vocab}) in the vocab-parallel embedding")
+        raise BatchError(f"token id out of range [0, {vocab}) in the vocab-parallel embedding (ids {lo} … {hi})")
     send = torch.bincount(ids // shard.rows, minlength=shard.size)
     recv = all_to_all_counts(send, shard.group)
     send_splits, recv_splits = send.tolist(), recv.tolist()
@@ -126,7 +126,7 @@ def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParal
     out = VocabParallelLogits()
     if request is not None:
         if request.targets.shape != lead:
-            raise ValueError(f"fused loss: labels give targets of shape {tuple(request.targets.shape)} but the "
+            raise BatchError(f"fused loss: labels give targets of shape {tuple(request.targets.shape)} but the "
                              f"head sees hidden states of shape {tuple(lead)} (logits_to_keep with labels?)")
         out.loss = fused_cross_entropy(hidden, weight, request.targets.reshape(-1).to(hidden.device), shard,
                                         counts, request.ignore_index, request.num_items, state.chunk_elements,
