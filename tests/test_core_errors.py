@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import xpar_zoo
-from xpar_zoo import launch, parity
+from xpar_zoo.testing import launch, parity
 
 
 def _attempt(kind: str) -> str:
@@ -64,7 +64,8 @@ CASES = {
     "ep4_replicate2": ["MeshError", "plan 'ep' of size 4 does not divide the dense shard size 2"],
     "from_lists_mismatch": ["MeshError", "same length"],
     "ranks_disagree_on_mesh": ["MeshError", "ranks were given different mesh arguments", "rank 2 has ({'ep': 4}"],
-    "ranks_disagree_on_model": ["PlanError", "ranks were given different models or plans", "rank 1 has"],
+    "ranks_disagree_on_model": ["PlanError", "ranks were given different parallelize arguments: model and plan",
+                                "rank 1 has"],
 }
 
 

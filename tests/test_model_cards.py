@@ -8,8 +8,9 @@ import pytest
 import xpar_zoo
 from xpar_zoo import cli
 from xpar_zoo.model_cards import family_status, render
-from xpar_zoo.proofs import AUTO_PROVED, describe_mesh, proof_meshes, proved_architectures, transformers_moe_families
 from xpar_zoo.registry import refused_architectures
+from xpar_zoo.testing.proofs import (AUTO_PROVED, describe_mesh, proof_meshes, proved_architectures,
+                                     transformers_moe_families)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

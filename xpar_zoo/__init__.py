@@ -3,9 +3,10 @@
 from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
                          save_checkpoint)
 from .clip import clip_grad_norm_
-from .errors import (CheckpointError, MeshError, PlanError, RefusedArchitectureError, UnknownArchitectureError,
-                     XparError)
+from .errors import (BatchError, CheckpointError, KernelError, LoadError, MeshError, ModelStateError, PlanError,
+                     RefusedArchitectureError, UnknownArchitectureError, XparError)
 from .loader import from_pretrained
+from .materialize import materialize
 from .mesh import Mesh
 from .parallelize import parallelize
 from .plan import ExtraPlan, Plan
@@ -16,9 +17,9 @@ from .vocab import full_logits
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "CheckpointFuture", "ExtraPlan", "Mesh", "MeshError", "Plan", "PlanError",
-    "RefusedArchitectureError", "UnknownArchitectureError", "XparError", "clip_grad_norm_", "from_pretrained",
-    "full_logits", "full_state_dict",
-    "get_plan", "latest_checkpoint", "load_checkpoint", "parallelize", "read_checkpoint_metadata", "save_checkpoint",
+    "BatchError", "CheckpointError", "CheckpointFuture", "ExtraPlan", "KernelError", "LoadError", "Mesh", "MeshError",
+    "ModelStateError", "Plan", "PlanError", "RefusedArchitectureError", "UnknownArchitectureError", "XparError",
+    "clip_grad_norm_", "from_pretrained", "full_logits", "full_state_dict", "get_plan", "latest_checkpoint",
+    "load_checkpoint", "materialize", "parallelize", "read_checkpoint_metadata", "save_checkpoint",
     "supported_architectures",
 ]

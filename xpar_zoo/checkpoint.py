@@ -764,6 +764,9 @@ def load_checkpoint(
     skipped). Every tensor's name and global shape is checked against the DCP metadata before anything is
     loaded: a checkpoint of another architecture or other shapes raises :class:`CheckpointError` naming them.
     A collective when distributed."""
+    from .materialize import check_materialized
+
+    check_materialized(model, CheckpointError)  # built on meta: xpar_zoo.materialize(model) first
     ctl = _control(model)
     if ctl.pending is not None:
         pending, ctl.pending = ctl.pending, None

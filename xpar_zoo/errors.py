@@ -27,3 +27,22 @@ class RefusedArchitectureError(UnknownArchitectureError):
 
 class CheckpointError(XparError, ValueError):
     """A checkpoint that is incomplete, unreadable, or does not fit the model (names the tensors and shapes)."""
+
+
+class LoadError(XparError, RuntimeError):
+    """A checkpoint that cannot be loaded into the model as asked (dtype, quantization, a tensor left unfilled)."""
+
+
+class ModelStateError(XparError, RuntimeError):
+    """A parallelized model that cannot run or be saved as it is: a trainable parameter ``parallelize`` does not
+    manage (added or swapped in afterwards), tensors still on the meta device, buffers never initialised."""
+
+
+class KernelError(XparError, ValueError):
+    """A kernel choice that cannot run here: Triton missing, experts in a layout or dtype the kernels do not
+    take, tensors on a device they do not run on."""
+
+
+class BatchError(XparError, ValueError, IndexError):
+    """A batch the model cannot take: token ids outside the vocabulary, labels whose shape does not fit the
+    hidden states."""

@@ -5,7 +5,7 @@
 3. ``plan_hub_layout``    checkpoint headers × transformers' conversion rules → every tensor's pieces, checked
                           strictly (missing / unexpected / wrong shape) before any tensor data is read;
 4. ``parallelize``        extra plans on dim 0 and FSDP2 (dim 1 for planned tensors), still on meta;
-5. ``to_empty``           allocate only the local shards; non-persistent buffers (rotary ``inv_freq``) re-initialised
+5. ``materialize``        allocate only the local shards; non-persistent buffers (rotary ``inv_freq``) initialised
                           by the model's own ``_init_weights``, as transformers does;
 6. ``fill_local_shards``  per file, per local shard: read exactly the slice this rank keeps (``safe_open(…)
                           .get_slice``), fusing per-expert keys on the fly, casting to the model dtype.
@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +30,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from xpar_zoo.converters.hub_layout import Box, HubLayout, Read, plan_hub_layout, read_checkpoint_headers
 
-from .errors import XparError
+from .errors import LoadError, XparError
 from .hub import HubResolutionError, ResolvedModel, resolve
 from .mesh import Mesh, check_same_on_all_ranks
 from .parallelize import parallelize
 from .plan import Plan
 from .registry import check_supported, plan_for
-
-
-class LoadError(XparError, RuntimeError):
-    """A checkpoint that cannot be loaded into the model as asked (dtype, quantization, a tensor left unfilled)."""
+from .materialize import initialise_buffers, materialize  # noqa: F401 (initialise_buffers: re-exported)
 
 
 @dataclass(frozen=True)
@@ -93,6 +92,25 @@ def _torch_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
+def _dtype_argument(dtype, torch_dtype):
+    """``dtype``, or transformers' deprecated ``torch_dtype`` (with transformers' own deprecation warning)."""
+    if torch_dtype is None:
+        return dtype
+    if dtype is not None:
+        raise LoadError(f"both dtype={dtype!r} and torch_dtype={torch_dtype!r} were given; pass dtype only")
+    warnings.warn("`torch_dtype` is deprecated! Use `dtype` instead!", FutureWarning, stacklevel=3)
+    return torch_dtype
+
+
+def _check_parallelize_kwargs(kwargs: dict) -> None:
+    accepted = [n for n, p in inspect.signature(parallelize).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(kwargs) - set(accepted) - {"plan"})
+    if unknown:
+        raise TypeError(f"from_pretrained() got unexpected keyword argument(s) {unknown}; besides its own (name, mesh, "
+                        f"dtype, revision, plan, device, cache_dir, token, progress) it takes parallelize's "
+                        f"{accepted}")
+
+
 def load_config(directory: str | Path):
     """The transformers config in ``directory``; a missing, malformed or unrecognised ``config.json`` raises
     :class:`LoadError` naming the file."""
@@ -130,47 +148,6 @@ def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
 def _live_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_buffers(remove_duplicate=False)),
             **dict(model.named_parameters(remove_duplicate=False))}
-
-
-def initialise_buffers(model: nn.Module, names: set[str]) -> None:
-    """Give buffers that no checkpoint holds (non-persistent ``inv_freq`` & co.) their values through the model's
-    own ``_init_weights``, as transformers' ``from_pretrained`` does; parameters are left alone. Raises
-    :class:`LoadError` for a buffer the model's init does not set."""
-    from transformers import PreTrainedModel
-    from transformers import initialization as init
-
-    owners: dict[str, PreTrainedModel] = {}
-
-    def walk(module: nn.Module, prefix: str, owner) -> None:
-        if isinstance(module, PreTrainedModel):
-            owner = module
-        owners[prefix] = owner
-        for child_name, child in module.named_children():
-            walk(child, f"{prefix}.{child_name}" if prefix else child_name, owner)
-
-    walk(model, "", None)
-    by_module: dict[str, list[str]] = defaultdict(list)
-    for name in names:
-        mod, _, attr = name.rpartition(".")
-        by_module[mod].append(attr)
-    with torch.no_grad():
-        for mod_name, attrs in by_module.items():
-            module = model.get_submodule(mod_name)
-            for attr in attrs:  # a sentinel, so that a buffer the init skips is caught below
-                buf = getattr(module, attr)
-                buf.fill_(float("nan") if buf.is_floating_point() else torch.iinfo(buf.dtype).min
-                          if buf.dtype != torch.bool else False)
-            for p in module.parameters(recurse=False):
-                p._is_hf_initialized = True
-            with init.guard_torch_init_functions():
-                owners[mod_name]._init_weights(module)
-            for attr in attrs:
-                buf = getattr(module, attr)
-                left = (buf.isnan().any() if buf.is_floating_point()
-                        else (buf == torch.iinfo(buf.dtype).min).any() if buf.dtype != torch.bool else False)
-                if left:
-                    raise LoadError(f"buffer {mod_name}.{attr} is in no checkpoint and {type(owners[mod_name]).__name__}"
-                                    "._init_weights does not set it")
 
 
 def fill_local_shards(model: nn.Module, layout: HubLayout, directory: str | Path, *, progress: bool = True
@@ -229,6 +206,7 @@ def from_pretrained(
     cache_dir: str | os.PathLike | None = None,
     token: str | bool | None = None,
     progress: bool = True,
+    torch_dtype: torch.dtype | str | None = None,
     **parallelize_kwargs,
 ) -> nn.Module:
     """Load hub id / cached repo / local directory ``name`` (safetensors) as the real transformers class,
@@ -236,9 +214,13 @@ def from_pretrained(
     reads only the slices it keeps, fusing per-expert hub keys on the fly with transformers' own conversion rules.
     Strict: a checkpoint that does not fill every parameter and persistent buffer exactly, or holds keys the model
     has no place for, raises a :class:`~xpar_zoo.XparError` naming the keys and files before tensor data is read.
-    A collective: every rank calls it. Returns the model in eval mode, like transformers."""
+    A collective: every rank calls it. Returns the model in eval mode, like transformers. Other keyword arguments
+    go to :func:`~xpar_zoo.parallelize`; ``torch_dtype`` is accepted as transformers accepts it (deprecated, use
+    ``dtype``). Without a process group it runs as a single process (world 1)."""
     from transformers import GenerationConfig
 
+    dtype = _dtype_argument(dtype, torch_dtype)
+    _check_parallelize_kwargs(parallelize_kwargs)
     mesh = mesh or Mesh()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         check_same_on_all_ranks((str(name), revision, str(dtype)), "from_pretrained arguments (name, revision, dtype)",
@@ -252,13 +234,9 @@ def from_pretrained(
     model = build_meta(config, torch_dtype)
     plan = plan or plan_for(model)  # curated, or derived from transformers' declarations on the model
     layout = plan_hub_layout(model, read_checkpoint_headers(resolved.directory))
-    persistent = set(model.state_dict(keep_vars=True))
-    unread_buffers = {n for n, _ in model.named_buffers()} - persistent | set(layout.init_buffers)
     parallelize(model, mesh, plan=plan, **parallelize_kwargs)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
-    model.to_empty(device=device)
-    initialise_buffers(model, unread_buffers)
+    model._xpar.unset_buffers = tuple(sorted(set(model._xpar.unset_buffers) | set(layout.init_buffers)))
+    materialize(model, device)
     stats = fill_local_shards(model, layout, resolved.directory, progress=progress)
     if (resolved.directory / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(resolved.directory)

@@ -6,7 +6,8 @@ ranks that hold the same slice shard it on dim 1 with FSDP2. ``innermost=True`` 
 consecutive global ranks (the all-to-all stays inside a node); ``False`` strides them by ``p_fsdp``.
 With ``replicate > 1`` (HSDP) every mesh gets an outermost ``replicate`` dimension.
 
-There is no global state: build a :class:`Mesh` after ``torch.distributed.init_process_group`` and pass it.
+There is no global state: build a :class:`Mesh` after ``torch.distributed.init_process_group`` and pass it (in a
+plain single process, ``Mesh()`` initialises a process group of one rank itself: :func:`init_single_process`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,28 @@ RESERVED_NAMES = frozenset({"replicate", "fsdp", "extra", "innermost", "device_t
 
 def _device_type() -> str:
     backend = dist.get_backend()
-    return "cuda" if backend in ("nccl", "cuda:nccl") or backend.startswith("cuda") else "cpu"
+    return "cuda" if "nccl" in backend or backend.startswith("cuda") else "cpu"
+
+
+def _refuse_launched_without_group() -> None:
+    import os
+
+    launched = os.environ.get("WORLD_SIZE", "1") or "1"
+    if launched.isdigit() and int(launched) > 1:
+        raise MeshError(f"WORLD_SIZE={launched} (a launcher started {launched} processes) but "
+                        "torch.distributed.init_process_group was not called; call it before building a Mesh")
+
+
+def init_single_process() -> None:
+    """Initialise a process group of one rank (this process) when none exists, so that the library runs in a
+    plain ``python`` process as world 1: gloo (and NCCL for CUDA tensors where CUDA is available) over an in-memory
+    store. Refused with :class:`MeshError` when a launcher started several processes (``WORLD_SIZE > 1``) and
+    ``init_process_group`` was not called: silently training each rank alone would be wrong."""
+    if dist.is_initialized():
+        return
+    _refuse_launched_without_group()
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 # DeviceMeshes are canonical per process group: torch caches DTensor specs by mesh *equality* and fully_shard
@@ -58,6 +80,11 @@ def check_same_on_all_ranks(value: object, what: str, error: type[Exception] = M
     dist.all_gather_object(values, value)
     if any(v != values[0] for v in values):
         differ = {r: v for r, v in enumerate(values) if v != values[0]}
+        if isinstance(value, dict):  # name the arguments that differ, not every argument
+            keys = [k for k in value if any(v.get(k) != values[0].get(k) for v in differ.values())]
+            what = f"{what}: {', '.join(keys)}"
+            values[0] = {k: values[0].get(k) for k in keys}
+            differ = {r: {k: v.get(k) for k in keys} for r, v in differ.items()}
         raise error(f"ranks were given different {what}: rank 0 has {values[0]!r}, "
                     + ", ".join(f"rank {r} has {v!r}" for r, v in differ.items()))
 
@@ -124,8 +151,8 @@ class Mesh:
         device_type: str | None = None,
         **sizes: int,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise MeshError("xpar_zoo.Mesh needs torch.distributed to be initialised (init_process_group) first")
+        if not dist.is_available():
+            raise MeshError("xpar_zoo.Mesh needs torch.distributed, which this torch build lacks")
         both = set(extra or {}) & set(sizes)
         if both:
             raise MeshError(f"plan size given twice (extra= and keyword): {sorted(both)}")
@@ -134,6 +161,15 @@ class Mesh:
         unknown = set(innermost) - set(all_sizes)
         if unknown:
             raise MeshError(f"innermost names plans without a size: {sorted(unknown)}")
+        if not dist.is_initialized():  # a plain single process: world 1, checked before a group is created
+            _refuse_launched_without_group()
+            try:
+                validate_sizes(1, all_sizes, replicate)
+            except MeshError as e:
+                raise MeshError(f"{e} (no process group: this process runs alone as world 1; launch several "
+                                "processes, e.g. with torchrun, and call torch.distributed.init_process_group "
+                                "for more ranks)") from None
+            init_single_process()
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         check_same_on_all_ranks((all_sizes, innermost, replicate), "mesh arguments (sizes, innermost, replicate)")

@@ -24,8 +24,8 @@ UPDATE_FLOOR = 1e-7
 
 def tiny_config(model_type: str = "qwen3_moe", **overrides):
     """A tiny transformers config of ``model_type``: shared small dims plus the type's tiny overrides (its curated
-    plan's ``tiny``, else its entry in :data:`xpar_zoo.proofs.AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2 for MoE
-    types). A composite config (vision/audio + text) gets the small dims in its ``text_config``; its other
+    plan's ``tiny``, else its entry in :data:`xpar_zoo.testing.proofs.AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
+    for MoE types). A composite config (vision/audio + text) gets the small dims in its ``text_config``; its other
     sub-configs come from the overrides as dicts."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -45,7 +45,7 @@ def tiny_config(model_type: str = "qwen3_moe", **overrides):
 def build_model(config, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
     """The transformers language model for ``config`` (:func:`xpar_zoo.registry.model_class`: causal LM, or the
     config's own multimodal class) with weights drawn from ``seed`` (identical on every rank)."""
-    from .registry import model_class
+    from ..registry import model_class
 
     torch.manual_seed(seed)
     kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
@@ -57,6 +57,20 @@ def make_batches(vocab_size: int, steps: int, world: int, batch: int = 2, seq: i
     """Token ids ``[steps, world, batch, seq]``: rank ``r`` trains on ``[step, r]``; the reference on all of a step."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (steps, world, batch, seq), generator=g)
+
+
+def make_labels(data: torch.Tensor, seed: int = 7, ignore_index: int = -100) -> torch.Tensor:
+    """Labels for token ids ``data [steps, world, batch, seq]`` with ``ignore_index`` masks that give the ranks
+    unequal numbers of valid targets, as padding and prompt masks do in SFT: each row ignores a prefix of random
+    length, and the last rank of the first step has no valid target at all. Deterministic in ``data``'s shape."""
+    labels = data.clone()
+    steps, world, batch, seq = data.shape
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, seq, (steps, world, batch), generator=g)
+    labels[torch.arange(seq) < prefix[..., None]] = ignore_index
+    if world > 1:
+        labels[0, world - 1] = ignore_index
+    return labels
 
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -82,8 +96,9 @@ class RunRecord:
 
 
 def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | None = None) -> dict:
-    """The extra model inputs (e.g. images: :func:`xpar_zoo.modality.image_batches`) of ``step``: ``extra[step]``
-    holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process reference."""
+    """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.image_batches`) of ``step``:
+    ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process
+    reference."""
     if not extra:
         return {}
     if rank is not None:
@@ -92,15 +107,18 @@ def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | None = No
 
 
 def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0,
-                    extra: list[list[dict]] | None = None) -> RunRecord:
-    """Single-process transformers (HF's own eager experts) on every rank's data at once (``extra``: more inputs
-    per step and rank, see :func:`step_inputs`)."""
+                    labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None) -> RunRecord:
+    """Single-process transformers (HF's own eager experts) on every rank's data at once: the loss is the mean over
+    all valid targets of the step's global batch. ``labels`` default to :func:`make_labels` of ``data``;
+    ``extra``: more inputs per step and rank (:func:`step_inputs`)."""
     model = build_model(config, seed, experts_implementation="eager")
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
+    labels = make_labels(data) if labels is None else labels
     losses, norms = [], []
     for step in range(data.shape[0]):
         ids = data[step].reshape(-1, data.shape[-1])
-        loss = model(input_ids=ids, labels=ids, **step_inputs(extra, step)).loss
+        step_labels = labels[step].reshape(-1, data.shape[-1])
+        loss = model(input_ids=ids, labels=step_labels, **step_inputs(extra, step)).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
         opt.step()
@@ -112,11 +130,12 @@ def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float 
 
 def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str, max_norm: float | None,
                    seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False,
-                   extra: list[list[dict]] | None = None) -> RunRecord:
+                   labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None) -> RunRecord:
     """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``kernels`` for
     :func:`xpar_zoo.moe.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
-    decoder layer; ``extra``: this rank's more inputs, see :func:`step_inputs`); every rank calls it, rank 0's
-    record is complete."""
+    decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
+    :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
+    batch's. Every rank calls it; rank 0's record is complete."""
     import xpar_zoo
     from xpar_zoo.moe import set_experts_kernels
 
@@ -128,10 +147,11 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     set_experts_kernels(model, kernels)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     rank = dist.get_rank()
+    labels = make_labels(data) if labels is None else labels
     losses, norms = [], []
     for step in range(data.shape[0]):
         ids = data[step, rank]
-        loss = model(input_ids=ids, labels=ids, **step_inputs(extra, step, rank)).loss
+        loss = model(input_ids=ids, labels=labels[step, rank], **step_inputs(extra, step, rank)).loss
         loss.backward()
         norm = xpar_zoo.clip_grad_norm_(model, max_norm if max_norm else float("inf"))
         opt.step()
@@ -202,19 +222,22 @@ def param_errors(par: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], bef
 def assert_losses_match(par: list[float], ref: list[float], what: str = "") -> None:
     """Every step's loss within :data:`LOSS_TOL` of the single-process one."""
     for step, (a, b) in enumerate(zip(par, ref, strict=True), 1):
-        assert abs(a - b) < LOSS_TOL, f"{what} step {step}: loss {a} vs single-process {b}"
+        if not abs(a - b) < LOSS_TOL:
+            raise AssertionError(f"{what} step {step}: loss {a} vs single-process {b}")
 
 
 def assert_norms_match(par: list[float], ref: list[float], what: str = "") -> None:
     """Every step's total gradient norm within 1e-5 (relative) of the single-process one."""
     for step, (a, b) in enumerate(zip(par, ref, strict=True), 1):
-        assert abs(a - b) <= 1e-5 * b, f"{what} step {step}: grad norm {a} vs single-process {b}"
+        if not abs(a - b) <= 1e-5 * b:
+            raise AssertionError(f"{what} step {step}: grad norm {a} vs single-process {b}")
 
 
 def assert_params_match(errors: dict[str, float], what: str = "") -> None:
     """Every parameter within :data:`PARAM_REL_TOL` of its update (see :func:`param_errors`)."""
     name, worst = max(errors.items(), key=lambda kv: kv[1])
-    assert worst < PARAM_REL_TOL, f"{what} {name}: relative error {worst:.2e}"
+    if not worst < PARAM_REL_TOL:
+        raise AssertionError(f"{what} {name}: relative error {worst:.2e}")
 
 
 # ---- memory measures -----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 IMAGE_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
 TEXT_VOCAB = 120
 _GRID = (1, 4, 4)  # one frame of 4×4 patches per image
-# The inputs a proof trains on (:attr:`xpar_zoo.proofs.Proof.inputs`) -> the keyword arguments of image_batches.
+# The inputs a proof trains on (:attr:`xpar_zoo.testing.proofs.Proof.inputs`) -> the keyword arguments of image_batches.
 INPUTS = {"image": {}, "image_row_newline": {"row_newline": True}}
 
 

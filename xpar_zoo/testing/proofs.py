@@ -36,8 +36,9 @@ AUTO_MESHES: dict[str, dict] = {"fsdp": {}, "ep2": {"ep": 2}, "ep2_emb2_head2": 
 class Proof:
     """How the zoo proves one automatic-plan type: ``tiny`` config overrides (sub-config dicts for a composite
     config), the plans ``parallelize`` refuses for it (``without``: plan name → a fragment of the refusal's message),
-    the inputs it trains on (``text``: token ids; ``image``: token ids with image placeholders and the pixel inputs
-    of :func:`xpar_zoo.modality.image_inputs`) and a note for its card."""
+    the inputs it trains on (``text``: token ids; ``image`` or another key of
+    :data:`xpar_zoo.testing.modality.INPUTS`: token ids with image placeholders and the pixel inputs of
+    :func:`xpar_zoo.testing.modality.image_batches`) and a note for its card."""
 
     tiny: Mapping[str, object]
     without: Mapping[str, str] = field(default_factory=dict)
@@ -284,7 +285,7 @@ AUTO_PROVED: dict[str, Proof] = {
 def tiny_overrides(model_type: str) -> dict:
     """The tiny-config overrides of ``model_type``: its curated plan's ``tiny``, else its :data:`AUTO_PROVED` entry
     (a deep copy: the caller may change it), else none."""
-    from .registry import _curated
+    from ..registry import _curated
 
     curated = _curated().get(model_type)
     tiny = curated.tiny if curated is not None else AUTO_PROVED[model_type].tiny if model_type in AUTO_PROVED else {}
@@ -297,7 +298,7 @@ def _mesh_name(kwargs: dict) -> str:
 
 def proof_meshes(model_type: str) -> dict[str, dict]:
     """``{mesh name: Mesh kwargs}`` that tests/test_zoo.py proves for ``model_type``."""
-    from .registry import _curated
+    from ..registry import _curated
 
     plan = _curated().get(model_type)
     if plan is not None:
@@ -309,7 +310,7 @@ def proof_meshes(model_type: str) -> dict[str, dict]:
 
 def proved_architectures() -> list[str]:
     """Every ``model_type`` with a parity proof: the curated plans, then the automatic ones, each sorted."""
-    from .registry import supported_architectures
+    from ..registry import supported_architectures
 
     return supported_architectures() + sorted(AUTO_PROVED)
 
