@@ -39,8 +39,9 @@ REFUSED_MODELS = {
     "openai_privacy_filter": ("OpenAIPrivacyFilterForTokenClassification", {}),
     "qwen3_omni_moe": ("Qwen3OmniMoeForConditionalGeneration", dict(enable_audio_output=False)),
 }
-# Loaded by from_pretrained on ep=2 from a saved tiny model: rules transformers converts whole (transposed experts of
-# a multimodal class; one hub tensor split into four), next to the slice-wise read of per-expert keys.
+# Loaded by from_pretrained on ep=2 from a saved tiny model and saved back with save_pretrained: rules transformers
+# converts whole (transposed experts of a multimodal class; one hub tensor split into four, which reverts only as a
+# group), next to the slice-wise read of per-expert keys.
 LOADED = ("qwen3_vl_moe", "lara_mini", "qwen3_moe")
 
 
@@ -52,6 +53,14 @@ def _refused_model(model_type: str):
     class_name, overrides = REFUSED_MODELS[model_type]
     with torch.device("meta"):
         return getattr(transformers, class_name)._from_config(AutoConfig.for_model(model_type, **overrides))
+
+
+def _hub_tensors(directory: str) -> dict:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(directory).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def _job(archs: list, refused_dirs: dict, saved: dict) -> dict:
@@ -82,10 +91,15 @@ def _job(archs: list, refused_dirs: dict, saved: dict) -> dict:
             mesh = xpar_zoo.Mesh(**{plan_name: 2})
             out[arch, f"without {plan_name}"] = _refusal(lambda: xpar_zoo.parallelize(parity.build_model(cfg), mesh))
     for arch, directory in saved.items():
-        state = xpar_zoo.full_state_dict(xpar_zoo.from_pretrained(directory, mesh=xpar_zoo.Mesh(ep=2), progress=False))
+        model = xpar_zoo.from_pretrained(directory, mesh=xpar_zoo.Mesh(ep=2), progress=False)
+        state = xpar_zoo.full_state_dict(model)
+        model.save_pretrained(f"{directory}-saved", progress=False)  # and back to the hub's layout, every rank
         if rank == 0:
             want = parity.build_model(parity.tiny_config(arch)).state_dict()
             out[arch, "loaded"] = sorted(n for n in want if n not in state or not torch.equal(state[n], want[n]))
+            hub, back = _hub_tensors(directory), _hub_tensors(f"{directory}-saved")
+            out[arch, "saved"] = sorted(k for k in hub.keys() | back.keys()
+                                        if k not in hub or k not in back or not torch.equal(hub[k], back[k]))
     for model_type, directory in refused_dirs.items():
         out[model_type, "parallelize"] = _refusal(
             lambda: xpar_zoo.parallelize(_refused_model(model_type), xpar_zoo.Mesh()))
@@ -134,8 +148,9 @@ def test_image_proof_trains_the_vision_tower(results, arch):
 
 
 @pytest.mark.parametrize("arch", LOADED)
-def test_from_pretrained_loads_every_tensor_exactly_on_ep2(results, arch):
+def test_from_pretrained_on_ep2_loads_and_save_pretrained_writes_every_tensor_exactly(results, arch):
     assert results[arch, "loaded"] == []
+    assert results[arch, "saved"] == []
 
 
 @pytest.mark.parametrize("arch,plan", PLAN_REFUSALS)
