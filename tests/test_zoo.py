@@ -20,7 +20,7 @@ REFUSED = refused_architectures()
 
 CASES = [(a, m) for a in PROVED for m in proof_meshes(a)]
 IMAGES = sorted(a for a, p in AUTO_PROVED.items() if p.inputs != "text")
-VISION = ("visual", "vision_tower", "vision_model", "vision_encoder")  # submodules of `model` that are vision towers
+VISION = ("visual", "vision_tower", "vision_model", "vision_encoder", "multi_modal_projector")  # of `model`: vision
 PLAN_REFUSALS = [(a, p) for a in sorted(AUTO_PROVED) for p in AUTO_PROVED[a].without]
 
 
@@ -72,7 +72,7 @@ def _job(archs: list, refused_dirs: dict, saved: dict) -> dict:
         cfg = parity.tiny_config(arch)
         inputs = AUTO_PROVED[arch].inputs if arch in AUTO_PROVED else "text"
         if inputs != "text":
-            ids, images = modality.image_batches(cfg, WORLD, **modality.INPUTS[inputs])
+            ids, images = modality.batches(inputs, cfg, WORLD)
             data, extra = ids[None], [images]  # one step
         else:
             data, extra = parity.make_batches(cfg.get_text_config().vocab_size, 1, WORLD, seed=5), None

@@ -96,7 +96,7 @@ class RunRecord:
 
 
 def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | None = None) -> dict:
-    """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.image_batches`) of ``step``:
+    """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.batches`) of ``step``:
     ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process
     reference."""
     if not extra:

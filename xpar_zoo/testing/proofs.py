@@ -36,9 +36,8 @@ AUTO_MESHES: dict[str, dict] = {"fsdp": {}, "ep2": {"ep": 2}, "ep2_emb2_head2": 
 class Proof:
     """How the zoo proves one automatic-plan type: ``tiny`` config overrides (sub-config dicts for a composite
     config), the plans ``parallelize`` refuses for it (``without``: plan name → a fragment of the refusal's message),
-    the inputs it trains on (``text``: token ids; ``image`` or another key of
-    :data:`xpar_zoo.testing.modality.INPUTS`: token ids with image placeholders and the pixel inputs of
-    :func:`xpar_zoo.testing.modality.image_batches`) and a note for its card."""
+    the inputs it trains on (``text``: token ids; a key of :data:`xpar_zoo.testing.modality.INPUTS`: token ids
+    with image placeholders and the pixel inputs of the tiny vision tower) and a note for its card."""
 
     tiny: Mapping[str, object]
     without: Mapping[str, str] = field(default_factory=dict)
@@ -94,7 +93,7 @@ AUTO_PROVED: dict[str, Proof] = {
     "aria": Proof(dict(text_config=dict(moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1, intermediate_size=16),
                        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                           num_attention_heads=2, image_size=16, patch_size=4),
-                       projector_patch_to_query_dict={4: 2, 16: 2})),
+                       projector_patch_to_query_dict={4: 2, 16: 2}), inputs="pixels_2"),
     "aria_text": Proof(dict(moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1, intermediate_size=16)),
     "axk1": Proof(dict(_DS, **_MLA, **_DENSE_FIRST)),
     "axk2": Proof(dict(_DS, **_MLA, **_DENSE_FIRST, **_INDEXER, gated_norm_rank=4, layer_types=None)),
@@ -146,11 +145,11 @@ AUTO_PROVED: dict[str, Proof] = {
     "flint": Proof(dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                         shared_expert_intermediate_size=24, num_hidden_layers=3, mlp_only_layers=[0], sliding_window=4,
                         layer_types=None)),
-    "gemma4": Proof(dict(text_config=_GEMMA4, tie_word_embeddings=False,
+    "gemma4": Proof(dict(text_config=_GEMMA4, tie_word_embeddings=False, image_token_id=_IMAGE["image_token_id"],
                          vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                             num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=4,
                                             position_embedding_size=16)),
-                    without={"head": _SOFTCAP, "emb": _EMBED_READ}),
+                    without={"head": _SOFTCAP, "emb": _EMBED_READ}, inputs="patches"),
     "gemma4_text": Proof(_GEMMA4, without={"head": _SOFTCAP}),
     "glm4_moe_lite": Proof(dict(_DS, **_MLA, **_DENSE_FIRST)),
     "glm4v_moe": Proof(dict(
@@ -239,7 +238,8 @@ AUTO_PROVED: dict[str, Proof] = {
         text_config=dict(_DS, **_MLA, **_INDEXER, head_dim=16, first_k_dense_replace=1, layer_types=None,
                          mlp_layer_types=None, no_rope_layers=None, kv_source_layers=None),
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=16, patch_size=4, head_dim=8)), without={"head": _SOFTCAP}),
+                           image_size=16, patch_size=4, head_dim=8)), without={"head": _SOFTCAP},
+        inputs="pixels_sized_4"),
     "muse_spark": Proof(dict(
         text_config=dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, moe_hidden_size=16,
                          sliding_window=4, layer_types=None, layer_rope_theta=None, mlp_layer_types=None),
