@@ -137,7 +137,7 @@ def test_architecture_matches_single_process(results, arch, mesh):
     parity.assert_params_match(row["errors"], what=f"{arch} on {mesh}:")
 
 
-@pytest.mark.parametrize("arch", [a for a in PROVED if any(m for m in proof_meshes(a).values() if "ep" in m)])
+@pytest.mark.parametrize("arch", [a for a in PROVED if any("ep" in m for m in proof_meshes(a).values())])
 def test_the_proof_trains_the_experts(results, arch):
     assert results[arch, "moved"]["experts"], f"{arch}: no expert tensor changed in the reference step"
 
