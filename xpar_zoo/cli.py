@@ -111,6 +111,24 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import config_from_args, run
+
+    run(config_from_args(args))
+    return 0
+
+
+def _add_train(sub) -> None:
+    from .train.config import add_arguments
+
+    p = sub.add_parser("train", help="train a model (under torchrun for several ranks): data, packing, accumulation, "
+                                     "checkpoints and exact resume, metrics, load balancing",
+                       description="Train NAME_OR_DIR on --data with its xpar_zoo plan on --mesh; settings from "
+                                   "--config (YAML) and flags (flags win). Launch with torchrun for several ranks.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xpar-zoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_plan)
+    _add_train(sub)
     return parser
 
 

@@ -32,3 +32,11 @@ class LoadError(XparError, RuntimeError):
 class ModelStateError(XparError, RuntimeError):
     """A parallelized model that cannot run or be saved as it is: a trainable parameter ``parallelize`` does not
     manage (added or swapped in afterwards), tensors still on the meta device, buffers never initialised."""
+
+
+class TrainConfigError(XparError, ValueError):
+    """A training configuration that cannot work: an unknown key, a bad value, a resume that does not fit."""
+
+
+class DataError(XparError, ValueError):
+    """Training data that cannot be read, tokenized or packed as asked (names the file, field or numbers)."""
