@@ -33,7 +33,7 @@ SENTENCES = ["the cat sat on the mat", "a dog ran to the park", "birds sing in t
 FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "targets", "tokens_per_s", "step_time_s", "peak_mem_bytes",
           "data_position", "epoch", "expert_load"}
 AUX_COEF = 0.5
-BIAS_RATE, BIAS_START = 0.1, 0.5
+BIAS_RATE, BIAS_START = 0.01, 0.1
 
 
 def _tokenizer():
@@ -51,7 +51,7 @@ def _save_model(path, model_type, **overrides):
     model = parity.build_model(parity.tiny_config(model_type, **overrides))
     with torch.no_grad():
         for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # routers start imbalanced: experts 0 and 1 take all
+            if name.endswith("e_score_correction_bias"):  # routers start imbalanced: experts 0 and 1 take (nearly) all
                 buf.zero_()[:2] = BIAS_START
     model.save_pretrained(path)
     _tokenizer().save_pretrained(path)
@@ -134,9 +134,10 @@ def _jobs(files, out) -> dict:
     run("remeshed", resume=True, mesh={"ep": 4})
     run("accum_micro", steps=3, micro_batch=1, grad_accum=2, mesh={"ep": 2, "emb": 2, "head": 2})
     run("accum_batch", steps=3, micro_batch=2, grad_accum=1, mesh={"ep": 2, "emb": 2, "head": 2})
-    run("learn", steps=30, micro_batch=2, lr=1e-2, warmup=3, save_every=10, keep_last=2, export_hf=str(out / "hf"))
+    run("learn", steps=30, micro_batch=2, lr=1e-2, warmup=3, save_every=10, keep_last=2, export_hf=str(out / "hf"),
+        tensorboard=True)
     aux = run("aux", model="aux", steps=1, micro_batch=2)
-    bias = run("bias", model="glm", steps=6, lr=0.0, expert_bias_update_rate=BIAS_RATE)
+    bias = run("bias", model="glm", steps=8, lr=0.0, expert_bias_update_rate=BIAS_RATE)
     biases = {n: b.detach().clone() for n, b in bias.model.named_buffers() if n.endswith("e_score_correction_bias")}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, biases)
@@ -208,6 +209,7 @@ def test_metrics_fields_and_real_token_counts(jobs, files):
             assert layer["max_over_mean"] == pytest.approx(max(layer["tokens"]) / (sum(layer["tokens"]) / 8))
     lrs = [m["lr"] for m in learn]
     assert lrs[0] == 0.0 and lrs[3] == pytest.approx(1e-2) and lrs[-1] < lrs[10]  # warmup 3, then cosine
+    assert list((jobs["out"] / "learn" / "tensorboard").glob("events.out.tfevents.*"))  # tensorboard is installed
     kept = sorted(p.name for p in (jobs["out"] / "learn" / "checkpoints").iterdir())
     assert kept == ["step-00000020", "step-00000030"]  # save_every 10, keep_last 2
 
@@ -240,10 +242,9 @@ def test_correction_bias_update_is_identical_on_every_rank_and_balances_the_load
     for other in biases[1:]:
         for name, value in biases[0].items():
             assert torch.equal(other[name], value), name
-    first = [layer["max_over_mean"] for layer in metrics[0]["expert_load"]]
-    assert first == [4.0, 4.0]  # experts 0 and 1 took every token
-    last = [max(m["expert_load"][i]["max_over_mean"] for m in metrics[-2:]) for i in range(2)]
-    assert all(x < 2.0 for x in last), last
+    balance = [[layer["max_over_mean"] for layer in m["expert_load"]] for m in metrics]
+    assert all(x > 3.5 for x in balance[0]), balance  # at first experts 0 and 1 take (nearly) every token
+    assert all(sum(b[i] for b in balance[-3:]) / 3 < 2.8 for i in range(2)), balance
     for i, name in enumerate(sorted(biases[0])):  # bias = start + rate * sum of sign(mean - load) over the steps
         expect = torch.zeros(8)
         expect[:2] = BIAS_START
@@ -268,9 +269,10 @@ def test_two_torchrun_nodes_resume_a_four_rank_run_in_the_same_data_order(jobs, 
     args = ["--model", str(files["qwen"]), "--data", str(files["data"]), "--output", str(out), "--seq-len", str(SEQ),
             "--micro-batch", "2", "--steps", "4", "--lr", "3e-3", "--mesh", "ep=2", "--resume", "--no-progress"]
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    console_script = os.path.join(os.path.dirname(sys.executable), "xpar-zoo")  # the venv's, as pip installed it
     nodes = [subprocess.Popen(torchrun + rdzv + ["-m", "xpar_zoo.train", *args], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True),
-             subprocess.Popen(torchrun + rdzv + ["--no-python", shutil.which("xpar-zoo") or "xpar-zoo", "train",
+             subprocess.Popen(torchrun + rdzv + ["--no-python", console_script, "train",
                                                  *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)]
     logs = [p.communicate(timeout=300)[0] for p in nodes]

@@ -138,12 +138,16 @@ def load_tokenizer(name_or_dir: str):
     is none."""
     from transformers import AutoTokenizer
 
+    hint = "pass --tokenizer NAME_OR_DIR, or give pre-tokenized data ('input_ids' records)"
     try:
-        return AutoTokenizer.from_pretrained(name_or_dir)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_dir)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = (str(e).splitlines() or [""])[0]
-        raise DataError(f"no tokenizer in {name_or_dir} ({type(e).__name__}: {first}); pass --tokenizer "
-                        "NAME_OR_DIR, or give pre-tokenized data ('input_ids' records)") from None
+        raise DataError(f"no tokenizer in {name_or_dir} ({type(e).__name__}: {first}); {hint}") from None
+    # transformers builds an empty tokenizer of the config's class from a directory without tokenizer files
+    if not tokenizer("The tokenizer works.", add_special_tokens=False)["input_ids"]:
+        raise DataError(f"no tokenizer in {name_or_dir} (no tokenizer files: it encodes text as nothing); {hint}")
+    return tokenizer
 
 
 def tokenize(docs: Documents, tokenizer, batch: int = 1024) -> tuple[np.ndarray, np.ndarray]:

@@ -260,7 +260,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     last_step = cfg.stop_after or cfg.steps
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
                      progress=cfg.progress, tensorboard=cfg.tensorboard)
-    log.message(f"xpar-zoo train: {type(model).__name__} on {mesh}, {world} ranks x {cfg.micro_batch} rows x "
+    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} ranks x {cfg.micro_batch} rows x "
                 f"{cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per step; {corpus.num_tokens} tokens, "
                 f"{corpus.rows_per_epoch} rows per epoch; " + (f"resumed from {ckpt} at step {step}" if ckpt
                                                                 else "from step 0"))
