@@ -416,7 +416,29 @@ def test_refuses_to_overwrite_a_run_and_a_missing_tokenizer(jobs, files, tmp_pat
     out = jobs["out"] / "straight"
     assert cli.main(["train", "--model", str(files["qwen"]), "--output", str(out), *common]) == 2
     assert "already holds checkpoints (newest: step-00000004); pass --resume" in capsys.readouterr().err
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    assert cli.main(["train", "--model", str(files["qwen"]), "--output", str(other), "--resume", "--seed", "1",
+                     *common]) == 2
+    assert "was trained on other data or another row layout" in capsys.readouterr().err
     bare = tmp_path / "bare"
     shutil.copytree(files["qwen"], bare, ignore=shutil.ignore_patterns("tokenizer*"))
     assert cli.main(["train", "--model", str(bare), "--output", str(tmp_path / "o"), *common]) == 2
     assert f"no tokenizer in {bare}" in capsys.readouterr().err
+
+
+def test_example_config_and_slurm_script():
+    root = os.path.join(os.path.dirname(__file__), "..", "examples")
+    values = read_config_file(os.path.join(root, "qwen3_30b_a3b_8x8_h100.yaml"))
+    cfg = TrainConfig(**values)
+    from xpar_zoo.train.config import validate
+
+    validate(cfg)
+    assert cfg.mesh == {"ep": 64} and cfg.model == "Qwen/Qwen3-30B-A3B" and cfg.mixed_precision
+    from xpar_zoo.mesh import validate_sizes
+
+    validate_sizes(64, cfg.mesh, 1)  # 8 nodes x 8 GPUs; 128 experts split 64 ways
+    assert 128 % cfg.mesh["ep"] == 0
+    script = os.path.join(root, "train.slurm")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    assert "--rdzv-backend c10d" in open(script).read()

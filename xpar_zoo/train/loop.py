@@ -14,6 +14,7 @@ One optimizer step on every rank:
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import time
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from ..clip import clip_grad_norm_
 from ..errors import TrainConfigError, XparError
 from ..loss import count_targets, global_count
@@ -202,17 +203,21 @@ def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: in
                            keep_last=cfg.keep_last)
 
 
-def _resume(ckpt: Path, model, optimizer, scheduler, corpus: PackedCorpus) -> tuple[int, int]:
-    extra = load_checkpoint(ckpt, model, optimizer)
-    data = extra.get("data") or {}
+def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
+    """Rank 0, before the model is loaded: the checkpoint's data position means the same rows for this run."""
+    data = json.loads((ckpt / EXTRA_FILE).read_text()).get("data") or {}
     if data.get("fingerprint") != corpus.fingerprint():
         theirs = {k: data.get(k) for k in ("source", "seq_len", "seed")}
         ours = {"source": corpus.source, "seq_len": corpus.seq_len, "seed": corpus.seed}
         raise TrainConfigError(f"{ckpt} was trained on other data or another row layout ({theirs}) than this run "
-                               f"({ours}): the saved data position would not continue the same order; resume with "
-                               "the same data, seq_len and seed, or start a new --output")
+                               f"({ours}): its data position would not continue the same order; resume with the "
+                               "same data, seq_len and seed, or start a new --output")
+
+
+def _resume(ckpt: Path, model, optimizer, scheduler) -> tuple[int, int]:
+    extra = load_checkpoint(ckpt, model, optimizer)
     scheduler.load_state_dict(extra["scheduler"])
-    return int(extra["step"]), int(data["position"])
+    return int(extra["step"]), int(extra["data"]["position"])
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -232,6 +237,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     ckpt = _everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
     model_config = _everywhere(lambda: _model_config(cfg.model))
     corpus, tokenizer = _everywhere(lambda: _load_corpus(cfg, model_config.vocab_size))
+    if ckpt is not None:
+        _everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
     sizes = dict(cfg.mesh)
     mesh = xpar_zoo.Mesh(replicate=sizes.pop("replicate", 1), **sizes)
 
@@ -256,7 +263,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     scheduler = build_scheduler(optimizer, cfg)
     step, position = 0, 0
     if ckpt is not None:
-        step, position = _resume(ckpt, model, optimizer, scheduler, corpus)
+        step, position = _resume(ckpt, model, optimizer, scheduler)
     last_step = cfg.stop_after or cfg.steps
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
                      progress=cfg.progress, tensorboard=cfg.tensorboard)
