@@ -33,6 +33,9 @@ SENTENCES = ["the cat sat on the mat", "a dog ran to the park", "birds sing in t
 FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "targets", "tokens_per_s", "step_time_s", "peak_mem_bytes",
           "data_position", "epoch", "expert_load"}
 AUX_COEF = 0.5
+# planned units reduce-scattering with forced sums (ep_fsdp 2), planned units of one FSDP rank, HSDP
+ACCUMULATION_MESHES = {"ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2}, "ep4": {"ep": 4},
+                       "ep2_replicate2": {"ep": 2, "replicate": 2}}
 BIAS_RATE, BIAS_START = 0.01, 0.1
 
 
@@ -132,8 +135,10 @@ def _jobs(files, out) -> dict:
     copy("resumed", "torchrun")
     run("resumed", resume=True)
     run("remeshed", resume=True, mesh={"ep": 4})
-    run("accum_micro", steps=3, micro_batch=1, grad_accum=2, mesh={"ep": 2, "emb": 2, "head": 2})
-    run("accum_batch", steps=3, micro_batch=2, grad_accum=1, mesh={"ep": 2, "emb": 2, "head": 2})
+    run("recompute", steps=2, recompute=True)
+    for name, mesh in ACCUMULATION_MESHES.items():
+        run(f"accum_micro_{name}", steps=3, micro_batch=1, grad_accum=2, mesh=mesh)
+        run(f"accum_batch_{name}", steps=3, micro_batch=2, grad_accum=1, mesh=mesh)
     run("learn", steps=30, micro_batch=2, lr=1e-2, warmup=3, save_every=10, keep_last=2, export_hf=str(out / "hf"),
         tensorboard=True)
     aux = run("aux", model="aux", steps=1, micro_batch=2)
@@ -177,13 +182,23 @@ def test_resume_on_ep4_continues_the_same_data_order(jobs):
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5 * b["grad_norm"]
 
 
-def test_accumulation_equals_the_larger_micro_batch(jobs):
-    micro, batch = jobs["metrics"]["accum_micro"], jobs["metrics"]["accum_batch"]
+@pytest.mark.parametrize("mesh", ACCUMULATION_MESHES)
+def test_accumulation_equals_the_larger_micro_batch(jobs, mesh):
+    micro, batch = jobs["metrics"][f"accum_micro_{mesh}"], jobs["metrics"][f"accum_batch_{mesh}"]
     assert len(micro) == len(batch) == 3
     for a, b in zip(micro, batch):
         assert a["targets"] == b["targets"] and a["tokens"] == b["tokens"]
         assert abs(a["loss"] - b["loss"]) < 1e-6 * b["loss"], (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-6 * b["grad_norm"], (a["grad_norm"], b["grad_norm"])
+
+
+def test_recompute_trains_the_same_and_counts_each_token_once(jobs):
+    """Activation checkpointing runs each layer's forward again in backward: the expert-load hook must not count
+    those tokens twice."""
+    for a, b in zip(jobs["metrics"]["recompute"], jobs["metrics"]["straight"][:2]):
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-6 * b["grad_norm"]
+        assert a["expert_load"] == b["expert_load"]
+        assert all(sum(layer["tokens"]) == 2 * a["tokens"] for layer in a["expert_load"])
 
 
 def test_loss_falls_on_a_learnable_corpus(jobs):
