@@ -30,7 +30,7 @@ from torch import nn
 
 from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from ..clip import clip_grad_norm_
-from ..errors import TrainConfigError, XparError
+from ..errors import DataError, TrainConfigError, XparError
 from ..loss import count_targets, global_count
 from .balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
 from .config import DTYPES, TrainConfig
@@ -123,7 +123,7 @@ def _load_corpus(cfg: TrainConfig, vocab_size: int) -> tuple[PackedCorpus, Any]:
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     tokens, lengths = tokenize(docs, tokenizer)
     if len(tokens) and int(tokens.max()) >= vocab_size:
-        raise TrainConfigError(f"{cfg.data}: token id {int(tokens.max())} is outside the model's vocabulary "
+        raise DataError(f"{cfg.data}: token id {int(tokens.max())} is outside the model's vocabulary "
                                f"({vocab_size} rows); use the model's tokenizer")
     return PackedCorpus(tokens, lengths, cfg.seq_len, cfg.seed, source=str(cfg.data)), tokenizer
 
@@ -220,6 +220,107 @@ def _resume(ckpt: Path, model, optimizer, scheduler) -> tuple[int, int]:
     return int(extra["step"]), int(extra["data"]["position"])
 
 
+@dataclass
+class _Run:
+    """What every step of a run uses."""
+
+    cfg: TrainConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    corpus: PackedCorpus
+    load: ExpertLoad
+    biases: list
+    aux: RouterAux | None
+    flatten: bool
+    device: torch.device
+    world: int
+    rank: int
+
+
+def _load_model(cfg: TrainConfig, mesh, rank: int) -> nn.Module:
+    """The model from ``cfg.model`` on ``mesh``, in training mode with the run's attention and recompute settings."""
+    import xpar_zoo
+
+    model = xpar_zoo.from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
+                                     mixed_precision=cfg.mixed_precision, progress=cfg.progress and rank == 0)
+    model.train()
+    model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
+    if cfg.attn_implementation:
+        model.set_attn_implementation(cfg.attn_implementation)
+    if cfg.recompute:
+        model.activation_checkpointing_enable()
+    return model
+
+
+def _forward_backward(run: _Run, batches: list[dict[str, torch.Tensor]], n_items: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every micro-batch of the step forward and backward; FSDP reduces after the last one only. Returns this
+    rank's summed loss shares and mean auxiliary-loss share."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    aux_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    extra = {"output_router_logits": True} if run.aux else {}
+    for m, batch in enumerate(batches):
+        run.model.set_requires_gradient_sync(m == len(batches) - 1)
+        if run.flatten:
+            batch = flatten_rows(batch)
+        batch = {k: v.to(run.device) for k, v in batch.items()}
+        out = run.model(**batch, num_items_in_batch=n_items, use_cache=False, **extra)
+        loss = out.loss
+        loss_sum += loss.detach().double()
+        if run.aux:
+            share, local = global_router_aux_loss(out.router_logits, run.aux.num_experts, run.aux.top_k)
+            if not run.aux.checked:
+                _check_aux(run.aux, local, out.aux_loss)
+            loss = loss + share * (run.aux.coef / len(batches))
+            aux_sum += share.detach().double() / len(batches)
+        loss.backward()
+    return loss_sum, aux_sum
+
+
+def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
+    """One optimizer step on the rows from global row ``position``; returns its metrics (without ``step``)."""
+    cfg, device = run.cfg, run.device
+    start = time.perf_counter()
+    lr = run.scheduler.get_last_lr()[0]
+    batches = micro_batches(run.corpus, position, run.rank, run.world, cfg.micro_batch, cfg.grad_accum)
+    local_targets = sum(int(count_targets(b["labels"])) for b in batches)
+    loss_sum, aux_sum = _forward_backward(run, batches, global_count(local_targets, device=device))
+    grad_norm = clip_grad_norm_(run.model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    counts = run.load.take()
+    if run.biases:
+        update_correction_biases(run.biases, counts, cfg.expert_bias_update_rate)
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    totals = torch.stack([loss_sum, aux_sum] + [torch.tensor(float(n), dtype=torch.float64, device=device)
+                                                for n in (tokens, local_targets)])
+    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
+    if run.world > 1:
+        dist.all_reduce(totals)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    loss, aux, tokens, targets = totals.tolist()
+    elapsed = time.perf_counter() - start
+    position += rows_per_step(run.world, cfg.micro_batch, cfg.grad_accum)
+    record = {"loss": loss / run.world, "grad_norm": float(grad_norm), "lr": lr, "tokens": int(tokens),
+              "targets": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+              "peak_mem_bytes": int(peak.item()), "data_position": position,
+              "epoch": (position - 1) // run.corpus.rows_per_epoch}
+    if run.aux:
+        record["aux_loss"] = aux / run.world
+    if counts is not None:
+        record["expert_load"] = load_summary(run.load.layers, counts)
+    return record
+
+
+def _export(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int) -> None:
+    model.save_pretrained(cfg.export_hf)  # every rank: the hub's own format, rank 0 writes
+    if rank == 0 and tokenizer is not None:
+        tokenizer.save_pretrained(cfg.export_hf)
+    dist.barrier()
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run the training ``cfg`` describes on every rank of the default process group (initialised from the
     launcher's environment when needed; a plain process runs as world 1). A collective: every rank calls it with
@@ -228,9 +329,8 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     from ..mesh import init_single_process
 
-    if not dist.is_initialized():
-        if not init_distributed(cfg.timeout_minutes):
-            init_single_process()
+    if not dist.is_initialized() and not init_distributed(cfg.timeout_minutes):
+        init_single_process()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     output = Path(cfg.output)
@@ -242,100 +342,38 @@ def train(cfg: TrainConfig) -> TrainResult:
     sizes = dict(cfg.mesh)
     mesh = xpar_zoo.Mesh(replicate=sizes.pop("replicate", 1), **sizes)
 
-    model = xpar_zoo.from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                                     mixed_precision=cfg.mixed_precision, progress=cfg.progress and rank == 0)
-    model.train()
-    model.config.use_cache = False
-    if cfg.attn_implementation:
-        model.set_attn_implementation(cfg.attn_implementation)
-    if cfg.recompute:
-        model.activation_checkpointing_enable()
+    model = _load_model(cfg, mesh, rank)
     attn = model.config._attn_implementation
-    flatten = attn.startswith("flash_attention")
-    aux = router_aux(model, cfg)
     load = ExpertLoad(model, device)
     biases = correction_biases(model, load) if cfg.expert_bias_update_rate else []
     if cfg.expert_bias_update_rate and not biases:
         raise TrainConfigError(f"--expert-bias-update-rate {cfg.expert_bias_update_rate}: {type(model).__name__} "
                                "has no router with an e_score_correction_bias (DeepSeek-V3 / GLM-4-MoE style)")
-
     optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg)
-    step, position = 0, 0
-    if ckpt is not None:
-        step, position = _resume(ckpt, model, optimizer, scheduler)
+    run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg), corpus, load, biases, router_aux(model, cfg),
+               attn.startswith("flash_attention"), device, world, rank)
+    step, position = _resume(ckpt, model, optimizer, run.scheduler) if ckpt is not None else (0, 0)
     last_step = cfg.stop_after or cfg.steps
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
                      progress=cfg.progress, tensorboard=cfg.tensorboard)
-    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} ranks x {cfg.micro_batch} rows x "
-                f"{cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per step; {corpus.num_tokens} tokens, "
-                f"{corpus.rows_per_epoch} rows per epoch; " + (f"resumed from {ckpt} at step {step}" if ckpt
-                                                                else "from step 0"))
-    if attn not in DOCUMENT_MASKING and not flatten:
+    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
+                f"ranks x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
+                f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
+                + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
+    if attn not in DOCUMENT_MASKING and not run.flatten:
         log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
                     f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
-
     record = None
     try:
         while step < last_step:
-            start = time.perf_counter()
-            lr = scheduler.get_last_lr()[0]
-            batches = micro_batches(corpus, position, rank, world, cfg.micro_batch, cfg.grad_accum)
-            local_targets = sum(int(count_targets(b["labels"])) for b in batches)
-            n_items = global_count(local_targets, device=device)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            aux_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for m, batch in enumerate(batches):
-                model.set_requires_gradient_sync(m == len(batches) - 1)
-                if flatten:
-                    batch = flatten_rows(batch)
-                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                out = model(**batch, num_items_in_batch=n_items, use_cache=False,
-                            **({"output_router_logits": True} if aux else {}))
-                loss = out.loss
-                loss_sum += loss.detach().double()
-                if aux:
-                    share, local = global_router_aux_loss(out.router_logits, aux.num_experts, aux.top_k)
-                    if not aux.checked:
-                        _check_aux(aux, local, out.aux_loss)
-                    loss = loss + share * (aux.coef / len(batches))
-                    aux_sum += share.detach().double() / len(batches)
-                loss.backward()
-            grad_norm = clip_grad_norm_(model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            counts = load.take()
-            if biases:
-                update_correction_biases(biases, counts, cfg.expert_bias_update_rate)
-            step += 1
-            position += rows_per_step(world, cfg.micro_batch, cfg.grad_accum)
-            tokens = sum(b["input_ids"].numel() for b in batches)
-            totals = torch.stack([loss_sum, aux_sum, torch.tensor(float(tokens), dtype=torch.float64, device=device),
-                                  torch.tensor(float(local_targets), dtype=torch.float64, device=device)])
-            peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
-            if world > 1:
-                dist.all_reduce(totals)
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            totals = totals.tolist()
-            elapsed = time.perf_counter() - start
-            record = {"step": step, "loss": totals[0] / world, "grad_norm": float(grad_norm), "lr": lr,
-                      "tokens": int(totals[2]), "targets": int(totals[3]), "tokens_per_s": totals[2] / elapsed,
-                      "step_time_s": elapsed, "peak_mem_bytes": int(peak.item()), "data_position": position,
-                      "epoch": (position - 1) // corpus.rows_per_epoch}
-            if aux:
-                record["aux_loss"] = totals[1] / world
-            if counts is not None:
-                record["expert_load"] = load_summary(load.layers, counts)
+            record = {"step": step + 1, **optimizer_step(run, position)}
+            step, position = record["step"], record["data_position"]
             log.write(record)
             if step == last_step or (cfg.save_every and step % cfg.save_every == 0):
-                path = _save(cfg, model, optimizer, scheduler, step, position, corpus)
+                path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus)  # every rank
                 log.message(f"step {step}: saved {path}")
         if cfg.export_hf and step == cfg.steps:
-            model.save_pretrained(cfg.export_hf)
-            if rank == 0 and tokenizer is not None:
-                tokenizer.save_pretrained(cfg.export_hf)
-            dist.barrier()
+            _export(cfg, model, tokenizer, rank)
             log.message(f"exported the model in the hub's format to {cfg.export_hf}")
     finally:
         load.remove()
