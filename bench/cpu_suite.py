@@ -69,7 +69,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
     import torch
     import torch.distributed as dist
 
-    from xpar_zoo import parity
+    from xpar_zoo.testing import parity
 
     rank = dist.get_rank()
     gc.collect()
@@ -155,7 +155,7 @@ def main() -> None:
                          "percent over minutes); each figure is the median over rounds")
     args = ap.parse_args()
     seqs = [int(x) for x in args.seq.split(",")]
-    from xpar_zoo import launch
+    from xpar_zoo.testing import launch
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="xpar-cpu-suite-"))
     ckpt = work / "hub"

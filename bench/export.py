@@ -34,7 +34,7 @@ def _make_checkpoint(root: str) -> None:
     import torch
 
     import xpar_zoo
-    from xpar_zoo import parity
+    from xpar_zoo.testing import parity
 
     cfg = parity.tiny_config("qwen3_moe", hidden_size=1024, moe_intermediate_size=1024, num_experts=16,
                              num_hidden_layers=4, vocab_size=32000, num_attention_heads=8, num_key_value_heads=4,
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--shard", default="200MB")
     ap.add_argument("--keep", help="work directory to keep (default: a temporary one)")
     args = ap.parse_args()
-    from xpar_zoo import launch
+    from xpar_zoo.testing import launch
     from xpar_zoo.converters.export import parse_size
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="xpar-export-bench-"))

@@ -54,7 +54,8 @@ def _import_experts_path():
 
 
 set_experts_kernels = _import_experts_path().set_experts_kernels
-from xpar_zoo.vocab import fused_linear_cross_entropy, install_fused_loss  # noqa: E402  (after the package entry)
+from xpar_zoo.fused_loss import fused_linear_cross_entropy  # noqa: E402
+from xpar_zoo.vocab import install_fused_loss  # noqa: E402  (after the package entry)
 
 IMPLS = ("xpar_zoo", "xpar_zoo_torch", "grouped_mm", "eager")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

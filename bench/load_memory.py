@@ -48,7 +48,7 @@ def _reset_peak() -> None:
 
 def make_checkpoint(directory: Path) -> int:
     """Save a random qwen3_moe with ``CONFIG`` in hub format (per-expert keys, ``SHARD`` files); return its bytes."""
-    from xpar_zoo import parity
+    from xpar_zoo.testing import parity
 
     model = parity.build_model(parity.tiny_config("qwen3_moe", **CONFIG))
     model.save_pretrained(directory, max_shard_size=SHARD)
@@ -124,7 +124,7 @@ def _hardware() -> str:
 def main() -> None:
     from transformers import __version__ as tf_version
 
-    from xpar_zoo import launch
+    from xpar_zoo.testing import launch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keep", type=Path, help="build (or reuse) the checkpoint here instead of a temp dir")

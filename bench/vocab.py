@@ -38,7 +38,7 @@ def _status(field: str) -> int:
 
 
 def _config():
-    from xpar_zoo import parity
+    from xpar_zoo.testing import parity
 
     return parity.tiny_config("qwen3_moe", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1,
                               num_attention_heads=8, num_key_value_heads=4, head_dim=128, intermediate_size=256,
@@ -50,7 +50,7 @@ def _variant(mesh_kwargs: dict, steps: int, batch: int, seq: int) -> dict:
     import torch.distributed as dist
 
     import xpar_zoo
-    from xpar_zoo import parity
+    from xpar_zoo.testing import parity
 
     rank = dist.get_rank()
     model = xpar_zoo.parallelize(parity.build_model(_config()), xpar_zoo.Mesh(**mesh_kwargs))
@@ -101,7 +101,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from xpar_zoo import launch
+    from xpar_zoo.testing import launch
 
     rows = {}
     for name, mesh_kwargs in VARIANTS.items():

@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import xpar_zoo
-from xpar_zoo import checkpoint, launch, parity
+from xpar_zoo import checkpoint
+from xpar_zoo.testing import launch, parity
 
 SAVE_WORLD, LOAD_WORLD = 4, 2
 STEPS, SAVE_AT = 4, 2
@@ -385,7 +386,8 @@ def test_dcp_metadata_is_never_unpickled_beyond_dcp_classes(tmp_path, tiny):
 KILL_PHASES = ["begin", "rng_written", "mid_write", "dcp_written", "before_rename", "before_marker", "pruning"]
 _KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys, torch
-    from xpar_zoo import checkpoint, parity
+    from xpar_zoo import checkpoint
+    from xpar_zoo.testing import parity
     phase = sys.argv[2]
     kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
     if phase == "mid_write":  # after the first tensors of the DCP data file are written

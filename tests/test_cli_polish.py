@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from xpar_zoo import cli, parity
+from xpar_zoo import cli
+from xpar_zoo.testing import parity
 
 
 def _one_error_line(capsys, *fragments):

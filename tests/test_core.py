@@ -1,59 +1,9 @@
-"""Core: qwen3_moe trains under EP + FSDP2 (dim 1) exactly like single-process transformers (4 gloo ranks, fp32)."""
+"""Core: mixed precision under EP, and the embedding and the head as FSDP units of their own (4 gloo ranks). The
+parity of every mesh with single-process transformers is tests/test_parity.py."""
 
-import pytest
-
-from xpar_zoo import launch, parity
+from xpar_zoo.testing import launch, parity
 
 WORLD = 4
-MESHES = {
-    "fsdp": {},
-    "ep2": {"ep": 2},
-    "ep4": {"ep": 4},
-    "ep2_strided": {"ep": 2, "innermost": {"ep": False}},
-    "ep2_replicate2": {"ep": 2, "replicate": 2},
-}
-ADAMW_MESHES = ("ep2", "ep4", "ep2_replicate2")
-EXPERTS = "model.layers.0.mlp.experts"
-
-
-def _job(meshes: dict, adamw_meshes: tuple) -> dict:
-    """Every rank: SGD(lr=1) one step on each mesh, then 3 clipped AdamW steps; rank 0 compares with the reference."""
-    return parity.compare_meshes(parity.tiny_config("qwen3_moe"), WORLD, meshes, adamw_meshes)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return launch.run(_job, WORLD, MESHES, ADAMW_MESHES)
-
-
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_sgd_step_matches_single_process(results, mesh):
-    row = results[mesh]
-    parity.assert_losses_match(*row["loss"], what=mesh)
-    parity.assert_params_match(row["errors"], what=f"{mesh}, one SGD step:")
-
-
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_grad_norm_matches_single_process(results, mesh):
-    parity.assert_norms_match(*results[mesh]["norm"], what=mesh)
-
-
-@pytest.mark.parametrize("mesh", ADAMW_MESHES)
-def test_three_clipped_adamw_steps_match_single_process(results, mesh):
-    row = results[mesh]
-    parity.assert_losses_match(*row["adamw_loss"], what=mesh)
-    parity.assert_norms_match(*row["adamw_norm"], what=mesh)
-    parity.assert_params_match(row["adamw_errors"], what=f"{mesh}, 3 AdamW steps:")
-
-
-@pytest.mark.parametrize("mesh,experts_dim0,fsdp_dim1", [
-    ("ep2", 4, 2), ("ep4", 2, 1), ("ep2_strided", 4, 2), ("ep2_replicate2", 4, 1)])
-def test_expert_shards_hold_E_over_ep_on_dim0_and_fsdp_on_dim1(results, mesh, experts_dim0, fsdp_dim1):
-    cfg = parity.tiny_config("qwen3_moe")
-    local = results[mesh]["local"]
-    assert local[f"{EXPERTS}.gate_up_proj"] == (experts_dim0, 2 * cfg.moe_intermediate_size // fsdp_dim1,
-                                                cfg.hidden_size)
-    assert local[f"{EXPERTS}.down_proj"] == (experts_dim0, cfg.hidden_size // fsdp_dim1, cfg.moe_intermediate_size)
 
 
 def _mixed_precision_job() -> dict:
@@ -84,7 +34,6 @@ def test_mixed_precision_bf16_params_fp32_reduce_trains_close_to_fp32():
 def _edge_units_job() -> dict:
     """Mesh(ep=2): whether the embedding and head weights are sharded while layer 0 runs forward and when layer 1's
     backward starts; and which modules are FSDP units, untied and tied."""
-    import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import xpar_zoo
-from xpar_zoo import launch, parity
+from xpar_zoo.testing import launch, parity
 
 
 def _attempt(kind: str) -> str:

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from xpar_zoo import cli, launch, parity
+from xpar_zoo import cli
+from xpar_zoo.testing import launch, parity
 
 WORLD = 4
 

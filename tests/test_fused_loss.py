@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import xpar_zoo
-from xpar_zoo import parity
+from xpar_zoo.errors import BatchError, KernelError
+from xpar_zoo.testing import parity
 from xpar_zoo.errors import PlanError
 from xpar_zoo.vocab import install_fused_loss
 
@@ -137,15 +138,15 @@ def test_triton_chunk_kernels_match_torch(vocab):
 def test_triton_kernels_refuse_cpu_tensors_without_the_interpreter(monkeypatch):
     _, _, fused, ids = _pair(kernels="triton")
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(RuntimeError, match="need CUDA tensors"):
+    with pytest.raises(KernelError, match="need CUDA tensors"):
         fused(input_ids=ids, labels=ids)
-    with pytest.raises(ValueError, match="kernels must be one of"):
+    with pytest.raises(KernelError, match="kernels must be one of"):
         _pair(kernels="cuda")
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_the_standalone_function_matches_torch_cross_entropy(kernels):
-    from xpar_zoo.vocab import fused_linear_cross_entropy
+    from xpar_zoo.fused_loss import fused_linear_cross_entropy
 
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(2, 9, 16, generator=g, requires_grad=True)
@@ -159,7 +160,7 @@ def test_the_standalone_function_matches_torch_cross_entropy(kernels):
     g_want = torch.autograd.grad(want * 3, (hidden, weight))
     for a, b in zip(g_got, g_want):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="targets of shape"):
+    with pytest.raises(BatchError, match="targets of shape"):
         fused_linear_cross_entropy(hidden, weight, targets.flatten())
 
 
@@ -168,7 +169,7 @@ def test_the_standalone_function_matches_torch_cross_entropy(kernels):
 def test_under_autocast_the_head_computes_like_nn_linear_would(hidden_dtype, weight_dtype):
     """Mixed input dtypes under ``torch.autocast``: one compute dtype (autocast's), gradients in each input's own
     dtype, close to transformers' way (logits by autocast, fp32 cross-entropy) within bf16 tolerance."""
-    from xpar_zoo.vocab import fused_linear_cross_entropy
+    from xpar_zoo.fused_loss import fused_linear_cross_entropy
 
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(3, 7, 32, generator=g).to(hidden_dtype).requires_grad_()
@@ -186,7 +187,7 @@ def test_under_autocast_the_head_computes_like_nn_linear_would(hidden_dtype, wei
 
 
 def test_a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss():
-    from xpar_zoo.vocab import fused_linear_cross_entropy
+    from xpar_zoo.fused_loss import fused_linear_cross_entropy
 
     hidden, weight = torch.randn(4, 8), torch.randn(50, 8)
     with pytest.raises(RuntimeError, match=r"outside the vocabulary \[0, 50\)"):
@@ -197,7 +198,7 @@ def test_a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss():
 def test_the_torch_path_holds_one_chunk_of_logits_at_a_time(tmp_path):
     """The log-sum-exp and the softmax reuse the chunk's own logits in place: forward and backward together peak
     at one chunk of fp32 logits (plus the small gradients), where ``torch.logsumexp`` alone makes a second."""
-    from xpar_zoo.vocab import fused_linear_cross_entropy
+    from xpar_zoo.fused_loss import fused_linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     tokens, vocab = 1024, 2048

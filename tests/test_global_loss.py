@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from xpar_zoo import launch, parity
+from xpar_zoo.testing import launch, parity
 
 WORLD = 4
 MICRO = 2  # micro-batches per rank and optimizer step
@@ -249,7 +249,7 @@ def test_from_pretrained_in_a_plain_process_runs_as_world_1(tmp_path):
     parity.build_model(parity.tiny_config("qwen3_moe")).save_pretrained(tmp_path / "hub")
     done = _run_alone(f"""
         import warnings, torch, torch.distributed as dist, xpar_zoo
-        from xpar_zoo import parity
+        from xpar_zoo.testing import parity
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = xpar_zoo.from_pretrained({str(tmp_path / "hub")!r}, torch_dtype=torch.float32, progress=False)

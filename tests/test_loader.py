@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import xpar_zoo
-from xpar_zoo import launch, parity
+from xpar_zoo.testing import launch, parity
 from xpar_zoo.converters.hub_layout import (CheckpointMismatchError, plan_hub_layout, read_checkpoint_headers)
 from xpar_zoo.loader import build_meta
 

@@ -5,7 +5,7 @@ import pathlib
 import xpar_zoo
 from xpar_zoo import cli
 from xpar_zoo.model_cards import render
-from xpar_zoo.proofs import AUTO_PROVED, describe_mesh, proof_meshes
+from xpar_zoo.testing.proofs import AUTO_PROVED, describe_mesh, proof_meshes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

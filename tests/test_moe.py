@@ -4,7 +4,8 @@ single-process experts forward equals transformers' eager experts; the default g
 import pytest
 import torch
 
-from xpar_zoo import moe, parity
+from xpar_zoo import moe
+from xpar_zoo.testing import parity
 from xpar_zoo.moe import EXPERTS_IMPLEMENTATION, GatedDown, SiluGate, _use_grouped_mm, grouped_linear, grouped_mm_loop
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo import launch, parity, planner
+from xpar_zoo import planner
+from xpar_zoo.testing import launch, parity
 
 WORLD, BATCH, SEQ = 4, 4, 64
 VOCAB = 1024

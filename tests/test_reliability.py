@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import xpar_zoo
-from xpar_zoo import launch, parity
+from xpar_zoo.testing import launch, parity
 from xpar_zoo.errors import XparError
 
 WORLD = 2
@@ -465,7 +465,7 @@ ALLOWED_PICKLE = {
     # DCP .metadata through an unpickler that admits only DCP's own classes
     ("xpar_zoo/checkpoint.py", "_MetadataUnpickler"),
     # launch.run: rank 0's result, pickled by our own child process
-    ("xpar_zoo/launch.py", "pickle.loads(payload)"),
+    ("xpar_zoo/testing/launch.py", "pickle.loads(payload)"),
 }
 
 

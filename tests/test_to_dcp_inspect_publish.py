@@ -17,7 +17,8 @@ import torch
 import yaml
 
 import xpar_zoo
-from xpar_zoo import cli, launch, parity
+from xpar_zoo import cli
+from xpar_zoo.testing import launch, parity
 from xpar_zoo.checkpoint import iter_model_tensors, latest_checkpoint, read_checkpoint_metadata
 
 INDEX = "model.safetensors.index.json"

@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from xpar_zoo import cli, launch, parity
+from xpar_zoo import cli
+from xpar_zoo.testing import launch, parity
 from xpar_zoo.loss import IGNORE_INDEX
 from xpar_zoo.train import TrainConfig, config_from_args, read_config_file
 from xpar_zoo.train.balance import global_router_aux_loss

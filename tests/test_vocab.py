@@ -1,37 +1,17 @@
-"""Vocab parallelism (emb, head) and user-named gathered plans train qwen3_moe exactly like single-process
-transformers (4 gloo ranks, fp32), keep V/size rows per rank, and never build full-vocab logits."""
+"""Vocab parallelism (emb, head) beyond mesh parity (tests/test_parity.py): the head never builds full-vocab logits,
+the loss honours ignore_index / num_items_in_batch / padding_idx and gives full logits on request, tied embeddings
+are refused under vocab plans, models that change their logits keep transformers' loss, and activation
+checkpointing trains exactly (4 gloo ranks, fp32)."""
 
 import pytest
 import torch
 
-from xpar_zoo import launch, parity
+from xpar_zoo.testing import launch, parity
 
 WORLD = 4
 EMB, HEAD = "model.embed_tokens.weight", "lm_head.weight"
-O_PROJ, Q_PROJ = "model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.weight"
-MESHES = {
-    "emb2": {"emb": 2},
-    "emb4": {"emb": 4},
-    "head2": {"head": 2},
-    "ep2_emb2": {"ep": 2, "emb": 2},
-    "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2},
-    "emb4_head4": {"emb": 4, "head": 4},
-    "mixed_placement": {"ep": 2, "emb": 2, "head": 2, "innermost": {"ep": True, "emb": False, "head": False}},
-    "user_plans": {"extra": {"ep": 2, "extra_parallel_1": 2, "extra_parallel_2": 4},
-                   "innermost": {"extra_parallel_1": False}},
-}
-ADAMW_MESHES = ("ep2_emb2_head2", "user_plans")
 TRACE_VOCAB = 200
 PAD_ID = 70  # owned by the second rank of a size-2 vocab group (V = 128)
-
-
-def _user_plan():
-    from xpar_zoo import ExtraPlan, get_plan
-
-    return (get_plan("qwen3_moe")
-            .with_extra("extra_parallel_1", ExtraPlan(params=("model.layers.*.self_attn.o_proj.weight",),
-                                                      style="gathered"))
-            .with_extra("extra_parallel_2", ExtraPlan(("model.layers.*.self_attn.q_proj.weight",), "gathered")))
 
 
 def _shapes_during(fn) -> list[tuple[int, ...]]:
@@ -120,7 +100,7 @@ def _job() -> dict:
 
     rank = dist.get_rank()
     cfg = parity.tiny_config("qwen3_moe")
-    results = parity.compare_meshes(cfg, WORLD, MESHES, ADAMW_MESHES, plans={"user_plans": _user_plan()})
+    results = {}
     # Allocation trace: every plain tensor created in forward + backward, with and without the head plan.
     # A vocabulary size (200) that no other dimension of the tiny model can produce by accident.
     ids = parity.make_batches(cfg.vocab_size, 1, WORLD, batch=3, seq=7, seed=4)[0, rank]  # 21 tokens per rank
@@ -184,35 +164,6 @@ def _job() -> dict:
 @pytest.fixture(scope="module")
 def results():
     return launch.run(_job, WORLD)
-
-
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_sgd_step_matches_single_process(results, mesh):
-    row = results[mesh]
-    parity.assert_losses_match(*row["loss"], what=mesh)
-    parity.assert_params_match(row["errors"], what=f"{mesh}, one SGD step:")
-
-
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_grad_norm_over_all_plans_matches_single_process(results, mesh):
-    parity.assert_norms_match(*results[mesh]["norm"], what=mesh)
-
-
-@pytest.mark.parametrize("mesh", ADAMW_MESHES)
-def test_three_clipped_adamw_steps_match_single_process(results, mesh):
-    row = results[mesh]
-    parity.assert_losses_match(*row["adamw_loss"], what=mesh)
-    parity.assert_norms_match(*row["adamw_norm"], what=mesh)
-    parity.assert_params_match(row["adamw_errors"], what=f"{mesh}, 3 AdamW steps:")
-
-
-@pytest.mark.parametrize("mesh,param,dim0,fsdp", [
-    ("emb2", EMB, 64, 2), ("emb4", EMB, 32, 1), ("ep2_emb2", EMB, 64, 2), ("head2", HEAD, 64, 2),
-    ("ep2_emb2_head2", HEAD, 64, 2), ("emb4_head4", HEAD, 32, 1), ("mixed_placement", EMB, 64, 2),
-    ("user_plans", O_PROJ, 16, 2), ("user_plans", Q_PROJ, 8, 1)])
-def test_planned_shards_hold_rows_over_size_on_dim0_and_fsdp_on_dim1(results, mesh, param, dim0, fsdp):
-    cfg = parity.tiny_config("qwen3_moe")
-    assert results[mesh]["local"][param] == (dim0, cfg.hidden_size // fsdp)
 
 
 def test_head_plan_never_allocates_full_vocab_logits(results):

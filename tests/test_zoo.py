@@ -6,11 +6,11 @@ One 4-rank job runs every architecture on every mesh (processes and imports are 
 import pytest
 
 import xpar_zoo
-from xpar_zoo import launch, parity
+from xpar_zoo.testing import launch, parity
 
-from xpar_zoo.proofs import AUTO_PROVED as AUTO
-from xpar_zoo.proofs import PROOF_WORLD as WORLD
-from xpar_zoo.proofs import proof_meshes as _meshes
+from xpar_zoo.testing.proofs import AUTO_PROVED as AUTO
+from xpar_zoo.testing.proofs import PROOF_WORLD as WORLD
+from xpar_zoo.testing.proofs import proof_meshes as _meshes
 
 CURATED = xpar_zoo.supported_architectures()
 

@@ -9,9 +9,10 @@ import torch
 from safetensors import safe_open
 
 import xpar_zoo
-from xpar_zoo import cli, parity
+from xpar_zoo import cli
+from xpar_zoo.testing import parity
 from xpar_zoo.checkpoint import iter_model_tensors
-from xpar_zoo.proofs import AUTO_PROVED
+from xpar_zoo.testing.proofs import AUTO_PROVED
 
 ARCHS = xpar_zoo.supported_architectures() + sorted(AUTO_PROVED)
 

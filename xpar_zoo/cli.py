@@ -42,7 +42,7 @@ def _check_demo_sizes(world: int, ep: int) -> None:
     """The demo's mesh, checked before any process starts (a rank's error would otherwise be a traceback)."""
     from .errors import MeshError, PlanError
     from .mesh import validate_sizes
-    from .parity import tiny_config
+    from .testing.parity import tiny_config
 
     if world < 1:
         raise MeshError(f"--world must be at least 1, got {world}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from . import launch, parity
+from .testing import launch, parity
 
 
 def _demo_job(world: int, mesh_kwargs: dict, steps: int) -> dict:

@@ -34,6 +34,16 @@ class ModelStateError(XparError, RuntimeError):
     manage (added or swapped in afterwards), tensors still on the meta device, buffers never initialised."""
 
 
+class KernelError(XparError, ValueError):
+    """A kernel choice that cannot run here: Triton missing, experts in a layout or dtype the kernels do not
+    take, tensors on a device they do not run on."""
+
+
+class BatchError(XparError, ValueError, IndexError):
+    """A batch the model cannot take: token ids outside the vocabulary, labels whose shape does not fit the
+    hidden states."""
+
+
 class TrainConfigError(XparError, ValueError):
     """A training configuration that cannot work: an unknown key, a bad value, a resume that does not fit."""
 

@@ -18,6 +18,7 @@ from .mesh import PlanShard
 
 
 class _AllGatherDim0(torch.autograd.Function):
+    # Ours, not torch.distributed.nn's all-gather: its backward refuses gloo ("Backend not supported!").
     @staticmethod
     def forward(ctx, local: torch.Tensor, shard: PlanShard) -> torch.Tensor:
         ctx.shard = shard

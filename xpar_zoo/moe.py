@@ -33,6 +33,7 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from .collectives import all_to_all, all_to_all_counts, to_local
+from .errors import KernelError
 
 if TYPE_CHECKING:  # the experts path imports nothing of FSDP's (the GPU bench runs it on an older torch)
     from .mesh import PlanShard
@@ -65,40 +66,49 @@ def _standard_swiglu(module: nn.Module) -> bool:
 
 
 def _triton_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
-    """The Triton module when this module's experts are set to ``"triton"``, else ``None``."""
+    """The Triton module when this module's experts are set to ``"triton"``, else ``None``; the inputs' dtype and
+    device are checked here (the module's layout and Triton itself when the kernels were chosen)."""
     if getattr(module, "_xpar_kernels", "torch") != "triton":
         return None
-    if not (_standard_swiglu(module) and x.dtype == weight.dtype) or _triton_module() is None:
-        raise ValueError(f"{type(module).__name__}: the Triton experts kernels need Triton and plain SwiGLU "
-                         f"experts in transformers' standard layout with matching dtypes (got {x.dtype} rows, "
-                         f"{weight.dtype} weights)")
+    if x.dtype != weight.dtype:
+        raise KernelError(f"{type(module).__name__}: the Triton experts kernels need matching dtypes (got {x.dtype} "
+                          f"rows, {weight.dtype} weights)")
     if x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):  # fp32 tl.dot would round through TF32
-        raise ValueError(f"{type(module).__name__}: the Triton experts kernels run bf16 or fp16 on CUDA (got "
-                         f"{x.dtype}); fp32 experts stay on the exact torch path")
+        raise KernelError(f"{type(module).__name__}: the Triton experts kernels run bf16 or fp16 on CUDA (got "
+                          f"{x.dtype}); fp32 experts stay on the exact torch path")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{type(module).__name__}: the Triton experts kernels run on CUDA tensors (on the CPU only "
-                         f"under TRITON_INTERPRET=1, for tests); these are on {x.device}")
+        raise KernelError(f"{type(module).__name__}: the Triton experts kernels run on CUDA tensors (on the CPU only "
+                          f"under TRITON_INTERPRET=1, for tests); these are on {x.device}")
     return _triton_module()
 
 
 def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = None) -> int:
     """Choose the kernels of every fused experts module in ``model``: ``"torch"`` (the default: grouped_mm and torch
-    routing, exact on the CPU) or ``"triton"`` (:mod:`xpar_zoo.moe_triton`; refuses experts it cannot run; on the
-    CPU it needs ``TRITON_INTERPRET=1``, which is how the tests run it). ``tiles``: a
-    :class:`xpar_zoo.moe_triton.Tiles` (default: its defaults on CUDA, small tiles under the interpreter).
+    routing, exact on the CPU) or ``"triton"`` (:mod:`xpar_zoo.moe_triton`; on the CPU it needs
+    ``TRITON_INTERPRET=1``, which is how the tests run it). ``tiles``: a :class:`xpar_zoo.moe_triton.Tiles`
+    (default: its defaults on CUDA, small tiles under the interpreter). Raises :class:`~xpar_zoo.errors.KernelError`
+    now, before any module is changed, when Triton is missing or an experts module is not plain SwiGLU in
+    transformers' standard layout (the rows' dtype and device are checked at the forward).
 
     Triton is opt-in until the H200 bench (``bench/gpu_moe.py``) has compiled, checked and timed the kernels on a
     GPU; the CPU interpreter proves their arithmetic, not their speed. Returns the number of modules set."""
     if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    n = 0
-    for module in model.modules():
-        proj = getattr(module, "down_proj", None)
-        if isinstance(proj, nn.Parameter) and proj.dim() == 3:
-            module._xpar_kernels = kernels
-            module._xpar_tiles = tiles
-            n += 1
-    return n
+        raise KernelError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    experts = [m for m in model.modules()
+               if isinstance(getattr(m, "down_proj", None), nn.Parameter) and m.down_proj.dim() == 3]
+    if kernels == "triton":
+        if _triton_module() is None:
+            raise KernelError("the Triton experts kernels need Triton (pip install xpar_zoo[triton]; CUDA builds of "
+                              "torch bring it)")
+        odd = sorted({type(m).__name__ for m in experts if not _standard_swiglu(m)})
+        if odd:
+            raise KernelError(f"the Triton experts kernels run plain SwiGLU experts in transformers' standard layout "
+                              f"(gate_up_proj [E, 2I, H], down_proj [E, H, I], no biases, the default gate); {odd} "
+                              "are not: keep kernels='torch' for this model")
+    for module in experts:
+        module._xpar_kernels = kernels
+        module._xpar_tiles = tiles
+    return len(experts)
 
 
 def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -3,11 +3,12 @@
 1. ``plan_parameters``     match the plan against the model and check every size — before any tensor is touched;
 2. ``split_planned``       each planned tensor becomes a DTensor split on dim 0 over its plan's ranks;
 3. ``install_styles``      planned modules get their forward style (EP dispatch, vocab-parallel lookup, …);
-4. ``shard_planned``       ``fully_shard`` planned modules on dim 1 over ``<plan>_fsdp``, deepest first;
-5. ``shard_units``         ``fully_shard`` decoder layers, the input embedding and the output head (units of their
-                           own unless planned or tied), then the root, over all ranks (HSDP with replicate);
-6. ``set_prefetch``        explicit forward/backward prefetch across the nested units;
-7. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and, with labels, makes
+4. ``fsdp_layout``         which modules become FSDP units, over which mesh, resharding and prefetching what
+                           (:mod:`xpar_zoo.fsdp_layout`: pure data, the planner sizes the same units);
+5. ``apply_fsdp``          ``fully_shard`` planned modules on dim 1 over ``<plan>_fsdp`` (deepest first), decoder
+                           layers, the input embedding and the output head, then the root over all ranks (HSDP
+                           with replicate); then the reshard and prefetch decisions;
+6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and, with labels, makes
                            every rank's loss its share of the global-batch mean (:mod:`xpar_zoo.loss`).
 """
 
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import ModelStateError, PlanError
 from .mesh import Mesh, check_same_on_all_ranks
+from .fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout
 from .gathered import install_gathered
 from .hub_save import install_save_pretrained
 from .loss import install_global_loss
@@ -32,16 +34,6 @@ from .moe import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .plan import Plan, match_parameters
 from .registry import get_plan
 from .vocab import fusable_head, install_fused_loss, install_vocab_embedding, install_vocab_lm_head
-
-
-@dataclass(frozen=True)
-class PlannedModule:
-    """A module whose parameters one extra plan splits on dim 0."""
-
-    fqn: str
-    plan_name: str
-    style: str
-    params: tuple[str, ...]  # local names on the module
 
 
 @dataclass
@@ -180,101 +172,36 @@ def whole_vocab_head_fusable(model: nn.Module, plan: Plan) -> bool:
     return any(p.style == "lm_head" for p in plan.extra.values()) and fusable_head(model) is not None
 
 
-def shard_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule], **fsdp_kwargs) -> None:
-    """``fully_shard`` each planned module on dim 1 over its plan's FSDP ranks, submodules before parents."""
-    for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
-        module = model.get_submodule(pm.fqn)
-        fully_shard(module, mesh=mesh.plan_mesh(pm.plan_name), dp_mesh_dims=mesh.fsdp_dims(pm.plan_name),
-                    shard_placement_fn=lambda p: Shard(1), **fsdp_kwargs)
-        # FSDP averages over the ranks it reduces across (world / size); every rank saw its own micro-batch, so
-        # the data-parallel average is over the whole world: without this, gradients are `size` times too large.
-        module.set_gradient_divide_factor(float(mesh.world_size))
-        # A divide factor other than the group size makes FSDP2 reduce with PREMUL_SUM, which gloo rejects and NCCL
-        # zeroes in bf16 up to torch 2.13 (pytorch#190747): reduce with SUM, then divide locally. Only where a
-        # reduce-scatter really runs: with a single FSDP rank, torch 2.13 divides once in the local copy and
-        # again after it when sums are forced.
-        if mesh.shard_size // mesh.size(pm.plan_name) > 1:
-            module.set_force_sum_reduction_for_comms(True)
-
-
-def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(fqn, module)`` of the input embedding and the output head, which ``shard_units`` makes FSDP units of
-    their own (torchtitan's layout): the embedding is then gathered only around its own forward and backward and
-    the head only from its forward to its backward, instead of both for the whole step as parameters of the
-    root. None when they are tied (one weight, so one unit: the root's). The planner builds the same units."""
-    found = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        try:
-            module = getattr(model, getter, lambda: None)()
-        except (NotImplementedError, AttributeError):  # models without one (e.g. a base model's head)
-            module = None
-        if isinstance(module, nn.Module) and module is not model and next(module.parameters(), None) is not None:
-            found.append(module)
-    weights = [id(p) for m in found for p in m.parameters()]
-    if len(set(weights)) != len(weights):  # tied
-        return []
-    fqn = {id(m): n for n, m in model.named_modules()}
-    return [(fqn[id(m)], m) for m in found if id(m) in fqn]
-
-
-def shard_units(model: nn.Module, mesh: Mesh, plan: Plan, **fsdp_kwargs) -> tuple[list[nn.Module], list[nn.Module]]:
-    """``fully_shard`` the decoder layers (the plan's FSDP unit classes), then the input embedding and the output
-    head where no plan made them units already (:func:`edge_units`), then the root, over the dense mesh. Returns
-    the decoder layers and the edge units."""
-    classes = set(plan.unit_classes(model))
-    units = [m for m in model.modules() if type(m).__name__ in classes and not isinstance(m, FSDPModule)]
+def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwargs) -> None:
+    """``fully_shard`` every unit of :func:`~xpar_zoo.fsdp_layout.fsdp_layout` in its order, then set its reshard
+    and prefetch decisions. Planned units go over their plan's mesh on their ``shard_dim``, with the gradient divide
+    factor of the whole world."""
     for unit in units:
-        fully_shard(unit, mesh=mesh.dense, **fsdp_kwargs)
-    edges = [m for _, m in edge_units(model) if not isinstance(m, FSDPModule)]
-    for module in edges:
-        fully_shard(module, mesh=mesh.dense, **fsdp_kwargs)
-    root_kwargs = {k: v for k, v in fsdp_kwargs.items() if k != "reshard_after_forward"}
-    fully_shard(model, mesh=mesh.dense, **root_kwargs)
-    return units, edges
-
-
-def _around_layers(model: nn.Module, units: list[nn.Module], modules: list[nn.Module]
-                   ) -> tuple[dict[int, list[nn.Module]], list[nn.Module], list[nn.Module]]:
-    """Of ``modules`` (planned modules and edge units): those inside each decoder layer (by ``id`` of the layer),
-    and those outside every layer that run before the first (the embedding) and after the last (the head)."""
-    inside = {id(u): [m for m in u.modules() if m is not u and any(m is q for q in modules)] for u in units}
-    in_units = {id(m) for ms in inside.values() for m in ms}
-    order = {id(m): i for i, m in enumerate(model.modules())}
-    outside = sorted((m for m in modules if id(m) not in in_units), key=lambda m: order[id(m)])
-    before = [m for m in outside if units and order[id(m)] < order[id(units[0])]]
-    after = [m for m in outside if units and order[id(m)] > order[id(units[-1])]]
-    return inside, before, after
-
-
-def keep_gathered_for_backward(model: nn.Module, units: list[nn.Module], modules: list[nn.Module]) -> None:
-    """The last decoder layer with its planned modules, and the units after it (the head), stay unsharded after
-    forward: backward starts with them, so resharding would only all-gather them again at once (one all-gather —
-    and for dim-1 shards one chunk-cat — saved per such unit and step, as torchtitan does for its last layer)."""
-    _, _, after = _around_layers(model, units, modules)
-    for module in units[-1:] + after:
-        module.set_reshard_after_forward(False, recurse=True)
-
-
-def set_prefetch(model: nn.Module, units: list[nn.Module], modules: list[nn.Module]) -> None:
-    """Forward: layer i prefetches its planned modules (overlapping attention) and layer i+1; the root prefetches
-    the units that run before the layers (the embedding) and the first layer, the last layer those after it (the
-    head). Backward: layer i prefetches its planned modules; the last of those prefetches layer i-1, and layer 0's
-    the embedding; the head prefetches the last layer."""
-    inside, before, after = _around_layers(model, units, modules)
-    for i, unit in enumerate(units):
-        own = inside[id(unit)]
-        unit.set_modules_to_forward_prefetch(own + (units[i + 1:i + 2] or after))
-        earlier = units[i - 1:i] if i > 0 else before[-1:]
-        if own:
-            unit.set_modules_to_backward_prefetch(own)
-            if earlier:
-                own[-1].set_modules_to_backward_prefetch(earlier)
-        elif earlier:
-            unit.set_modules_to_backward_prefetch(earlier)
-    if units:
-        model.set_modules_to_forward_prefetch(before + [units[0]])
-    if after:
-        after[0].set_modules_to_backward_prefetch([units[-1]])
+        module = model.get_submodule(unit.fqn)
+        if unit.kind == "planned":
+            fully_shard(module, mesh=mesh.plan_mesh(unit.plan_name), dp_mesh_dims=mesh.fsdp_dims(unit.plan_name),
+                        shard_placement_fn=lambda p, dim=unit.shard_dim: Shard(dim), **fsdp_kwargs)
+            # FSDP averages over the ranks it reduces across (world / size); every rank saw its own micro-batch, so
+            # the data-parallel average is over the whole world: without this, gradients are `size` times too large.
+            module.set_gradient_divide_factor(float(mesh.world_size))
+            # A divide factor other than the group size makes FSDP2 reduce with PREMUL_SUM, which gloo rejects and
+            # NCCL zeroes in bf16 up to torch 2.13 (pytorch#190747): reduce with SUM, then divide locally. Only where
+            # a reduce-scatter really runs: with a single FSDP rank, torch 2.13 divides once in the local copy and
+            # again after it when sums are forced.
+            if mesh.shard_size // mesh.size(unit.plan_name) > 1:
+                module.set_force_sum_reduction_for_comms(True)
+        elif unit.kind == "root":  # FSDP2 never reshards the root after forward
+            fully_shard(module, mesh=mesh.dense, **{k: v for k, v in fsdp_kwargs.items() if k != "reshard_after_forward"})
+        else:
+            fully_shard(module, mesh=mesh.dense, **fsdp_kwargs)
+    for unit in units:
+        module = model.get_submodule(unit.fqn)
+        if unit.kind != "root" and not unit.reshard_after_forward and fsdp_kwargs.get("reshard_after_forward", True):
+            module.set_reshard_after_forward(False, recurse=False)
+        if unit.forward_prefetch:
+            module.set_modules_to_forward_prefetch([model.get_submodule(f) for f in unit.forward_prefetch])
+        if unit.backward_prefetch:
+            module.set_modules_to_backward_prefetch([model.get_submodule(f) for f in unit.backward_prefetch])
 
 
 def _fingerprint(model: nn.Module, plan: Plan) -> str:
@@ -353,13 +280,8 @@ def parallelize(
     install_styles(model, mesh, planned)
     if fused_loss and not any(pm.style == "lm_head" for pm in planned) and whole_vocab_head_fusable(model, plan):
         install_fused_loss(model)
-    shard_planned(model, mesh, planned, **fsdp_kwargs)
-    units, edges = shard_units(model, mesh, plan, **fsdp_kwargs)
-    around = [model.get_submodule(p.fqn) for p in planned] + edges
-    if reshard_after_forward:
-        keep_gathered_for_backward(model, units, around)
-    if prefetch:
-        set_prefetch(model, units, around)
+    apply_fsdp(model, mesh, fsdp_layout(model, plan, planned, reshard_after_forward=reshard_after_forward,
+                                        prefetch=prefetch), **fsdp_kwargs)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
     install_global_loss(model, mesh.world_size)
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused

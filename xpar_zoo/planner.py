@@ -31,8 +31,9 @@ from torch import nn
 
 from .errors import PlanError
 from .mesh import validate_sizes
-from .parallelize import check_plan_names, edge_units, match_plan, whole_vocab_head_fusable
-from .vocab import CE_CHUNK_ELEMENTS
+from .fsdp_layout import fsdp_layout
+from .parallelize import check_plan_names, match_plan, whole_vocab_head_fusable
+from .fused_loss import CE_CHUNK_ELEMENTS
 from .plan import Plan, match_parameters
 from .registry import get_plan
 
@@ -84,41 +85,24 @@ def _padded(shape: torch.Size, ranks: int) -> int:
 
 
 def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], replicate: int) -> list[Unit]:
-    """The FSDP units ``parallelize`` builds for this mesh, with their sizes (no process group needed)."""
+    """The FSDP units ``parallelize`` builds for this mesh (the same :func:`~xpar_zoo.fsdp_layout.fsdp_layout`),
+    with their sizes (no process group needed)."""
     shard = world // replicate
     active = {n: s for n, s in sizes.items() if s > 1}
     params = dict(model.named_parameters())
-    units: list[Unit] = []
-    claimed: set[str] = set()
-
-    def dense(name: str, own: list[str], root: bool = False) -> Unit:  # a unit over the dense mesh, dim-0 padded
-        claimed.update(own)
-        return Unit(name, sum(params[f].numel() for f in own), sum(_padded(params[f].shape, shard) for f in own),
-                    shard, replicate, root=root)
-
-    for pm in sorted(match_plan(model, plan, active, shard), key=lambda p: -p.fqn.count(".")):
-        s = active[pm.plan_name]
-        own = [f"{pm.fqn}.{p}" if pm.fqn else p for p in pm.params]
-        numel = sum(params[f].numel() // s for f in own)
-        units.append(Unit(pm.fqn, numel, numel, shard // s, replicate))  # dim-1 shards are even (checked)
-        claimed.update(own)
-    classes = set(plan.unit_classes(model))
-    unit_fqns = [n for n, m in model.named_modules() if type(m).__name__ in classes]
-    for ufqn in unit_fqns:
-        units.append(dense(ufqn, [f for f in params if f.startswith(ufqn + ".") and f not in claimed]))
-    for efqn, module in edge_units(model):  # the embedding and the head, unless planned (claimed) or tied
-        own = [f"{efqn}.{n}" for n, _ in module.named_parameters()]
-        if not any(f in claimed for f in own):
-            units.append(dense(efqn, own))
-    # parallelize keeps the last layer (with its planned modules) and the units after it (the head) gathered after
-    # forward (keep_gathered_for_backward): they are all-gathered once per step
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    if unit_fqns:
-        last = unit_fqns[-1]
-        for u in units:
-            if u.name == last or u.name.startswith(last + ".") or order[u.name] > order[last]:
-                u.gathers = 1
-    units.append(dense("<root>", [f for f in params if f not in claimed], root=True))
+    units = []
+    for u in fsdp_layout(model, plan, match_plan(model, plan, active, shard)):
+        if u.kind == "planned":
+            s = active[u.plan_name]
+            numel = sum(params[f].numel() // s for f in u.params)
+            padded = (numel if u.shard_dim else  # dim-1 shards are even (checked); dim 0 pads the local slice
+                      sum(_padded(torch.Size([params[f].shape[0] // s, *params[f].shape[1:]]), shard // s)
+                          for f in u.params))
+            units.append(Unit(u.fqn, numel, padded, shard // s, replicate, gathers=1 + u.reshard_after_forward))
+        else:
+            units.append(Unit(u.fqn or "<root>", sum(params[f].numel() for f in u.params),
+                              sum(_padded(params[f].shape, shard) for f in u.params), shard, replicate,
+                              root=u.kind == "root", gathers=1 + u.reshard_after_forward))
     return units
 
 

@@ -3,7 +3,7 @@ the MoE types proved through the automatic plan. One source of truth for tests/t
 
 from __future__ import annotations
 
-from .registry import get_plan
+from ..registry import get_plan
 
 PROOF_WORLD = 4
 

@@ -27,7 +27,7 @@ def tiny_config(model_type: str = "qwen3_moe", **overrides):
     base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
                 rms_norm_eps=1e-6)
-    from .registry import get_plan
+    from ..registry import get_plan
 
     base.update(get_plan(model_type).tiny)
     base.update(overrides)
@@ -197,19 +197,22 @@ def param_errors(par: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], bef
 def assert_losses_match(par: list[float], ref: list[float], what: str = "") -> None:
     """Every step's loss within :data:`LOSS_TOL` of the single-process one."""
     for step, (a, b) in enumerate(zip(par, ref, strict=True), 1):
-        assert abs(a - b) < LOSS_TOL, f"{what} step {step}: loss {a} vs single-process {b}"
+        if not abs(a - b) < LOSS_TOL:
+            raise AssertionError(f"{what} step {step}: loss {a} vs single-process {b}")
 
 
 def assert_norms_match(par: list[float], ref: list[float], what: str = "") -> None:
     """Every step's total gradient norm within 1e-5 (relative) of the single-process one."""
     for step, (a, b) in enumerate(zip(par, ref, strict=True), 1):
-        assert abs(a - b) <= 1e-5 * b, f"{what} step {step}: grad norm {a} vs single-process {b}"
+        if not abs(a - b) <= 1e-5 * b:
+            raise AssertionError(f"{what} step {step}: grad norm {a} vs single-process {b}")
 
 
 def assert_params_match(errors: dict[str, float], what: str = "") -> None:
     """Every parameter within :data:`PARAM_REL_TOL` of its update (see :func:`param_errors`)."""
     name, worst = max(errors.items(), key=lambda kv: kv[1])
-    assert worst < PARAM_REL_TOL, f"{what} {name}: relative error {worst:.2e}"
+    if not worst < PARAM_REL_TOL:
+        raise AssertionError(f"{what} {name}: relative error {worst:.2e}")
 
 
 # ---- memory measures -----------------------------------------------------------------------------------------------

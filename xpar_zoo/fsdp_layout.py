@@ -1,0 +1,146 @@
+"""The FSDP layout of a model on a mesh, as data: which modules become FSDP units, over which mesh, sharding which
+parameters on which dim, which stay gathered after forward and what each prefetches. One pure function
+(:func:`fsdp_layout`) decides it; ``parallelize`` applies it and the planner sizes it, so the two cannot drift.
+No process group is needed (the planner runs it on a meta model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .plan import Plan
+
+# Where FSDP2 shards a planned tensor's local slice (the slice is already split on dim 0 by its plan).
+PLANNED_SHARD_DIM = 1
+
+
+@dataclass(frozen=True)
+class PlannedModule:
+    """A module whose parameters one extra plan splits on dim 0."""
+
+    fqn: str
+    plan_name: str
+    style: str
+    params: tuple[str, ...]  # local names on the module
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One ``fully_shard`` call: the module at ``fqn`` (``""``: the root) over the dense mesh, or over the plan
+    ``plan_name``'s ``[<plan>_fsdp, <plan>]`` mesh; ``params``: the parameter FQNs it manages (not those of units
+    inside it); ``shard_dim``: the dim FSDP2 shards them on (of the local slice, for planned units)."""
+
+    fqn: str
+    kind: str  # "planned" | "layer" | "edge" | "root"
+    params: tuple[str, ...]
+    plan_name: str | None = None
+    shard_dim: int = 0
+    reshard_after_forward: bool = True
+    forward_prefetch: tuple[str, ...] = ()
+    backward_prefetch: tuple[str, ...] = ()
+
+
+def _qualified(module_fqn: str, name: str) -> str:
+    return f"{module_fqn}.{name}" if module_fqn else name
+
+
+def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(fqn, module)`` of the input embedding and the output head, which become FSDP units of their own
+    (torchtitan's layout): the embedding is then gathered only around its own forward and backward and the head
+    only from its forward to its backward, instead of both for the whole step as parameters of the root. None when
+    they are tied (one weight, so one unit: the root's)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter, lambda: None)()
+        except (NotImplementedError, AttributeError):  # models without one (e.g. a base model's head)
+            module = None
+        if isinstance(module, nn.Module) and module is not model and next(module.parameters(), None) is not None:
+            found.append(module)
+    weights = [id(p) for m in found for p in m.parameters()]
+    if len(set(weights)) != len(weights):  # tied
+        return []
+    fqn = {id(m): n for n, m in model.named_modules()}
+    return [(fqn[id(m)], m) for m in found if id(m) in fqn]
+
+
+def _inside(fqn: str, parent: str) -> bool:
+    return fqn.startswith(parent + ".")
+
+
+def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, reshard_after_forward: bool = True,
+                prefetch: bool = True) -> list[FSDPUnit]:
+    """The FSDP units of ``model`` in the order ``fully_shard`` must be applied (planned modules deepest first, the
+    decoder layers, the embedding and the head, the root last), with their reshard and prefetch decisions:
+
+    - reshard after forward everywhere (``reshard_after_forward``), except the last decoder layer with its planned
+      modules and the units after it (the head): backward starts with them, so resharding would only gather them
+      again at once (as torchtitan does for its last layer); the root never reshards (FSDP2's own rule);
+    - forward: layer i prefetches its planned modules (overlapping attention) and layer i+1; the root prefetches the
+      units before the layers (the embedding) and the first layer, the last layer those after it (the head);
+    - backward: layer i prefetches its planned modules, the last of those layer i-1 (layer 0's: the embedding); the
+      head prefetches the last layer."""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    params = [n for n, _ in model.named_parameters()]
+    claimed: set[str] = set()
+    planned_units = []
+    for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
+        own = tuple(_qualified(pm.fqn, p) for p in pm.params)
+        claimed.update(own)
+        planned_units.append(FSDPUnit(pm.fqn, "planned", own, pm.plan_name, PLANNED_SHARD_DIM))
+    planned_fqns = {u.fqn for u in planned_units}
+    classes = set(plan.unit_classes(model))
+    layer_fqns = [n for n, m in model.named_modules() if type(m).__name__ in classes and n not in planned_fqns]
+    layers = []
+    for fqn in layer_fqns:
+        own = tuple(p for p in params if _inside(p, fqn) and p not in claimed)
+        claimed.update(own)
+        layers.append(FSDPUnit(fqn, "layer", own))
+    edges = []
+    for fqn, module in edge_units(model):
+        if fqn in planned_fqns:
+            continue
+        own = tuple(_qualified(fqn, n) for n, _ in module.named_parameters())
+        if any(p in claimed for p in own):
+            continue
+        claimed.update(own)
+        edges.append(FSDPUnit(fqn, "edge", own))
+    root = FSDPUnit("", "root", tuple(p for p in params if p not in claimed))
+
+    # Planned modules and edge units: inside each layer, or before / after all of them.
+    around = [u.fqn for u in planned_units + edges]
+    inside = {layer: sorted((f for f in around if _inside(f, layer)), key=order.get) for layer in layer_fqns}
+    in_layers = {f for fs in inside.values() for f in fs}
+    outside = sorted((f for f in around if f not in in_layers), key=order.get)
+    before = [f for f in outside if layer_fqns and order[f] < order[layer_fqns[0]]]
+    after = [f for f in outside if layer_fqns and order[f] > order[layer_fqns[-1]]]
+
+    keep = set()
+    if reshard_after_forward and layer_fqns:
+        last = layer_fqns[-1]
+        keep = {last, *inside[last], *after}
+    forward: dict[str, list[str]] = {}
+    backward: dict[str, list[str]] = {}
+    if prefetch:
+        for i, layer in enumerate(layer_fqns):
+            own = inside[layer]
+            forward[layer] = own + (layer_fqns[i + 1:i + 2] or after)
+            earlier = layer_fqns[i - 1:i] if i > 0 else before[-1:]
+            if own:
+                backward[layer] = own
+                if earlier:
+                    backward[own[-1]] = earlier
+            elif earlier:
+                backward[layer] = earlier
+        if layer_fqns:
+            forward[""] = before + [layer_fqns[0]]
+        if after:
+            backward[after[0]] = [layer_fqns[-1]]
+
+    def decided(u: FSDPUnit) -> FSDPUnit:
+        return FSDPUnit(u.fqn, u.kind, u.params, u.plan_name, u.shard_dim,
+                        reshard_after_forward=reshard_after_forward and u.kind != "root" and u.fqn not in keep,
+                        forward_prefetch=tuple(forward.get(u.fqn, ())), backward_prefetch=tuple(backward.get(u.fqn, ())))
+
+    return [decided(u) for u in planned_units + layers + edges + [root]]
