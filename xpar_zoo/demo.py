@@ -3,6 +3,7 @@ each step's loss printed beside single-process transformers', ending with a verd
 
 from __future__ import annotations
 
+import os
 import time
 
 from .testing import launch, parity
@@ -21,14 +22,37 @@ def _demo_job(world: int, mesh_kwargs: dict, steps: int) -> dict:
             "local": par.local_shapes.get("model.layers.0.mlp.experts.gate_up_proj")}
 
 
+def _launched_world() -> int | None:
+    """The world size when a launcher (torchrun) started this process, else ``None``."""
+    world = os.environ.get("WORLD_SIZE")
+    return int(world) if world and world.isdigit() and "RANK" in os.environ else None
+
+
 def run_demo(world: int = 4, ep: int = 2, steps: int = 5) -> bool:
-    """Run the demo; print the comparison and return whether every loss matched within ``parity.LOSS_TOL``."""
+    """Run the demo; print the comparison and return whether every loss matched within ``parity.LOSS_TOL``. Started
+    by torchrun (``torchrun --nproc-per-node 4 -m xpar_zoo demo``), every process runs its rank of the job and
+    ``world`` is torchrun's; otherwise the demo starts ``world`` local processes itself."""
     mesh_kwargs = {"ep": ep} if ep > 1 else {}
     cfg = parity.tiny_config("qwen3_moe")
-    print(f"xpar_zoo demo: tiny qwen3_moe ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
-          f"top-{cfg.num_experts_per_tok}, fp32) on {world} CPU ranks (gloo), Mesh(ep={ep}), AdamW + clipping; "
-          "labels masked unequally per rank (one rank has no target in step 1), loss = the global-batch mean")
-    result = launch.run(_demo_job, world, world, mesh_kwargs, steps)
+    launched = _launched_world()
+    if launched is not None:
+        import torch.distributed as dist
+
+        world = launched
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        result = _demo_job(world, mesh_kwargs, steps)
+        dist.barrier()  # no rank tears its connections down while another still communicates
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return True
+    header = (f"xpar_zoo demo: tiny qwen3_moe ({cfg.num_hidden_layers} layers, {cfg.num_experts} experts, "
+              f"top-{cfg.num_experts_per_tok}, fp32) on {world} CPU ranks (gloo), Mesh(ep={ep}), AdamW + clipping; "
+              "labels masked unequally per rank (one rank has no target in step 1), loss = the global-batch mean")
+    print(header, flush=True)
+    if launched is None:
+        result = launch.run(_demo_job, world, world, mesh_kwargs, steps)
     if result["local"]:
         print(f"rank 0 holds gate_up_proj shard {list(result['local'])} of global "
               f"[{cfg.num_experts}, {2 * cfg.moe_intermediate_size}, {cfg.hidden_size}]")
