@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
+import re
 import sys
+from pathlib import Path
 
 from .errors import XparError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors as one line, like every other CLI error: ``xpar-zoo: error: …`` (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"xpar-zoo: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -31,7 +42,26 @@ def _load_config(name: str):
 
     if name in supported_architectures():
         return AutoConfig.for_model(name)
+    if "/" not in name and re.fullmatch(r"[\w.-]+", name) and not Path(name).exists():
+        from .errors import UnknownArchitectureError
+
+        close = difflib.get_close_matches(name, supported_architectures(), n=3)
+        raise UnknownArchitectureError(
+            f"unknown model type {name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+            + "; see `xpar-zoo list`, or give a local directory or a hub id (org/name) with config.json")
     return AutoConfig.from_pretrained(resolve_config(name).parent)
+
+
+def _describe_model(config, name: str) -> str:
+    """``NAME: model_type, L layers, P parameters (E experts, top-k)`` of the model the planner sizes."""
+    from . import planner
+
+    params = sum(p.numel() for p in planner.meta_model(config).parameters())
+    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, k, None)), None)
+    moe = f", {experts} experts, top-{config.num_experts_per_tok}" if experts else ""
+    source = f"transformers' default {name} config" if name == config.model_type else config.model_type
+    return f"model: {name} ({source}): {config.num_hidden_layers} layers, {params / 1e9:.2f}B parameters{moe}"
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -51,6 +81,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"mesh": e.mesh, "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
     else:
+        print(_describe_model(config, args.model))
         print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "
               f"{args.dtype} compute, {args.optimizer}" + (", activation checkpointing" if args.recompute else ""))
         for e in estimates:
@@ -85,7 +116,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     from xpar_zoo.converters.inspect_checkpoint import format_report, inspect_checkpoint
 
-    info = inspect_checkpoint(args.path)
+    from .hub import HubResolutionError, resolve
+
+    path = args.path
+    if not Path(path).exists() and "/" in path and not path.startswith((".", "/", "~")):
+        path = resolve(path, args.revision).directory  # a hub id: its snapshot (cached, or downloaded)
+    elif args.revision:
+        raise HubResolutionError(f"--revision {args.revision!r} was given but {path} is a local path")
+    info = inspect_checkpoint(path)
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0
 
@@ -94,13 +132,31 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     from .publish import publish
 
     url = publish(args.dir, args.repo_id, private=args.private, revision=args.revision, token=args.token,
-                  base_model=args.base_model, overwrite_card=args.overwrite_card)
-    print(f"published {args.dir} to {args.repo_id}: {url}")
+                  base_model=args.base_model, overwrite_card=args.overwrite_card, dry_run=args.dry_run)
+    print(url if args.dry_run else f"published {args.dir} to {args.repo_id}: {url}")
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import config_from_args, run
+
+    run(config_from_args(args))
+    return 0
+
+
+def _add_train(sub) -> None:
+    from .train.config import add_arguments
+
+    p = sub.add_parser("train", help="train a model (under torchrun for several ranks): data, packing, accumulation, "
+                                     "checkpoints and exact resume, metrics, load balancing",
+                       description="Train NAME_OR_DIR on --data with its xpar_zoo plan on --mesh; settings from "
+                                   "--config (YAML) and flags (flags win). Launch with torchrun for several ranks.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xpar-zoo", description=__doc__)
+    parser = _Parser(prog="xpar-zoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="architectures: proved (with their plans and meshes) and refused (with the reason)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -128,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-size", default="1GiB", help="tensors assembled and written at a time (default 1GiB)")
     c.set_defaults(func=_cmd_to_dcp)
     c = convert.add_parser("inspect", help="format, architecture, parameters, dtypes, shards of a checkpoint")
-    c.add_argument("path", help="hub-format directory, xpar_zoo checkpoint (step dir or root) or DCP directory")
+    c.add_argument("path", help="hub-format directory or hub id (org/name), xpar_zoo checkpoint (step dir or root) "
+                                "or DCP directory")
+    c.add_argument("--revision", help="hub revision of a hub id (branch, tag or commit)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=_cmd_inspect)
     p = sub.add_parser("publish", help="validate a hub-format folder, write its model card, upload it to the hub")
@@ -139,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="hub token (default: the logged-in one)")
     p.add_argument("--base-model", help="hub id of the base model, for the card (default: from xpar_export.json)")
     p.add_argument("--overwrite-card", action="store_true", help="replace an existing README.md")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and show the card and the files; write nothing, contact no hub")
     p.set_defaults(func=_cmd_publish)
     p = sub.add_parser("plan", help="per-rank memory and per-step communication of a mesh; suggest meshes")
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
@@ -157,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_plan)
+    _add_train(sub)
     return parser
 
 
@@ -166,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
     except XparError as e:  # bad input: the message names the problem; no traceback
-        print(f"xpar-zoo: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank raises it: rank 0 says it once
+            print(f"xpar-zoo: error: {e}", file=sys.stderr)
         return 2
 
 

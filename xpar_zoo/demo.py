@@ -28,6 +28,21 @@ def _launched_world() -> int | None:
     return int(world) if world and world.isdigit() and "RANK" in os.environ else None
 
 
+def check_sizes(world: int, ep: int) -> None:
+    """The demo's mesh, checked before any process starts or connects (a rank's error would be a traceback)."""
+    from .errors import MeshError, PlanError
+    from .mesh import validate_sizes
+
+    if world < 1:
+        raise MeshError(f"--world must be at least 1, got {world}")
+    if ep < 1:
+        raise MeshError(f"--ep must be at least 1, got {ep}")
+    validate_sizes(world, {"ep": ep}, 1)
+    experts = parity.tiny_config("qwen3_moe").num_experts
+    if experts % ep:
+        raise PlanError(f"--ep {ep} does not divide the demo model's {experts} experts")
+
+
 def run_demo(world: int = 4, ep: int = 2, steps: int = 5) -> bool:
     """Run the demo; print the comparison and return whether every loss matched within ``parity.LOSS_TOL``. Started
     by torchrun (``torchrun --nproc-per-node 4 -m xpar_zoo demo``), every process runs its rank of the job and
@@ -35,6 +50,7 @@ def run_demo(world: int = 4, ep: int = 2, steps: int = 5) -> bool:
     mesh_kwargs = {"ep": ep} if ep > 1 else {}
     cfg = parity.tiny_config("qwen3_moe")
     launched = _launched_world()
+    check_sizes(launched or world, ep)
     if launched is not None:
         import torch.distributed as dist
 

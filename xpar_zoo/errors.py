@@ -46,3 +46,11 @@ class KernelError(XparError, ValueError):
 class BatchError(XparError, ValueError, IndexError):
     """A batch the model cannot take: token ids outside the vocabulary, labels whose shape does not fit the
     hidden states."""
+
+
+class TrainConfigError(XparError, ValueError):
+    """A training configuration that cannot work: an unknown key, a bad value, a resume that does not fit."""
+
+
+class DataError(XparError, ValueError):
+    """Training data that cannot be read, tokenized or packed as asked (names the file, field or numbers)."""

@@ -171,6 +171,29 @@ def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: 
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
 
+def _hub_call(what: str, repo: str, fn, /, *args, **kwargs):
+    """A huggingface_hub call whose failure (no network, offline mode, authentication, a refused upload) becomes
+    one :class:`PublishError` line naming the repo instead of a client traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # httpx / huggingface_hub errors of every kind: one line naming the step and the repo
+        first = (str(e).splitlines() or [""])[0]
+        raise PublishError(f"{what} {repo} on the hub failed ({type(e).__name__}: {first[:300]})") from None
+
+
+def dry_run_report(directory: Path, repo_id: str, summary: dict[str, Any], card, keep_card: bool) -> str:
+    """What ``publish`` would upload: the files, their size, and the model card."""
+    files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+    if CARD_FILE not in files:
+        files.append(CARD_FILE)
+    lines = [f"dry run: would create {repo_id} and upload {len(files)} file(s) from {directory} "
+             f"({summary['bytes'] / 2**20:.1f} MiB of safetensors, {summary['tensors']} tensors):",
+             *(f"  {f}" for f in files),
+             f"model card ({'the existing ' + CARD_FILE if keep_card else 'generated'}):"]
+    text = (directory / CARD_FILE).read_text() if keep_card else str(card)
+    return "\n".join(lines + ["  " + line for line in text.splitlines()])
+
+
 def publish(
     directory: str | os.PathLike,
     repo_id: str,
@@ -181,10 +204,13 @@ def publish(
     base_model: str | None = None,
     overwrite_card: bool = False,
     commit_message: str | None = None,
+    dry_run: bool = False,
 ) -> str:
-    """Validate ``directory``, write its model card (``README.md``; an existing one is kept unless
-    ``overwrite_card``), create ``repo_id`` (``exist_ok``; the branch ``revision`` too when given) and upload the
-    folder. Returns the URL of the upload commit (or whatever ``upload_folder`` returns, as a string)."""
+    """Validate ``directory``, create ``repo_id`` (``exist_ok``; the branch ``revision`` too when given), write its
+    model card (``README.md``; an existing one is kept unless ``overwrite_card``) and upload the folder. Returns the
+    URL of the upload commit (or whatever ``upload_folder`` returns, as a string). A failed hub call raises
+    :class:`PublishError` and leaves the folder as it was (a card written for the upload is removed again).
+    ``dry_run``: validate and return what would be uploaded, card included; nothing is written or sent."""
     from huggingface_hub import HfApi
 
     directory = Path(directory)
@@ -192,17 +218,31 @@ def publish(
         raise PublishError(f"{repo_id!r} is not a hub repo id (org/name)")
     summary = validate_folder(directory)
     card_path = directory / CARD_FILE
-    if overwrite_card or not card_path.exists():
-        card = build_model_card(directory, repo_id, base_model=base_model, summary=summary)
+    write_card = overwrite_card or not card_path.exists()
+    card = build_model_card(directory, repo_id, base_model=base_model, summary=summary) if write_card else None
+    if dry_run:
+        return dry_run_report(directory, repo_id, summary, card, keep_card=not write_card)
+    api = HfApi(token=token)
+    _hub_call("creating", repo_id, api.create_repo, repo_id, private=private, repo_type="model", exist_ok=True)
+    if revision is not None:
+        _hub_call(f"creating branch {revision!r} of", repo_id, api.create_branch, repo_id, branch=revision,
+                  repo_type="model", exist_ok=True)
+    previous = card_path.read_bytes() if card_path.exists() else None
+    if write_card:
         try:
             card.save(card_path)
         except OSError as e:
             raise PublishError(f"cannot write {card_path}: {e}") from None
-    api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
-    if revision is not None:
-        api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
-    result = api.upload_folder(repo_id=repo_id, folder_path=str(directory), repo_type="model", revision=revision,
-                               commit_message=commit_message or f"Upload {summary['config']['model_type']} with "
-                                                                 "xpar-zoo publish")
+    try:
+        result = _hub_call("uploading to", repo_id, api.upload_folder, repo_id=repo_id, folder_path=str(directory),
+                           repo_type="model", revision=revision,
+                           commit_message=commit_message or f"Upload {summary['config']['model_type']} with "
+                                                             "xpar-zoo publish")
+    except PublishError:
+        if write_card:  # the folder as it was
+            if previous is None:
+                card_path.unlink(missing_ok=True)
+            else:
+                card_path.write_bytes(previous)
+        raise
     return str(result)

@@ -1,0 +1,39 @@
+"""``xpar-zoo train`` (also ``python -m xpar_zoo.train``): train a model from the hub or a directory with its
+xpar_zoo plan, under torchrun on one node or many. See the README's "Training".
+
+- :mod:`~xpar_zoo.train.config`  the settings (YAML file + flags), validated before any work;
+- :mod:`~xpar_zoo.train.data`    reading, tokenizing, packing documents into rows, dealing rows to the ranks;
+- :mod:`~xpar_zoo.train.loop`    setup, the optimizer step, checkpoints and resume, export;
+- :mod:`~xpar_zoo.train.balance` expert load, the router auxiliary loss over the global batch, the bias update;
+- :mod:`~xpar_zoo.train.metrics` ``metrics.jsonl``, the progress bar, TensorBoard.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from .config import TrainConfig, add_arguments, config_from_args, read_config_file
+from .loop import TrainResult, train
+
+__all__ = ["TrainConfig", "TrainResult", "add_arguments", "config_from_args", "main", "read_config_file", "run",
+           "train"]
+
+
+def run(cfg: TrainConfig) -> TrainResult:
+    """:func:`train` in a process of its own (a torchrun worker or a plain process): initialises the process group
+    from the launcher's environment and destroys it at the end."""
+    owned = not dist.is_initialized()
+    try:
+        return train(cfg)
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m xpar_zoo.train ARGS`` = ``xpar-zoo train ARGS``."""
+    from ..cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])

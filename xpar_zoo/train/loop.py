@@ -1,0 +1,381 @@
+"""``train(config)``: the training run behind ``xpar-zoo train`` — setup, the step, checkpoints, metrics.
+
+One optimizer step on every rank:
+
+1. take this rank's ``grad_accum`` micro-batches of the step (:mod:`xpar_zoo.train.data`) and count the valid
+   targets of all of them over every rank (:func:`xpar_zoo.loss.global_count`, one all-reduce);
+2. forward and backward each micro-batch with ``num_items_in_batch`` = that count, so the accumulated gradients
+   are exactly those of the step's global-batch mean; FSDP reduce-scatters only after the last micro-batch
+   (``set_requires_gradient_sync``); with a router auxiliary loss, each micro-batch adds its global-batch share;
+3. :func:`xpar_zoo.clip_grad_norm_`, AdamW, the LR schedule; the correction-bias update from the step's global
+   expert load; metrics; a checkpoint when due (model, optimizer, schedule, data position, RNG).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..clip import clip_grad_norm_
+from ..errors import DataError, TrainConfigError, XparError
+from ..loss import count_targets, global_count
+from .balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
+from .config import DTYPES, TrainConfig
+from .data import (PackedCorpus, flatten_rows, load_tokenizer, micro_batches, read_documents, rows_per_step,
+                   tokenize)
+from .metrics import MetricsLog, peak_memory_bytes
+
+CHECKPOINTS = "checkpoints"
+SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
+# transformers' masking utilities build a block-causal mask from restarting position_ids for these (no attention
+# mask, no cache); its flash-attention kernels run packed rows as varlen from position_ids in a batch of one row.
+DOCUMENT_MASKING = ("eager", "sdpa", "flex_attention")
+AUX_CHECK_RTOL = 1e-4
+T = TypeVar("T")
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves in memory (for tests and notebooks): the model, the last step, its metrics."""
+
+    model: nn.Module
+    step: int
+    last: dict[str, Any] | None
+    output: Path
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> bool:
+    """Initialise the default process group from a launcher's environment (torchrun: ``WORLD_SIZE`` > 1) when none
+    exists: NCCL on this node's CUDA device ``LOCAL_RANK`` (gloo beside it for CPU objects), gloo without CUDA.
+    Returns whether it initialised one."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return False
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    return True
+
+
+def _everywhere(fn: Callable[[], T], rank0_only: bool = False) -> T:
+    """``fn()`` on every rank (or rank 0 only, its result broadcast); an :class:`XparError` on any rank is raised
+    on every rank (the first one's message), so no rank is left waiting in a collective."""
+    result, error = None, None
+    if not rank0_only or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except XparError as e:
+            error = (type(e), str(e))
+    if rank0_only:
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+        failed = [error] if error else []
+    else:
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [e for e in errors if e]
+    if failed:
+        kind, message = failed[0]
+        raise kind(message)
+    return result
+
+
+def _checkpoint_to_resume(cfg: TrainConfig) -> Path | None:
+    """Rank 0: the checkpoint to resume from (``None``: start at step 0); refuses to start over a run's
+    checkpoints without ``--resume``."""
+    output = Path(cfg.output)
+    if output.exists() and not output.is_dir():
+        raise TrainConfigError(f"--output {output} exists and is not a directory")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainConfigError(f"--output {output}: cannot create it ({e.strerror or e})") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # incomplete checkpoints are reported by load_checkpoint's own warning
+        found = latest_checkpoint(output / CHECKPOINTS)
+    if found is not None and not cfg.resume:
+        raise TrainConfigError(f"--output {output} already holds checkpoints (newest: {found.name}); pass --resume "
+                               "to continue that run, or choose another --output")
+    return found
+
+
+def _load_corpus(cfg: TrainConfig, vocab_size: int) -> tuple[PackedCorpus, Any]:
+    """Every rank: read, tokenize and pack the data; the tokenizer (``None`` for pre-tokenized data without one)."""
+    docs = read_documents(cfg.data, cfg.text_field)
+    tokenizer = None
+    if docs.texts is not None or cfg.tokenizer:
+        tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    tokens, lengths = tokenize(docs, tokenizer)
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise DataError(f"{cfg.data}: token id {int(tokens.max())} is outside the model's vocabulary "
+                               f"({vocab_size} rows); use the model's tokenizer")
+    return PackedCorpus(tokens, lengths, cfg.seq_len, cfg.seed, source=str(cfg.data)), tokenizer
+
+
+def _model_config(name: str):
+    from ..hub import resolve_config
+    from ..loader import load_config
+
+    return load_config(resolve_config(name).parent)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.adam_betas)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
+    """transformers' schedule for ``cfg.schedule`` over ``cfg.steps`` steps after ``cfg.warmup`` warmup steps."""
+    from transformers import get_scheduler
+
+    extra = {"min_lr_rate": cfg.min_lr_ratio} if cfg.schedule == "cosine" else None
+    return get_scheduler(SCHEDULER_NAMES[cfg.schedule], optimizer, num_warmup_steps=cfg.warmup,
+                         num_training_steps=cfg.steps, scheduler_specific_kwargs=extra)
+
+
+@dataclass
+class RouterAux:
+    """The router auxiliary loss the run adds over the global batch: its coefficient and the model's sizes."""
+
+    coef: float
+    num_experts: int
+    top_k: int
+    checked: bool = False
+
+
+def router_aux(model: nn.Module, cfg: TrainConfig) -> RouterAux | None:
+    """The router auxiliary loss to add (``None``: off). transformers' own per-rank term is switched off on the
+    model (its coefficient set to 0) so that only the global-batch term trains."""
+    config = model.config
+    coef = cfg.router_aux_loss_coef
+    if coef is None:
+        coef = getattr(config, "router_aux_loss_coef", 0.0) if getattr(config, "output_router_logits", False) else 0.0
+    if not coef:
+        return None
+    missing = [a for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok") if not hasattr(model, a)]
+    if missing:
+        raise TrainConfigError(f"{type(model).__name__} has no router auxiliary loss (no {', '.join(missing)}); "
+                               "leave --router-aux-loss-coef unset")
+    model.router_aux_loss_coef = 0.0
+    return RouterAux(float(coef), int(model.num_experts), int(model.num_experts_per_tok))
+
+
+def _check_aux(aux: RouterAux, local: torch.Tensor, model_aux: torch.Tensor) -> None:
+    """Once per run: our per-rank term equals the model's own, so the global version computes the model's loss."""
+    err = ((local - model_aux.detach().float()).abs() / model_aux.detach().float().abs().clamp_min(1e-12)).reshape(1)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    if err.item() > AUX_CHECK_RTOL:
+        raise TrainConfigError(f"this model's router auxiliary loss is not transformers' Switch-Transformer form "
+                               f"(relative difference {err.item():.2e}); train it without (--router-aux-loss-coef 0)")
+    aux.checked = True
+
+
+def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: int, corpus: PackedCorpus) -> Path:
+    extra = {
+        "step": step,
+        "data": {"position": position, "fingerprint": corpus.fingerprint(), "rows_per_epoch": corpus.rows_per_epoch,
+                 "seq_len": corpus.seq_len, "seed": corpus.seed, "source": corpus.source},
+        "scheduler": scheduler.state_dict(),
+        "world_size": dist.get_world_size(),
+        "config": cfg.to_json(),
+    }
+    return save_checkpoint(Path(cfg.output) / CHECKPOINTS, model, optimizer, extra_state=extra, step=step,
+                           keep_last=cfg.keep_last)
+
+
+def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
+    """Rank 0, before the model is loaded: the checkpoint's data position means the same rows for this run."""
+    data = json.loads((ckpt / EXTRA_FILE).read_text()).get("data") or {}
+    if data.get("fingerprint") != corpus.fingerprint():
+        theirs = {k: data.get(k) for k in ("source", "seq_len", "seed")}
+        ours = {"source": corpus.source, "seq_len": corpus.seq_len, "seed": corpus.seed}
+        raise TrainConfigError(f"{ckpt} was trained on other data or another row layout ({theirs}) than this run "
+                               f"({ours}): its data position would not continue the same order; resume with the "
+                               "same data, seq_len and seed, or start a new --output")
+
+
+def _resume(ckpt: Path, model, optimizer, scheduler) -> tuple[int, int]:
+    extra = load_checkpoint(ckpt, model, optimizer)
+    scheduler.load_state_dict(extra["scheduler"])
+    return int(extra["step"]), int(extra["data"]["position"])
+
+
+@dataclass
+class _Run:
+    """What every step of a run uses."""
+
+    cfg: TrainConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    corpus: PackedCorpus
+    load: ExpertLoad
+    biases: list
+    aux: RouterAux | None
+    flatten: bool
+    device: torch.device
+    world: int
+    rank: int
+
+
+def _load_model(cfg: TrainConfig, mesh, rank: int) -> nn.Module:
+    """The model from ``cfg.model`` on ``mesh``, in training mode with the run's attention and recompute settings."""
+    import xpar_zoo
+
+    model = xpar_zoo.from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
+                                     mixed_precision=cfg.mixed_precision, progress=cfg.progress and rank == 0)
+    model.train()
+    model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
+    if cfg.attn_implementation:
+        model.set_attn_implementation(cfg.attn_implementation)
+    if cfg.recompute:
+        model.activation_checkpointing_enable()
+    return model
+
+
+def _forward_backward(run: _Run, batches: list[dict[str, torch.Tensor]], n_items: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every micro-batch of the step forward and backward; FSDP reduces after the last one only. Returns this
+    rank's summed loss shares and mean auxiliary-loss share."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    aux_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    extra = {"output_router_logits": True} if run.aux else {}
+    for m, batch in enumerate(batches):
+        run.model.set_requires_gradient_sync(m == len(batches) - 1)
+        if run.flatten:
+            batch = flatten_rows(batch)
+        batch = {k: v.to(run.device) for k, v in batch.items()}
+        out = run.model(**batch, num_items_in_batch=n_items, use_cache=False, **extra)
+        loss = out.loss
+        loss_sum += loss.detach().double()
+        if run.aux:
+            share, local = global_router_aux_loss(out.router_logits, run.aux.num_experts, run.aux.top_k)
+            if not run.aux.checked:
+                _check_aux(run.aux, local, out.aux_loss)
+            loss = loss + share * (run.aux.coef / len(batches))
+            aux_sum += share.detach().double() / len(batches)
+        loss.backward()
+    return loss_sum, aux_sum
+
+
+def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
+    """One optimizer step on the rows from global row ``position``; returns its metrics (without ``step``)."""
+    cfg, device = run.cfg, run.device
+    start = time.perf_counter()
+    lr = run.scheduler.get_last_lr()[0]
+    batches = micro_batches(run.corpus, position, run.rank, run.world, cfg.micro_batch, cfg.grad_accum)
+    local_targets = sum(int(count_targets(b["labels"])) for b in batches)
+    loss_sum, aux_sum = _forward_backward(run, batches, global_count(local_targets, device=device))
+    grad_norm = clip_grad_norm_(run.model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    counts = run.load.take()
+    if run.biases:
+        update_correction_biases(run.biases, counts, cfg.expert_bias_update_rate)
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    totals = torch.stack([loss_sum, aux_sum] + [torch.tensor(float(n), dtype=torch.float64, device=device)
+                                                for n in (tokens, local_targets)])
+    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
+    if run.world > 1:
+        dist.all_reduce(totals)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    loss, aux, tokens, targets = totals.tolist()
+    elapsed = time.perf_counter() - start
+    position += rows_per_step(run.world, cfg.micro_batch, cfg.grad_accum)
+    record = {"loss": loss / run.world, "grad_norm": float(grad_norm), "lr": lr, "tokens": int(tokens),
+              "targets": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+              "peak_mem_bytes": int(peak.item()), "data_position": position,
+              "epoch": (position - 1) // run.corpus.rows_per_epoch}
+    if run.aux:
+        record["aux_loss"] = aux / run.world
+    if counts is not None:
+        record["expert_load"] = load_summary(run.load.layers, counts)
+    return record
+
+
+def _export(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int) -> None:
+    model.save_pretrained(cfg.export_hf)  # every rank: the hub's own format, rank 0 writes
+    if rank == 0 and tokenizer is not None:
+        tokenizer.save_pretrained(cfg.export_hf)
+    dist.barrier()
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run the training ``cfg`` describes on every rank of the default process group (initialised from the
+    launcher's environment when needed; a plain process runs as world 1). A collective: every rank calls it with
+    the same settings. Returns the trained model and the last step's metrics."""
+    import xpar_zoo
+
+    from ..mesh import init_single_process
+
+    if not dist.is_initialized() and not init_distributed(cfg.timeout_minutes):
+        init_single_process()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    output = Path(cfg.output)
+    ckpt = _everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
+    model_config = _everywhere(lambda: _model_config(cfg.model))
+    corpus, tokenizer = _everywhere(lambda: _load_corpus(cfg, model_config.vocab_size))
+    if ckpt is not None:
+        _everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
+    sizes = dict(cfg.mesh)
+    mesh = xpar_zoo.Mesh(replicate=sizes.pop("replicate", 1), **sizes)
+
+    model = _load_model(cfg, mesh, rank)
+    attn = model.config._attn_implementation
+    load = ExpertLoad(model, device)
+    biases = correction_biases(model, load) if cfg.expert_bias_update_rate else []
+    if cfg.expert_bias_update_rate and not biases:
+        raise TrainConfigError(f"--expert-bias-update-rate {cfg.expert_bias_update_rate}: {type(model).__name__} "
+                               "has no router with an e_score_correction_bias (DeepSeek-V3 / GLM-4-MoE style)")
+    optimizer = build_optimizer(model, cfg)
+    run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg), corpus, load, biases, router_aux(model, cfg),
+               attn.startswith("flash_attention"), device, world, rank)
+    step, position = _resume(ckpt, model, optimizer, run.scheduler) if ckpt is not None else (0, 0)
+    last_step = cfg.stop_after or cfg.steps
+    log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
+                     progress=cfg.progress, tensorboard=cfg.tensorboard)
+    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
+                f"ranks x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
+                f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
+                + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
+    if attn not in DOCUMENT_MASKING and not run.flatten:
+        log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
+                    f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
+    record = None
+    try:
+        while step < last_step:
+            record = {"step": step + 1, **optimizer_step(run, position)}
+            step, position = record["step"], record["data_position"]
+            log.write(record)
+            if step == last_step or (cfg.save_every and step % cfg.save_every == 0):
+                path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus)  # every rank
+                log.message(f"step {step}: saved {path}")
+        if cfg.export_hf and step == cfg.steps:
+            _export(cfg, model, tokenizer, rank)
+            log.message(f"exported the model in the hub's format to {cfg.export_hf}")
+    finally:
+        load.remove()
+        log.close()
+    return TrainResult(model=model, step=step, last=record, output=output)

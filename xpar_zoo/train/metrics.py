@@ -1,0 +1,106 @@
+"""What a training run reports: ``OUTPUT/metrics.jsonl`` (one JSON object per optimizer step), a tqdm bar and,
+when ``tensorboard`` is installed, TensorBoard events in ``OUTPUT/tensorboard``. Rank 0 writes; the numbers are
+global (reduced over the ranks by the loop).
+
+Fields of every line: ``step``, ``loss`` (the mean over every valid target of the step, all ranks and
+micro-batches), ``grad_norm`` (before clipping), ``lr`` (the step's), ``tokens`` (input tokens of the step over all
+ranks), ``targets`` (valid targets: the loss's normaliser), ``tokens_per_s``, ``step_time_s``, ``peak_mem_bytes``
+(the largest over the ranks: CUDA peak allocated during the step, on the CPU the process's peak RSS),
+``data_position`` (global rows consumed after the step), ``epoch``; ``aux_loss`` with a router auxiliary loss; and
+for MoE models ``expert_load``: per layer ``{"layer", "tokens": [per expert, global], "max_over_mean"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory of the step: CUDA peak allocated since the last call (then reset), or the
+    process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(peak)
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def read_metrics(output: str | os.PathLike) -> list[dict[str, Any]]:
+    """The lines of ``OUTPUT/metrics.jsonl``."""
+    path = Path(output) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLog:
+    """Rank 0's sinks for the per-step metrics; on other ranks every method does nothing."""
+
+    def __init__(self, output: Path, *, active: bool, start_step: int, total_steps: int, progress: bool,
+                 tensorboard: bool):
+        self.active = active
+        self.path = output / METRICS_FILE
+        self._bar = self._tb = None
+        if not active:
+            return
+        self._truncate_after(start_step)
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ModuleNotFoundError:  # tensorboard is optional: pip install 'xpar_zoo[tensorboard]'
+                pass
+            else:
+                self._tb = SummaryWriter(str(output / "tensorboard"), purge_step=start_step + 1)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop lines of steps after ``step`` (a run that went past its last checkpoint before it stopped)."""
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".part")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                  tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        if self._tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"train/{key}", value, step)
+            for layer in record.get("expert_load", ()):
+                self._tb.add_scalar(f"expert_load/max_over_mean/layer_{layer['layer']}", layer["max_over_mean"], step)
+
+    def message(self, text: str) -> None:
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
