@@ -3,7 +3,9 @@ checked-in file is stale or when a MoE family of the pinned transformers is neit
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -92,8 +94,27 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' logging at errors only: the tiny proof configs trip its config warnings (token ids beyond the
+    tiny vocab, a forced last full-attention layer), which are no news for the cards."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
 def render() -> str:
     """The whole MODEL_CARDS.md."""
+    with _quiet_transformers():
+        return _render()
+
+
+def _render() -> str:
     import transformers
 
     proved = proved_architectures()
