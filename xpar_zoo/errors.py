@@ -54,3 +54,7 @@ class TrainConfigError(XparError, ValueError):
 
 class DataError(XparError, ValueError):
     """Training data that cannot be read, tokenized or packed as asked (names the file, field or numbers)."""
+
+
+class NonFiniteError(XparError, RuntimeError):
+    """NaN or inf where training needs finite numbers (gradients to clip); names the tensors and ranks."""
