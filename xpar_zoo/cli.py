@@ -32,7 +32,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(world=args.world, ep=args.ep, steps=args.steps) else 1
 
 
-def _load_config(name: str):
+def load_model_config(name: str):
     """A model_type (transformers' default config of that architecture), or a local dir / hub id with config.json."""
     from transformers import AutoConfig
 
@@ -69,7 +69,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from . import planner
 
-    config = _load_config(args.model)
+    config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
                   recompute=args.recompute)
     if args.ep is not None or args.emb or args.head or args.replicate != 1 or not args.suggest:
