@@ -141,7 +141,31 @@ def _train_job() -> dict:
     finally:
         logger.removeHandler(recorder)
     out["log"] = recorder.lines
+    out["regions"] = _regions()
     return out if dist.get_rank() == 0 else None
+
+
+def _regions() -> list:
+    """Every rank's :func:`~xpar_zoo.loader.local_region` of an ``[8, 3]`` DTensor on a 2 × 2 mesh: as FSDP2 shards
+    an ep slice on dim 0 (strided over the first mesh dim, then split over the second), and interleaved."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from xpar_zoo.loader import local_region
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "ep"))
+    out = []
+    for placements in [(_StridedShard(0, split_factor=2), Shard(0)), (Shard(0), _StridedShard(0, split_factor=2))]:
+        dt = DTensor.from_local(torch.zeros(2, 3), mesh, placements, run_check=False, shape=(8, 3), stride=(3, 1))
+        try:
+            out.append(local_region(dt)[1])
+        except xpar_zoo.LoadError as e:
+            out.append(str(e))
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, out)
+    return gathered
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +213,13 @@ def test_parallelize_logs_each_planned_units_dims(trained):
     assert f"FSDP {EXPERTS} over ep_fsdp=2: gate_up_proj on dim 1, down_proj on dim 1" in lines
     assert "FSDP model.embed_tokens over emb_fsdp=2: weight on dim 1" in lines
     assert f"FSDP {O_PROJ} over lowrank_fsdp=2: weight on dim 0, down on dim 1, up on dim 0" in lines
+
+
+def test_the_loader_reads_fsdp_strided_shards_as_one_block_and_refuses_interleaved_ones(trained):
+    strided = [rank[0] for rank in trained["regions"]]  # rank = 2·fsdp + ep: ep picks the half, fsdp its quarter
+    assert strided == [((0, 2), (0, 3)), ((4, 6), (0, 3)), ((2, 4), (0, 3)), ((6, 8), (0, 3))]
+    interleaved = [rank[1] for rank in trained["regions"]]
+    assert all(isinstance(e, str) and "not one block" in e for e in interleaved), interleaved
 
 
 # ---- checkpoints across the placements and world sizes ----------------------------------------------------------

@@ -25,6 +25,23 @@ AUTO_PROVED: dict[str, dict] = {
 }
 
 
+# The meshes above leave every planned slice divisible by its FSDP ranks (8 experts, 128 vocab rows), so FSDP2 shards
+# it on dim 0. Each type is also proved with FSDP2 on dim 1 (tests/test_zoo_placement.py): its tiny config with 6
+# experts and 126 vocab rows (slices of 3 experts and 63 rows over 2 FSDP ranks) on its plans of size 2.
+DIM1_OVERRIDES: dict[str, int] = {"vocab_size": 126}
+DIM1_EXPERTS = 6
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def dim1_proof(model_type: str) -> tuple[dict, dict]:
+    """``(Mesh kwargs, tiny config overrides)`` under which FSDP2 shards every planned tensor of ``model_type`` on
+    dim 1 (their slices' dim 0 does not divide by their 2 FSDP ranks)."""
+    plan = get_plan(model_type)
+    tiny = {**plan.tiny, **AUTO_PROVED.get(model_type, {})}
+    overrides = {**tiny, **DIM1_OVERRIDES, **{k: DIM1_EXPERTS for k in EXPERT_COUNT_KEYS if k in tiny}}
+    return {name: 2 for name in ("ep", "emb", "head") if name in plan.extra}, overrides
+
+
 def proof_meshes(model_type: str) -> dict[str, dict]:
     """``{mesh name: Mesh kwargs}`` that tests/test_zoo.py proves for ``model_type``."""
     plan = get_plan(model_type)
