@@ -10,7 +10,7 @@ Peer: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=Distributed
 ``PYTHONPATH=/tmp/accel``), trained with the same AdamW and saved with its own ``save_pretrained`` (model weights; ours saves the same,
 as an atomic DCP checkpoint). Ours:
 ``xpar_zoo.from_pretrained(dir, mesh=Mesh(ep=2))`` (FSDP2 over the 4 ranks, experts split in 2 and FSDP-sharded on
-dim 1), ``xpar_zoo.save_checkpoint``. The checkpoint is bench/load_memory.py's ≈ 400 MB qwen3_moe. The training rows
+dim 0: 16 local experts over 2 FSDP ranks), ``xpar_zoo.save_checkpoint``. The checkpoint is bench/load_memory.py's ≈ 400 MB qwen3_moe. The training rows
 are measured at each sequence length (2×128 tokens per rank, where FSDP's collectives dominate, and 2×1024, where
 activations and the loss do). The stacks run alternately, ``--rounds`` times each; every figure is the median over
 rounds of the worst rank's; ratios are xpar_zoo / transformers.
