@@ -113,12 +113,13 @@ class _Recorder(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _train_job() -> dict:
+def _train_job(hub_dir: str) -> dict:
     import torch.distributed as dist
 
-    out = {"qwen3_moe": parity.compare_meshes(
+    out = {"loaded": _load_hub_checkpoint(hub_dir)}
+    out.update({"qwen3_moe": parity.compare_meshes(
         parity.tiny_config("qwen3_moe", **DIM1), WORLD, {"ep2": {"ep": 2}, "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2}},
-        adamw_meshes=("ep2_emb2_head2",))}
+        adamw_meshes=("ep2_emb2_head2",))})
     # gpt-oss: transposed experts with 2-D biases, all on dim 1
     out["gpt_oss"] = parity.compare_meshes(parity.tiny_config("gpt_oss", num_local_experts=6), WORLD,
                                            {"ep2": {"ep": 2}})
@@ -145,6 +146,24 @@ def _train_job() -> dict:
     return out if dist.get_rank() == 0 else None
 
 
+def _load_hub_checkpoint(directory: str) -> dict:
+    """``from_pretrained`` of a hub-format (per-expert) checkpoint into dim-1 shards: each rank reads its half of
+    ``[gate; up]`` and of every vocab row's width. Rank 0 gets whether every tensor equals the saved one."""
+    import torch.distributed as dist
+
+    cfg = parity.tiny_config("qwen3_moe", **DIM1)
+    if dist.get_rank() == 0:
+        parity.build_model(cfg, seed=3).save_pretrained(directory)
+    dist.barrier()
+    model = xpar_zoo.from_pretrained(directory, mesh=xpar_zoo.Mesh(ep=2, emb=2, head=2), progress=False)
+    local = tuple(model.get_parameter(f"{EXPERTS}.gate_up_proj").to_local().shape)
+    state = xpar_zoo.full_state_dict(model)
+    if dist.get_rank() != 0:
+        return {}
+    want = parity.build_model(cfg, seed=3).state_dict()
+    return {"local": local, "differ": sorted(n for n, t in want.items() if not torch.equal(state[n], t))}
+
+
 def _regions() -> list:
     """Every rank's :func:`~xpar_zoo.loader.local_region` of an ``[8, 3]`` DTensor on a 2 × 2 mesh: as FSDP2 shards
     an ep slice on dim 0 (strided over the first mesh dim, then split over the second), and interleaved."""
@@ -169,8 +188,8 @@ def _regions() -> list:
 
 
 @pytest.fixture(scope="module")
-def trained():
-    return launch.run(_train_job, WORLD, timeout_s=600)
+def trained(tmp_path_factory):
+    return launch.run(_train_job, WORLD, str(tmp_path_factory.mktemp("hub")), timeout_s=600)
 
 
 CASES = [("qwen3_moe", "ep2"), ("qwen3_moe", "ep2_emb2_head2"), ("gpt_oss", "ep2"), ("lowrank", "ep2_lowrank2")]
@@ -206,6 +225,12 @@ def test_local_shards_show_the_placement(trained):
     local = trained["lowrank"]["ep2_lowrank2"]["local"]
     assert local[f"{O_PROJ}.weight"] == (8, H) and local[f"{O_PROJ}.up"] == (8, RANK)  # 16 rows each, dim 0
     assert local[f"{O_PROJ}.down"] == (3, H // 2)  # 3 rows, dim 1
+
+
+def test_from_pretrained_fills_dim1_shards_from_per_expert_hub_files(trained):
+    cfg = parity.tiny_config("qwen3_moe", **DIM1)
+    assert trained["loaded"]["local"] == (3, cfg.moe_intermediate_size, cfg.hidden_size)  # half of [gate; up]
+    assert trained["loaded"]["differ"] == []
 
 
 def test_parallelize_logs_each_planned_units_dims(trained):
