@@ -291,13 +291,13 @@ def test_ep4_ranks_read_only_their_own_experts(results):
         assert _experts_read(read) == {2 * rank, 2 * rank + 1}
 
 
-def test_ep2_ranks_read_their_experts_and_their_half_of_gate_up(results):
-    # ranks [[0, 1], [2, 3]] = [ep_fsdp, ep]: rank r owns experts 4·(r % 2) … +3 and rows r // 2 of [2I] = gate | up
+def test_ep2_ranks_read_only_their_quarter_of_the_experts(results):
+    # ranks [[0, 1], [2, 3]] = [ep_fsdp, ep]: ep rank r % 2 holds experts 4·(r % 2) … +3, which FSDP splits on dim 0
+    # over the ep_fsdp ranks: rank r keeps 2 of them, gate and up (tests/test_fsdp_placement.py reads dim-1 shards)
     for rank, read in enumerate(results["hub_ep2"]["read"]):
-        own = set(range(4 * (rank % 2), 4 * (rank % 2) + 4))
-        assert _experts_read(read) == own
-        assert _experts_read(read, "gate_proj") == (own if rank < 2 else set())
-        assert _experts_read(read, "up_proj") == (own if rank >= 2 else set())
+        first = 4 * (rank % 2) + 2 * (rank // 2)
+        own = {first, first + 1}
+        assert _experts_read(read) == _experts_read(read, "gate_proj") == _experts_read(read, "up_proj") == own
 
 
 def test_uneven_fsdp_shards_read_only_their_rows(results, checkpoints):

@@ -79,7 +79,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         budget = args.memory_gib * 2**30 if args.memory_gib else None
         estimates = planner.suggest(config, args.world, memory_budget=budget, **common)
     if args.json:
-        print(json.dumps([{"mesh": e.mesh, "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
+        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "memory": e.memory, "comm": e.comm}
+                          for e in estimates], indent=2))
     else:
         print(_describe_model(config, args.model))
         print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "

@@ -4,7 +4,8 @@
 2. ``build_meta``         the transformers model from its config, on the meta device (no memory, no init);
 3. ``map_hub_layout``    checkpoint headers × transformers' conversion rules → every tensor's pieces, checked
                           strictly (missing / unexpected / wrong shape) before any tensor data is read;
-4. ``parallelize``        extra plans on dim 0 and FSDP2 (dim 1 for planned tensors), still on meta;
+4. ``parallelize``        extra plans on dim 0 and FSDP2 (planned slices on dim 0 where it divides, else dim 1),
+                          still on meta;
 5. ``materialize``        allocate only the local shards; non-persistent buffers (rotary ``inv_freq``) initialised
                           by the model's own ``_init_weights``, as transformers does;
 6. ``fill_local_shards``  per file, per local shard: read exactly the slice this rank keeps (``safe_open(…)
@@ -25,8 +26,9 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import distributed
 from .errors import LoadError
@@ -156,16 +158,40 @@ def build_meta(config, dtype: torch.dtype) -> nn.Module:
         return model_class(config)._from_config(config, dtype=dtype)
 
 
+def _held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """This rank's local shape of ``tensor`` and, per sharded dim, the global indices it holds in order: torch's own
+    per-placement rule (``compute_local_shape_and_global_offset`` keeps only the first), so that a
+    ``_StridedShard`` (what FSDP2 makes of a dim-0 shard of a slice already split on dim 0) can be checked."""
+    mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
+    shape, held = list(tensor.shape), {}
+    for i, placement in enumerate(tensor.placements):
+        if isinstance(placement, (Shard, _StridedShard)):
+            d = placement.dim
+            shape[d], held[d] = _get_shard_size_and_offsets(shape[d], mesh.size(i), coordinate[i], placement,
+                                                            held.get(d), tensor.shape[d], False)
+    return shape, held
+
+
 def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
-    """This rank's local tensor of ``tensor`` and the global ``[start, stop)`` it holds on each dim."""
+    """This rank's local tensor of ``tensor`` and the global ``[start, stop)`` it holds on each dim; a layout whose
+    local indices on some dim are not one block of the global tensor raises :class:`LoadError`."""
     if not isinstance(tensor, DTensor):
         return tensor, tuple((0, n) for n in tensor.shape)
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    shape, held = _held_indices(tensor)
     local = tensor.to_local()
     if tuple(local.shape) != tuple(shape):
         raise LoadError(f"local shard of shape {tuple(local.shape)} where the placements {tensor.placements} give "
                         f"{tuple(shape)}: a layout the loader does not understand")
-    return local, tuple((o, o + n) for o, n in zip(offset, shape))
+    region = []
+    for d, n in enumerate(shape):
+        index = held.get(d)
+        start = int(index[0]) if index is not None else 0
+        if n and index is not None and not torch.equal(index, torch.arange(start, start + n)):
+            raise LoadError(f"the placements {tensor.placements} give this rank the global indices "
+                            f"{index.tolist()[:8]}… on dim {d} of {tuple(tensor.shape)}, not one block: a layout the "
+                            "loader does not understand")
+        region.append((start, start + n))
+    return local, tuple(region)
 
 
 def _live_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
