@@ -312,6 +312,9 @@ def proof_meshes(model_type: str) -> dict[str, dict]:
 # it on dim 0. Each type is also proved with FSDP2 on dim 1 (tests/test_zoo_placement.py): its tiny config with 6
 # experts and 130 vocab rows (slices of 3 experts and 65 rows over 2 FSDP ranks) on its plans of size 2.
 DIM1_VOCAB = 130
+# Other sizes that must follow the vocab: gemma4's per-layer embedding is indexed by the same ids, inkling2's head
+# has unpadded_vocab_size rows.
+VOCAB_ALIASES = ("vocab_size_per_layer_input", "unpadded_vocab_size")
 DIM1_EXPERTS = 6
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -328,10 +331,14 @@ def dim1_proof(model_type: str) -> tuple[dict, dict]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     tiny = _with_experts(tiny_overrides(model_type), DIM1_EXPERTS)
-    if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {}):
-        tiny["text_config"] = {**tiny.get("text_config", {}), "vocab_size": DIM1_VOCAB}
-    else:
-        tiny["vocab_size"] = DIM1_VOCAB
+    text = "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {})
+    if text:
+        tiny["text_config"] = dict(tiny.get("text_config", {}))
+    target = tiny["text_config"] if text else tiny
+    target["vocab_size"] = DIM1_VOCAB
+    for key in VOCAB_ALIASES:
+        if key in target:
+            target[key] = DIM1_VOCAB
     used = {k for mesh in proof_meshes(model_type).values() for k in mesh if k not in ("innermost", "replicate")}
     return {name: 2 for name in ("ep", "emb", "head") if name in used}, tiny
 
