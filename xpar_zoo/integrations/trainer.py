@@ -195,6 +195,18 @@ def _transformers_loss_convention(state: _XparState, world: int):
         module.forward = previous
 
 
+def _check_args(args: Any) -> None:
+    """Refuse training arguments that would wrap or patch the model behind xpar_zoo's back."""
+    if args.n_gpu > 1:
+        raise IntegrationError(f"the Trainer sees {args.n_gpu} GPUs in one process and would wrap the model in "
+                               "DataParallel: start one process per GPU (torchrun or accelerate launch)")
+    for flag, why in (("torch_compile", "torch.compile through accelerate"),
+                      ("use_liger_kernel", "Liger's kernels replace the model's forward")):
+        if getattr(args, flag, False):
+            raise IntegrationError(f"TrainingArguments({flag}=True) is not supported for an xpar_zoo model ({why}); "
+                                   "leave it off")
+
+
 class XparTrainerMixin:
     """Put in front of ``transformers.Trainer`` or a subclass of it (``class SFT(XparTrainerMixin, SFTTrainer)``)
     to train an xpar_zoo model (from ``xpar_zoo.from_pretrained`` / ``parallelize``, or a PEFT model around one)
@@ -215,11 +227,7 @@ class XparTrainerMixin:
         self._xpar_state.fused_head = _trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
         module.forward = self._xpar_state.forward  # TRL's patch off: answered inside compute_loss instead
         check_accelerator(self.accelerator)
-        for flag, why in (("torch_compile", "torch.compile through accelerate"),
-                          ("use_liger_kernel", "Liger's kernels replace the model's forward")):
-            if getattr(self.args, flag, False):
-                raise IntegrationError(f"TrainingArguments({flag}=True) is not supported for an xpar_zoo model "
-                                       f"({why}); leave it off")
+        _check_args(self.args)
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """accelerate's autocast for ``bf16=True``, which its ``prepare`` puts around the forward of the models it
