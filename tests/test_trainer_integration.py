@@ -53,8 +53,8 @@ def _tokenizer():
 
 
 def _texts() -> list[str]:
-    """16 documents of 20 characters (equal lengths: no padding in a batch of four)."""
-    return [(TEXT * 2)[i:i + 20] for i in range(16)]
+    """16 documents of 5 to 35 characters: padded in a batch, a different number of targets on every rank."""
+    return [(TEXT * 2)[i:i + 5 + (7 * i) % 31] for i in range(16)]
 
 
 def _args(out, world, **kw):
@@ -183,6 +183,16 @@ def _parallel(out) -> dict:
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     result["resumed"] = {"log": _log(resumed), "state": xpar_zoo.full_state_dict(resumed.model)}
 
+    # load_best_model_at_end: "best" is the highest eval loss here, so an earlier checkpoint than the last is loaded
+    best = XparTrainer(model=parallel_model(config), train_dataset=_rows(config.vocab_size),
+                       eval_dataset=_rows(config.vocab_size)[:2 * WORLD],
+                       args=_args(out / "best", WORLD, max_steps=2, save_steps=1, eval_strategy="steps", eval_steps=1,
+                                  load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                                  greater_is_better=True))
+    best.train()
+    result["best"] = {"checkpoint": Path(best.state.best_model_checkpoint).name, "metric": best.state.best_metric,
+                      "eval_loss": best.evaluate()["eval_loss"]}
+
     bf16 = XparTrainer(model=parallel_model(config), args=_args(out / "bf16", WORLD, save_strategy="no", max_steps=1,
                                                                 bf16=True), train_dataset=_rows(config.vocab_size))
     bf16.train()
@@ -239,6 +249,14 @@ def test_trainer_on_ep2_with_accumulation_equals_single_process_trainer(runs):
 def test_evaluate_gives_the_global_mean_loss(runs):
     """evaluate() on 4 ranks: the mean over every rank's valid targets, as single-process Trainer computes it."""
     assert runs["par"]["trainer"]["eval_loss"] == pytest.approx(runs["ref"]["eval_loss"], abs=parity.LOSS_TOL)
+
+
+def test_load_best_model_at_end_loads_that_checkpoint(runs):
+    """load_best_model_at_end: the model is loaded from the best checkpoint's xpar_zoo checkpoint (an earlier one
+    than the last), so evaluating it again gives exactly the best metric."""
+    best = runs["par"]["best"]
+    assert best["checkpoint"] == "checkpoint-1"
+    assert best["eval_loss"] == best["metric"]
 
 
 def test_bf16_autocasts_as_the_trainer_does(runs):
@@ -305,6 +323,20 @@ def test_errors_name_what_to_do(runs):
     assert "holds no complete xpar_zoo checkpoint" in errors["resume"] and "saved" in errors["resume"]
     assert "accelerate sees 1 process(es) but torch.distributed has 4" in errors["alone"]
     assert "use_cpu=True" in errors["alone"]
+
+
+def test_router_aux_loss_over_padded_rows_equals_transformers():
+    """The global router auxiliary loss weighs rows by the attention mask as transformers does (padding excluded)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from xpar_zoo.train.balance import global_router_aux_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(3 * 7, 8, generator=g) for _ in range(2))  # 2 layers, batch 3 x seq 7, 8 experts
+    mask = (torch.arange(7) < torch.tensor([[7], [4], [1]])).long()
+    share, _ = global_router_aux_loss(logits, 8, 2, mask)
+    assert share.item() == pytest.approx(load_balancing_loss_func(logits, 8, 2, mask).item(), rel=1e-6)
+    assert share.item() != pytest.approx(load_balancing_loss_func(logits, 8, 2).item(), rel=1e-3)
 
 
 def test_trainer_refuses_a_model_xpar_zoo_did_not_parallelize():
