@@ -13,7 +13,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from xpar_zoo.errors import XparError
+from xpar_zoo.checkpoint import (DCP_METADATA, META_FILE, MODEL_KEY, STEP_PREFIX, TMP_PREFIX, SafeReader,
+                                 incomplete_reason, read_dcp_metadata, scan_root, step_of, verify_checkpoint)
+from xpar_zoo.errors import ConvertError, XparError
 
 HUB_PER_EXPERT = "hub per-expert"
 HUB_FUSED = "hub fused"
@@ -23,10 +25,6 @@ PLAIN_DCP = "plain DCP"
 _EXPERT_KEY = re.compile(r"\.experts\.\d+\.")
 
 
-class InspectError(XparError, ValueError):
-    """A path that is no checkpoint xpar_zoo knows, or whose metadata cannot be read."""
-
-
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -34,12 +32,12 @@ def _dtype_name(dtype) -> str:
 def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
     """``(format, note)``: per-expert when transformers' conversion rules fuse any key, from a meta-device model."""
     try:
-        from xpar_zoo.converters.hub_layout import plan_hub_layout
+        from xpar_zoo.hub_layout import map_hub_layout
         from xpar_zoo.loader import build_meta
 
         import torch
 
-        layout = plan_hub_layout(build_meta(config, torch.float32), tensors)
+        layout = map_hub_layout(build_meta(config, torch.float32), tensors)
         fused = any(t.rule != "key" for t in layout.targets.values())
         return (HUB_PER_EXPERT if fused else HUB_FUSED), None
     except Exception as e:  # an architecture transformers lacks, or a checkpoint that does not fit: say so
@@ -50,7 +48,7 @@ def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
 def _inspect_hub(directory: Path) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from xpar_zoo.converters.hub_layout import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
+    from xpar_zoo.safetensors_files import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
 
     def _dtype_name(code: str) -> str:  # torch's names, so that hub and DCP reports read alike
         return str(SAFETENSORS_DTYPES[code]).removeprefix("torch.") if code in SAFETENSORS_DTYPES else code
@@ -58,7 +56,7 @@ def _inspect_hub(directory: Path) -> dict[str, Any]:
     try:
         config = AutoConfig.from_pretrained(directory)
     except Exception as e:
-        raise InspectError(f"{directory / 'config.json'}: unreadable config ({type(e).__name__}: {e})") from None
+        raise ConvertError(f"{directory / 'config.json'}: unreadable config ({type(e).__name__}: {e})") from None
     tensors = read_checkpoint_headers(directory)
     fmt, note = _hub_format(directory, config, tensors)
     files: dict[str, dict[str, int]] = {}
@@ -87,14 +85,12 @@ def _inspect_hub(directory: Path) -> dict[str, Any]:
 def _dcp_summary(directory: Path, model_only: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from xpar_zoo.checkpoint import MODEL_KEY, _read_dcp_metadata, _SafeReader
-
     try:
-        metadata = _read_dcp_metadata(_SafeReader(str(directory)), directory)
+        metadata = read_dcp_metadata(SafeReader(str(directory)), directory)
     except XparError:
         raise
     except Exception as e:
-        raise InspectError(f"{directory}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+        raise ConvertError(f"{directory}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
     tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     model = {k: v for k, v in tensors.items() if k.startswith(f"{MODEL_KEY}.")}
     counted = model if model_only else tensors
@@ -113,14 +109,12 @@ def _dcp_summary(directory: Path, model_only: bool) -> dict[str, Any]:
     }
 
 
-def _inspect_step(directory: Path) -> dict[str, Any]:
-    from xpar_zoo.checkpoint import META_FILE, _incomplete_reason
-
+def _inspect_step(directory: Path, verify: bool = False) -> dict[str, Any]:
     try:
         meta = json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise InspectError(f"{directory / META_FILE}: unreadable ({e})") from None
-    why = _incomplete_reason(directory)
+        raise ConvertError(f"{directory / META_FILE}: unreadable ({e})") from None
+    why = incomplete_reason(directory, step_of(directory))
     out = {"format": XPAR_CHECKPOINT, "path": str(directory), "model_type": meta.get("model_type"),
            "model_class": meta.get("model_class"), "step": meta.get("step"), "complete": why is None}
     if why:
@@ -131,47 +125,73 @@ def _inspect_step(directory: Path) -> dict[str, Any]:
                 "xpar_zoo_version": meta.get("xpar_zoo_version"), "torch_version": meta.get("torch_version")})
     if meta.get("converted_from"):
         out["converted_from"] = meta["converted_from"]
+    if verify and why is None:
+        out["verify"] = _verify(directory)
     return out
 
 
-def _inspect_root(directory: Path) -> dict[str, Any]:
-    from xpar_zoo.checkpoint import _scan
+def _verify(directory: Path) -> dict[str, Any]:
+    result = verify_checkpoint(directory)
+    return {"checksum": result["checksum"], "files": result["files"], "problems": result["problems"]}
 
-    complete, broken = _scan(directory)
+
+def _inspect_root(directory: Path, verify: bool) -> dict[str, Any]:
+    complete, broken = scan_root(directory)
     out: dict[str, Any] = {
         "format": XPAR_ROOT, "path": str(directory),
-        "checkpoints": [{"dir": p.name, "step": s} for s, p in complete],
+        "checkpoints": [{"dir": p.name, "step": s, **({"verify": _verify(p)} if verify else {})}
+                        for s, p in complete],
         "incomplete": [{"dir": p.name, "reason": why} for p, why in broken],
     }
     if complete:
-        latest = _inspect_step(complete[-1][1])
+        latest = _inspect_step(complete[-1][1], verify)
         out["latest"] = latest
         for key in ("model_type", "parameters", "dtypes", "step", "mesh", "plans"):
             out[key] = latest.get(key)
     return out
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
     """Describe the checkpoint at ``path`` from headers and metadata only: ``format`` (one of ``hub per-expert``,
     ``hub fused``, ``xpar_zoo DCP checkpoint``, ``xpar_zoo DCP checkpoint root``, ``plain DCP``), ``model_type``,
     ``parameters`` (elements of the model tensors), ``dtypes`` (tensor counts), ``shards`` (files, sizes), and for
-    xpar_zoo checkpoints the step, mesh, plans and completeness (a root lists its incomplete checkpoints)."""
-    from xpar_zoo.checkpoint import DCP_METADATA, META_FILE, STEP_PREFIX, TMP_PREFIX
+    xpar_zoo checkpoints the step, mesh, plans and completeness (a root lists its incomplete checkpoints).
+    ``verify=True`` also reads every file of an xpar_zoo checkpoint (of every complete one under a root) and checks
+    it against the checksums recorded at save: ``verify`` ``{"checksum", "files", "problems"}`` (see
+    :func:`damage`)."""
 
     directory = Path(path).expanduser()
     if not directory.is_dir():
-        raise InspectError(f"{directory}: not a directory")
+        raise ConvertError(f"{directory}: not a directory")
     if (directory / META_FILE).is_file():
-        return _inspect_step(directory)
+        return _inspect_step(directory, verify)
+    if verify and ((directory / DCP_METADATA).is_file() or (directory / "config.json").is_file()):
+        raise ConvertError(f"{directory}: --verify checks xpar_zoo checkpoints (their COMPLETE marker records a "
+                           "checksum per file); this is not one")
     if (directory / DCP_METADATA).is_file():
         return {"format": PLAIN_DCP, "path": str(directory), "model_type": None,
                 **_dcp_summary(directory, model_only=False)}
     if (directory / "config.json").is_file():
         return _inspect_hub(directory)
     if any(c.is_dir() and c.name.startswith((STEP_PREFIX, TMP_PREFIX)) for c in directory.iterdir()):
-        return _inspect_root(directory)
-    raise InspectError(f"{directory}: neither a hub checkpoint (no config.json), nor a DCP checkpoint (no "
+        return _inspect_root(directory, verify)
+    raise ConvertError(f"{directory}: neither a hub checkpoint (no config.json), nor a DCP checkpoint (no "
                        f"{DCP_METADATA}), nor a root of xpar_zoo checkpoints (no {STEP_PREFIX}* directory)")
+
+
+def damage(info: dict[str, Any]) -> list[str]:
+    """The damaged files that ``inspect_checkpoint(..., verify=True)`` found, as ``"<dir>/<file>: why"`` lines."""
+    rows = [(info, "")] if "verify" in info else []
+    rows += [(c, f"{c['dir']}/") for c in info.get("checkpoints", []) if "verify" in c]
+    return [f"{prefix}{problem}" for row, prefix in rows for problem in row["verify"]["problems"]]
+
+
+def _verify_line(result: dict[str, Any]) -> str:
+    if result["checksum"] is None:
+        return "checksums: none recorded (saved before xpar_zoo recorded them): not verified"
+    if result["problems"]:
+        return f"checksums: DAMAGED: {'; '.join(result['problems'])}"
+    return f"checksums: {result['files']} files intact ({result['checksum']})"
 
 
 def format_report(info: dict[str, Any]) -> str:
@@ -181,6 +201,7 @@ def format_report(info: dict[str, Any]) -> str:
         lines.append(f"  note: {info['note']}")
     if info["format"] == XPAR_ROOT:
         lines.append(f"  complete checkpoints: {', '.join(c['dir'] for c in info['checkpoints']) or 'none'}")
+        lines += [f"  {c['dir']} {_verify_line(c['verify'])}" for c in info["checkpoints"] if "verify" in c]
         for c in info["incomplete"]:
             lines.append(f"  INCOMPLETE {c['dir']}: {c['reason']}")
         if "latest" in info:
@@ -197,6 +218,8 @@ def format_report(info: dict[str, Any]) -> str:
         lines.append(f"  mesh: {json.dumps(info.get('mesh'))}, world size {info.get('world_size')}")
         lines.append(f"  plans: {', '.join(f'{k} ({n} tensors)' for k, n in info['plans'].items()) or 'none'}")
         lines.append(f"  optimizer state: {info.get('optimizer') or 'none'}")
+        if "verify" in info:
+            lines.append(f"  {_verify_line(info['verify'])}")
         if info.get("converted_from"):
             src = info["converted_from"]
             lines.append(f"  converted from: {src.get('source')} ({src.get('layout')})")

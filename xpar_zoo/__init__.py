@@ -1,10 +1,12 @@
 """xpar_zoo: train Hugging Face transformers models with extra parallelism (EP, vocab, any named plan) + FSDP2."""
 
 from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
-                         save_checkpoint)
+                         save_checkpoint, verify_checkpoint)
 from .clip import clip_grad_norm_
-from .errors import (BatchError, CheckpointError, IntegrationError, KernelError, LoadError, MeshError, ModelStateError,
-                     PlanError, UnknownArchitectureError, XparError)
+from .errors import (BatchError, CheckpointError, CheckpointMismatchError, CheckpointWarning, ConvertError, DataError,
+                     HubResolutionError, IntegrationError, KernelError, LeftoverWarning, LoadError, MeshError,
+                     ModelStateError, NonFiniteError, PlanError, PublishError, RefusedArchitectureError,
+                     TrainConfigError, UnknownArchitectureError, XparError)
 from .loader import from_pretrained
 from .materialize import materialize
 from .mesh import Mesh
@@ -17,8 +19,13 @@ from .vocab import full_logits
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchError", "CheckpointError", "CheckpointFuture", "IntegrationError", "KernelError", "ExtraPlan", "LoadError", "Mesh", "MeshError", "ModelStateError", "Plan",
-    "PlanError", "UnknownArchitectureError", "XparError", "clip_grad_norm_", "from_pretrained", "full_logits",
+    # errors and warnings
+    "BatchError", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "ConvertError", "DataError",
+    "HubResolutionError", "IntegrationError", "KernelError", "LeftoverWarning", "LoadError", "MeshError",
+    "ModelStateError", "NonFiniteError", "PlanError", "PublishError", "RefusedArchitectureError", "TrainConfigError",
+    "UnknownArchitectureError", "XparError",
+    # the API
+    "CheckpointFuture", "ExtraPlan", "Mesh", "Plan", "clip_grad_norm_", "from_pretrained", "full_logits",
     "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
-    "read_checkpoint_metadata", "save_checkpoint", "supported_architectures",
+    "read_checkpoint_metadata", "save_checkpoint", "supported_architectures", "verify_checkpoint",
 ]

@@ -20,21 +20,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from .registry import get_plan, supported_architectures
+    from .model_cards import render, render_list
 
-    if args.markdown:
-        from .model_cards import render
-
-        sys.stdout.write(render())
-        return 0
-    rows = []
-    for model_type in supported_architectures():
-        plan = get_plan(model_type)
-        plans = ", ".join(f"{n} ({e.style})" for n, e in plan.extra.items())
-        rows.append((model_type, plans, ", ".join(plan.hub_ids)))
-    width = max(len(r[0]) for r in rows) if rows else 0
-    for model_type, plans, hub in rows:
-        print(f"{model_type:<{width}}  {plans}  [{hub}]")
+    sys.stdout.write(render() if args.markdown else render_list())
     return 0
 
 
@@ -44,7 +32,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(world=args.world, ep=args.ep, steps=args.steps) else 1
 
 
-def _load_config(name: str):
+def load_model_config(name: str):
     """A model_type (transformers' default config of that architecture), or a local dir / hub id with config.json."""
     from transformers import AutoConfig
 
@@ -81,7 +69,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from . import planner
 
-    config = _load_config(args.model)
+    config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
                   recompute=args.recompute)
     if args.ep is not None or args.emb or args.head or args.replicate != 1 or not args.suggest:
@@ -91,7 +79,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         budget = args.memory_gib * 2**30 if args.memory_gib else None
         estimates = planner.suggest(config, args.world, memory_budget=budget, **common)
     if args.json:
-        print(json.dumps([{"mesh": e.mesh, "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
+        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "memory": e.memory, "comm": e.comm}
+                          for e in estimates], indent=2))
     else:
         print(_describe_model(config, args.model))
         print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "
@@ -118,7 +107,7 @@ def _cmd_to_dcp(args: argparse.Namespace) -> int:
     from xpar_zoo.converters.export import parse_size
 
     out = convert_to_dcp(args.name_or_dir, args.out_dir, revision=args.revision, force=args.force,
-                         max_bytes=parse_size(args.batch_size))
+                         max_bytes=parse_size(args.batch_size, "--batch-size"))
     print(f"wrote {out}")
     return 0
 
@@ -126,7 +115,7 @@ def _cmd_to_dcp(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from xpar_zoo.converters.inspect_checkpoint import format_report, inspect_checkpoint
+    from xpar_zoo.converters.inspect_checkpoint import damage, format_report, inspect_checkpoint
 
     from .hub import HubResolutionError, resolve
 
@@ -135,8 +124,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         path = resolve(path, args.revision).directory  # a hub id: its snapshot (cached, or downloaded)
     elif args.revision:
         raise HubResolutionError(f"--revision {args.revision!r} was given but {path} is a local path")
-    info = inspect_checkpoint(path)
+    info = inspect_checkpoint(path, verify=args.verify)
     print(json.dumps(info, indent=2) if args.json else format_report(info))
+    damaged = damage(info)
+    if damaged:
+        print(f"xpar-zoo: error: damaged checkpoint files: {'; '.join(damaged)}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -167,10 +160,21 @@ def _add_train(sub) -> None:
     p.set_defaults(func=_cmd_train)
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="xpar-zoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="architectures with a plan")
+    p = sub.add_parser("list", help="architectures: proved (with their plans and meshes) and refused (with the reason)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.set_defaults(func=_cmd_list)
     p = sub.add_parser("demo", help="train a tiny qwen3_moe on CPU ranks and compare with transformers")
@@ -200,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "or DCP directory")
     c.add_argument("--revision", help="hub revision of a hub id (branch, tag or commit)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.add_argument("--verify", action="store_true",
+                   help="read every file of an xpar_zoo checkpoint and check it against the checksums recorded at "
+                        "save (exit status 2 when one is damaged)")
     c.set_defaults(func=_cmd_inspect)
     p = sub.add_parser("publish", help="validate a hub-format folder, write its model card, upload it to the hub")
     p.add_argument("dir", help="hub-format folder (e.g. from convert to-hf)")
@@ -214,13 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_publish)
     p = sub.add_parser("plan", help="per-rank memory and per-step communication of a mesh; suggest meshes")
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
-    p.add_argument("--world", type=int, required=True, help="number of ranks")
-    p.add_argument("--ep", type=int, help="expert-parallel size (omit with --suggest to rank meshes)")
-    p.add_argument("--emb", type=int, help="vocab-parallel embedding size")
-    p.add_argument("--head", type=int, help="vocab-parallel lm_head size")
-    p.add_argument("--replicate", type=int, default=1, help="HSDP replicas")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length")
+    p.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
+    p.add_argument("--ep", type=_positive_int, help="expert-parallel size (omit with --suggest to rank meshes)")
+    p.add_argument("--emb", type=_positive_int, help="vocab-parallel embedding size")
+    p.add_argument("--head", type=_positive_int, help="vocab-parallel lm_head size")
+    p.add_argument("--replicate", type=_positive_int, default=1, help="HSDP replicas")
+    p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per rank per step")
+    p.add_argument("--seq", type=_positive_int, default=4096, help="sequence length")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="compute dtype")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
     p.add_argument("--recompute", action="store_true",

@@ -21,6 +21,10 @@ class UnknownArchitectureError(PlanError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class RefusedArchitectureError(UnknownArchitectureError):
+    """A ``model_type`` that xpar_zoo refuses to train, with the reason (MODEL_CARDS.md lists them)."""
+
+
 class CheckpointError(XparError, ValueError):
     """A checkpoint that is incomplete, unreadable, or does not fit the model (names the tensors and shapes)."""
 
@@ -56,3 +60,36 @@ class IntegrationError(XparError, ValueError):
     """A transformers ``Trainer`` or accelerate setup that would not train an xpar_zoo model exactly (a second
     wrap or sharding of the model, autocast, a process count that disagrees with torch.distributed), or a
     checkpoint it cannot resume from (names the setting or the directory)."""
+
+
+class NonFiniteError(XparError, RuntimeError):
+    """NaN or inf where training needs finite numbers (gradients to clip); names the tensors and ranks."""
+
+
+class ConvertError(XparError, ValueError):
+    """A conversion or export that cannot be done as asked (``xpar-zoo convert``, ``save_pretrained``): an argument
+    that does not parse, an output that exists, contains its input or cannot be written, a checkpoint whose pieces
+    disagree or that the format cannot hold."""
+
+
+class HubResolutionError(XparError, FileNotFoundError):
+    """A name that is neither a usable local directory nor a hub repository reachable (or cached) now."""
+
+
+class CheckpointMismatchError(XparError, ValueError):
+    """A hub checkpoint that does not fit the model: missing, unexpected or wrong-shape keys (each named with its
+    file), bad safetensors headers, or a layout xpar_zoo cannot read slice-wise. Raised before any tensor data is
+    read."""
+
+
+class PublishError(XparError, ValueError):
+    """A folder that cannot be published as it is (not the hub's format, or naming the local file system), or an
+    upload the hub refused."""
+
+
+class CheckpointWarning(UserWarning):
+    """An incomplete or broken checkpoint directory was found and skipped (or, left by an interrupted save, removed)."""
+
+
+class LeftoverWarning(UserWarning):
+    """Staging directories of earlier, interrupted conversions sit beside the output."""

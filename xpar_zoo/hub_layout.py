@@ -14,10 +14,9 @@ names the keys, their files and the shapes.
 
 from __future__ import annotations
 
-import json
-import os
+import copy
+import functools
 import re
-import struct
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,116 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from xpar_zoo.errors import XparError
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-# safetensors dtype names -> torch dtypes (the one table the converters read; sizes and names derive from it).
-# The data is little-endian, as torch's on every platform we run.
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
-}
-TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-DTYPE_SIZES = {k: v.itemsize for k, v in SAFETENSORS_DTYPES.items()}  # bytes per element
-_MAX_HEADER = 100 * 1024 * 1024
-_LIST_LIMIT = 20
-
-
-class CheckpointMismatchError(XparError, ValueError):
-    """A checkpoint that does not fit the model: missing, unexpected or wrong-shape keys (each named with its file),
-    or a layout xpar_zoo cannot read slice-wise. Raised before any tensor data is read."""
-
-
-# ---- checkpoint headers ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TensorInfo:
-    """One checkpoint tensor as its safetensors header describes it."""
-
-    key: str
-    file: str
-    shape: tuple[int, ...]
-    dtype: str
-    offsets: tuple[int, int]  # byte range inside the file's data section
-
-    @property
-    def nbytes(self) -> int:
-        return self.offsets[1] - self.offsets[0]
-
-
-def read_header(path: str | Path) -> dict[str, TensorInfo]:
-    """The tensors of one ``.safetensors`` file, from its JSON header only."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointMismatchError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (size,) = struct.unpack("<Q", raw)
-        if size > _MAX_HEADER:
-            raise CheckpointMismatchError(f"{path}: not a safetensors file (header of {size} bytes)")
-        file_size = os.fstat(f.fileno()).st_size
-        if 8 + size > file_size:
-            raise CheckpointMismatchError(f"{path}: truncated safetensors file (header of {size} bytes, file of "
-                                          f"{file_size} bytes)")
-        try:
-            header = json.loads(f.read(size))
-            header.pop("__metadata__", None)
-            infos = {key: TensorInfo(key, path.name, tuple(entry["shape"]), entry["dtype"],
-                                     tuple(entry["data_offsets"])) for key, entry in header.items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointMismatchError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
-    end = max((i.offsets[1] for i in infos.values()), default=0)
-    if 8 + size + end > file_size:
-        last = max(infos.values(), key=lambda i: i.offsets[1])
-        raise CheckpointMismatchError(f"{path}: truncated safetensors file: its header needs {8 + size + end} bytes "
-                                      f"(up to the end of {last.key}), the file has {file_size}")
-    return infos
-
-
-def checkpoint_files(directory: str | Path) -> tuple[list[str], dict[str, str] | None]:
-    """The safetensors files of a checkpoint directory (from its index, else the single file) and the index's
-    ``weight_map`` (``None`` without an index)."""
-    directory = Path(directory)
-    index_path = directory / INDEX_FILE
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        return sorted(set(weight_map.values())), weight_map
-    if (directory / SINGLE_FILE).is_file():
-        return [SINGLE_FILE], None
-    found = sorted(p.name for p in directory.glob("*.safetensors"))
-    if not found:
-        pickles = sorted(p.name for pat in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in directory.glob(pat))
-        hint = (f"; found only pickle weights {pickles}, which xpar_zoo never unpickles: convert them to safetensors "
-                "first (e.g. transformers' save_pretrained(safe_serialization=True) in a trusted process)"
-                if pickles else "")
-        raise CheckpointMismatchError(f"{directory}: no {INDEX_FILE}, no {SINGLE_FILE} and no *.safetensors file"
-                                      + hint)
-    if len(found) > 1:
-        raise CheckpointMismatchError(f"{directory}: several safetensors files {found} but no {INDEX_FILE}")
-    return found, None
-
-
-def read_checkpoint_headers(directory: str | Path) -> dict[str, TensorInfo]:
-    """Every tensor of the checkpoint in ``directory``; checks the index against the file headers."""
-    directory = Path(directory)
-    files, weight_map = checkpoint_files(directory)
-    tensors: dict[str, TensorInfo] = {}
-    for name in files:
-        if not (directory / name).is_file():
-            raise CheckpointMismatchError(f"{directory / INDEX_FILE} lists {name}, which is not in {directory}")
-        for key, info in read_header(directory / name).items():
-            if key in tensors:
-                raise CheckpointMismatchError(f"{key} is in two files: {tensors[key].file} and {name}")
-            tensors[key] = info
-    if weight_map is not None:
-        wrong = [f"{k} (index: {f}, found in: {tensors[k].file if k in tensors else 'no file'})"
-                 for k, f in weight_map.items() if k not in tensors or tensors[k].file != f]
-        if wrong:
-            raise CheckpointMismatchError(f"{INDEX_FILE} disagrees with the file headers: {_listing(wrong)}")
-    return tensors
-
+from .errors import CheckpointMismatchError
+from .safetensors_files import DTYPE_SIZES, LIST_LIMIT, SAFETENSORS_DTYPES, TensorInfo, listing
 
 # ---- layout -------------------------------------------------------------------------------------------------------
 Box = tuple[tuple[int, int], ...]  # one [start, stop) per dim
@@ -149,9 +40,6 @@ class Piece:
     source: TensorInfo
     box: Box
     stack_dim: int | None = None
-
-    def source_dim(self, dim: int) -> int:
-        return dim - (1 if self.stack_dim is not None and dim > self.stack_dim else 0)
 
 
 @dataclass(frozen=True)
@@ -172,13 +60,26 @@ class Read:
 
 
 @dataclass(frozen=True)
+class Conversion:
+    """How transformers' own loader assembles a model tensor whose rule has no slice-wise reading (Interleave,
+    Transpose, Split/Chunk, PermuteForRope, model-specific ops): the converter, the model tensor name it converts
+    under, and its checkpoint keys in load order. Read whole, converted, then cut to the region wanted."""
+
+    converter: object  # a transformers WeightConverter (copied for each conversion)
+    first: str
+    sources: tuple[tuple[str, str], ...]  # (source pattern, checkpoint key)
+
+
+@dataclass(frozen=True)
 class Target:
-    """A model tensor (parameter or persistent buffer) and the checkpoint pieces that cover it."""
+    """A model tensor (parameter or persistent buffer) and the checkpoint pieces that cover it (with
+    ``conversion``: the checkpoint tensors it is converted from)."""
 
     name: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
     rule: str  # how the pieces were derived, for messages: "key", "MergeModulelist(dim=0) + Concatenate(dim=1)", …
+    conversion: Conversion | None = None
 
 
 @dataclass
@@ -191,9 +92,13 @@ class HubLayout:
     ignored: tuple[str, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name whose target fills it
     init_buffers: tuple[str, ...] = ()  # persistent buffers the model allows to be absent: initialised, not read
+    model: nn.Module | None = None  # the (meta) model the layout was planned for: transformers' ops may ask it
 
     def reads(self, name: str, region: Box) -> list[Read]:
-        """What to read for the ``region`` (global ``[start, stop)`` per dim) of model tensor ``name``."""
+        """What to read for the ``region`` (global ``[start, stop)`` per dim) of model tensor ``name`` (none for a
+        converted tensor: see :meth:`convert`)."""
+        if self.targets[name].conversion is not None:
+            return []
         out = []
         for piece in self.targets[name].pieces:
             inter = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(piece.box, region))
@@ -208,11 +113,44 @@ class HubLayout:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def converted(self) -> list[str]:
+        """The model tensors that :meth:`convert` assembles (their rule has no slice-wise reading)."""
+        return [n for n, t in self.targets.items() if t.conversion is not None]
 
-def _listing(items: Iterable[str]) -> str:
-    items = sorted(items)
-    more = f" … and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else ""
-    return "\n  " + "\n  ".join(items[:_LIST_LIMIT]) + more
+    def convert(self, name: str, directory: str | Path, region: Box | None = None) -> torch.Tensor:
+        """The ``region`` (default: all) of converted model tensor ``name``: its checkpoint tensors read whole from
+        ``directory`` and converted by transformers' own rule, as its loader does."""
+        conversion = self.targets[name].conversion
+        converter = copy.deepcopy(conversion.converter)
+        for pattern, key in conversion.sources:
+            info = self.tensors[key]
+            converter.add_tensor(conversion.first, key, pattern, functools.partial(_read_whole, directory, info))
+        out = _converted(converter, conversion.first, self.model)[name]
+        if region is not None:
+            out = out[tuple(slice(a, b) for a, b in region)]
+        return out
+
+
+def _fusable(converter) -> bool:
+    """Whether a converter is ``MergeModulelist`` then ``Concatenate`` into one target (read slice-wise)."""
+    try:
+        _fusion(converter)
+    except CheckpointMismatchError:
+        return False
+    return True
+
+
+def _read_whole(directory: str | Path, info: TensorInfo) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(directory) / info.file), framework="pt", device="cpu") as f:
+        return f.get_tensor(info.key)
+
+
+def _converted(converter, first: str, model: nn.Module | None) -> dict[str, torch.Tensor]:
+    """``{model tensor name: tensor}`` from a converter holding its checkpoint tensors (transformers' own call)."""
+    out = converter.convert(first, model=model, config=getattr(model, "config", None))
+    return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
 
 
 def _fusion(converter) -> tuple[int | None, int | None]:
@@ -262,6 +200,30 @@ def _conversion_rules(model: nn.Module):
     return renamings, converters
 
 
+def revert_groups(model: nn.Module, names: Iterable[str]) -> list[tuple[str, ...]]:
+    """``names`` (model tensors) in groups that transformers' ``revert_weight_conversion`` must see together: the
+    targets of one converter that splits a checkpoint tensor (a fused ``qkv_proj``, ``in_proj``, text and vision
+    experts) revert into that one tensor only jointly. Every other name is a group of one; order is kept."""
+    _, converters = _conversion_rules(model)
+    splits = [c.target_patterns for c in converters if len(c.target_patterns) > 1]
+    present = set(names)
+    done: set[str] = set()
+    groups = []
+    for name in names:
+        if name in done:
+            continue
+        group: tuple[str, ...] = (name,)
+        for patterns in splits:
+            hit = next((p for p in patterns if p in name), None)
+            siblings = tuple(name.replace(hit, p, 1) for p in patterns) if hit else ()
+            if siblings and all(s in present and s not in done for s in siblings):
+                group = siblings
+                break
+        done.update(group)
+        groups.append(group)
+    return groups
+
+
 def _ignore_regex(model: nn.Module, attr: str, extra: Iterable[str] = ()) -> re.Pattern | None:
     patterns = [*(getattr(model, attr, None) or ()), *extra]
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
@@ -292,10 +254,10 @@ def refuse_quantized(tensors: Mapping[str, TensorInfo]) -> None:
            if i.dtype in QUANTIZED_DTYPES or i.key.endswith(QUANTIZED_SUFFIXES)]
     if bad:
         raise CheckpointMismatchError(f"quantized weights, which xpar_zoo cannot load (it reads F32/BF16/F16 "
-                                      f"tensors only; use a dequantized checkpoint): {_listing(bad)}")
+                                      f"tensors only; use a dequantized checkpoint): {listing(bad)}")
 
 
-def plan_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubLayout:
+def map_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubLayout:
     """Map checkpoint ``tensors`` (from :func:`read_checkpoint_headers`) onto ``model``'s parameters and persistent
     buffers (a meta-device model is enough) with transformers' conversion rules; raise
     :class:`CheckpointMismatchError` listing every missing, unexpected and wrong-shape key."""
@@ -354,6 +316,12 @@ def plan_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubL
         if name in direct:
             continue
         reported.add(name)
+        if not _fusable(group.converter):
+            converted, errs = _convert_group(name, group, tensors, state, model)
+            reported.update(converted)
+            problems += errs
+            targets.update(converted)
+            continue
         target, errs, miss = _assemble(name, state[name], group, tensors)
         problems += errs
         missing_parts += miss
@@ -377,14 +345,44 @@ def plan_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubL
     if unexpected or problems or missing or missing_parts:
         parts = []
         if missing or missing_parts:
-            parts.append(f"missing (no checkpoint key fills them):{_listing(missing + missing_parts)}")
+            parts.append(f"missing (no checkpoint key fills them):{listing(missing + missing_parts)}")
         if unexpected:
-            parts.append(f"unexpected (the model has no place for them):{_listing(unexpected)}")
+            parts.append(f"unexpected (the model has no place for them):{listing(unexpected)}")
         if problems:
-            parts.append(f"mismatched:{_listing(problems)}")
+            parts.append(f"mismatched:{listing(problems)}")
         raise CheckpointMismatchError(f"checkpoint does not fit {type(model).__name__}:\n" + "\n".join(parts))
     init_buffers = tuple(n for n in state if n not in targets and n not in aliases and n not in params)
-    return HubLayout(targets, dict(tensors), tuple(ignored), dict(aliases), init_buffers)
+    return HubLayout(targets, dict(tensors), tuple(ignored), dict(aliases), init_buffers, model)
+
+
+def _convert_group(first: str, group: _Group, tensors: Mapping[str, TensorInfo], state: Mapping[str, tuple],
+                   model: nn.Module) -> tuple[dict[str, Target], list[str]]:
+    """The model tensors one converter without a slice-wise reading produces from its checkpoint keys, each checked
+    by converting meta tensors of the keys' shapes (transformers' own ops, no data). Returns ``(targets,
+    problems)``."""
+    from transformers.core_model_loading import dot_natural_key
+
+    sources = tuple(sorted(((p, k) for p, entries in group.by_pattern.items() for _, k in entries),
+                           key=lambda pk: (group.converter.source_patterns.index(pk[0]), dot_natural_key(pk[1]))))
+    rule = " + ".join(repr(op) for op in group.converter.operations) + " (converted by transformers)"
+    dry = copy.deepcopy(group.converter)
+    for pattern, key in sources:
+        info = tensors[key]
+        dry.add_tensor(first, key, pattern, functools.partial(
+            torch.empty, info.shape, dtype=SAFETENSORS_DTYPES.get(info.dtype, torch.float32), device="meta"))
+    keys = ", ".join(f"{k} ({tensors[k].file})" for _, k in sources[:4]) + (" …" if len(sources) > 4 else "")
+    try:
+        shapes = {n: tuple(t.shape) for n, t in _converted(dry, first, model).items()}
+    except Exception as e:  # an op that does not fit these keys (or cannot run on meta tensors)
+        return {}, [f"{keys}: {rule} fails on their shapes ({type(e).__name__}: {e})"]
+    problems = [f"{keys}: {rule} gives {n} {list(shape)}, which the model "
+                + (f"has as {list(state[n])}" if n in state else "does not have")
+                for n, shape in shapes.items() if state.get(n) != shape]
+    if problems:
+        return {}, problems
+    pieces = tuple(Piece(tensors[k], tuple((0, n) for n in tensors[k].shape)) for _, k in sources)
+    conversion = Conversion(group.converter, first, sources)
+    return {n: Target(n, shape, pieces, rule, conversion) for n, shape in shapes.items()}, []
 
 
 def _assemble(name: str, shape: tuple[int, ...], group: _Group, tensors: Mapping[str, TensorInfo]
@@ -411,7 +409,7 @@ def _assemble(name: str, shape: tuple[int, ...], group: _Group, tensors: Mapping
                 j0, k0 = entries[0]
                 absent = sorted(expected - set(indices))
                 if j0 is not None:
-                    names = [_with_index(k0, pattern, j0, j) for j in absent[:_LIST_LIMIT]]
+                    names = [_with_index(k0, pattern, j0, j) for j in absent[:LIST_LIMIT]]
                 else:
                     names = [f"#{j}" for j in absent]
                 for n in names:
