@@ -4,9 +4,9 @@ from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, r
                          save_checkpoint, verify_checkpoint)
 from .clip import clip_grad_norm_
 from .errors import (BatchError, CheckpointError, CheckpointMismatchError, CheckpointWarning, ConvertError, DataError,
-                     HubResolutionError, KernelError, LeftoverWarning, LoadError, MeshError, ModelStateError,
-                     NonFiniteError, PlanError, PublishError, RefusedArchitectureError, TrainConfigError,
-                     UnknownArchitectureError, XparError)
+                     HubResolutionError, IntegrationError, KernelError, LeftoverWarning, LoadError, MeshError,
+                     ModelStateError, NonFiniteError, PlanError, PublishError, RefusedArchitectureError,
+                     TrainConfigError, UnknownArchitectureError, XparError)
 from .loader import from_pretrained
 from .materialize import materialize
 from .mesh import Mesh
@@ -21,8 +21,8 @@ __version__ = "0.1.0"
 __all__ = [
     # errors and warnings
     "BatchError", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "ConvertError", "DataError",
-    "HubResolutionError", "KernelError", "LeftoverWarning", "LoadError", "MeshError", "ModelStateError",
-    "NonFiniteError", "PlanError", "PublishError", "RefusedArchitectureError", "TrainConfigError",
+    "HubResolutionError", "IntegrationError", "KernelError", "LeftoverWarning", "LoadError", "MeshError",
+    "ModelStateError", "NonFiniteError", "PlanError", "PublishError", "RefusedArchitectureError", "TrainConfigError",
     "UnknownArchitectureError", "XparError",
     # the API
     "CheckpointFuture", "ExtraPlan", "Mesh", "Plan", "clip_grad_norm_", "from_pretrained", "full_logits",

@@ -56,6 +56,12 @@ class DataError(XparError, ValueError):
     """Training data that cannot be read, tokenized or packed as asked (names the file, field or numbers)."""
 
 
+class IntegrationError(XparError, ValueError):
+    """A transformers ``Trainer`` or accelerate setup that would not train an xpar_zoo model exactly (a second
+    wrap or sharding of the model, autocast, a process count that disagrees with torch.distributed), or a
+    checkpoint it cannot resume from (names the setting or the directory)."""
+
+
 class NonFiniteError(XparError, RuntimeError):
     """NaN or inf where training needs finite numbers (gradients to clip); names the tensors and ranks."""
 

@@ -305,5 +305,6 @@ def parallelize(
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)
     model._is_fsdp_managed_module = True  # transformers' generate then keeps the ranks in step (synced_gpus)
+    model._is_accelerate_prepared = True  # accelerate's prepare hands it back as is: no DDP wrap over FSDP2
     install_save_pretrained(model)
     return model

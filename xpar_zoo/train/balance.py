@@ -93,28 +93,32 @@ def load_summary(layers: list[int], counts: torch.Tensor) -> list[dict]:
     return out
 
 
-def aux_loss_terms(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's part of transformers' ``load_balancing_loss_func`` (no attention mask): top-k assignments per
-    expert and summed router probabilities over all MoE layers' rows, and the number of rows."""
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
-    probs = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
-    rows = 0
+def aux_loss_terms(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's part of transformers' ``load_balancing_loss_func``: top-k assignments per expert and summed
+    router probabilities over all MoE layers' rows, and the number of rows; with ``attention_mask`` (``[batch,
+    seq]``, one router row per token) only its tokens count, as transformers weighs them."""
+    device = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    weight = None if attention_mask is None else attention_mask.reshape(-1, 1).to(device, torch.float32)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
     for logits in router_logits:
         p = torch.softmax(logits.float(), dim=-1)
-        chosen = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
-        counts = counts.index_add(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
-        probs = probs + p.sum(dim=0)
-        rows += p.shape[0]
-    return counts, probs, torch.tensor(float(rows), device=counts.device)
+        chosen = torch.topk(p, top_k, dim=-1).indices
+        ones = torch.ones_like(chosen, dtype=torch.float32) if weight is None else weight.expand_as(chosen)
+        counts = counts.index_add(0, chosen.reshape(-1), ones.reshape(-1))
+        probs = probs + (p if weight is None else p * weight).sum(dim=0)
+        rows = rows + (p.shape[0] if weight is None else weight.sum())
+    return counts, probs, rows
 
 
-def global_router_aux_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def global_router_aux_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                           attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(share, local)``: this rank's share of the load-balancing loss over every rank's tokens (differentiable;
     the mean of the shares over the ranks is the global loss), and the loss of this rank's tokens alone (detached,
-    what transformers computes per rank). A collective."""
-    counts, probs, rows = aux_loss_terms(router_logits, num_experts, top_k)
+    what transformers computes per rank); ``attention_mask`` as in :func:`aux_loss_terms`. A collective."""
+    counts, probs, rows = aux_loss_terms(router_logits, num_experts, top_k, attention_mask)
     local = num_experts * torch.sum((counts / rows) * (probs.detach() / rows))
     world = dist.get_world_size() if dist.is_initialized() else 1
     totals = torch.cat([counts, rows.reshape(1)])

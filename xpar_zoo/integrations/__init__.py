@@ -1,0 +1,2 @@
+"""Glue for the fine-tuning tools people already use: :mod:`~xpar_zoo.integrations.trainer` (transformers'
+``Trainer`` and trainers built on it, such as TRL's ``SFTTrainer``) and :mod:`~xpar_zoo.integrations.accelerate`."""

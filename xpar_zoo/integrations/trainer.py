@@ -1,0 +1,322 @@
+"""transformers' ``Trainer`` — and trainers built on it, such as TRL's ``SFTTrainer`` — for xpar_zoo models.
+
+    from xpar_zoo.integrations.trainer import XparTrainer, XparTrainerMixin
+    trainer = XparTrainer(model=model, args=TrainingArguments(...), train_dataset=ds)   # Trainer's arguments
+    class SFT(XparTrainerMixin, SFTTrainer): ...                                         # in front of a subclass
+
+``model`` comes from ``xpar_zoo.from_pretrained`` or ``xpar_zoo.parallelize`` (or is a PEFT model around one); every
+rank of the torchrun / ``accelerate launch`` job builds the trainer and calls ``train()`` and ``save_model()``.
+What the mixin changes, each in the Trainer method that does it:
+
+- **No second wrap.** ``parallelize`` marks the model as prepared for accelerate (no DDP wrap) and the trainer does
+  not move it; settings that would wrap, shard or patch it are refused (:func:`check_accelerator`, ``_check_args``).
+  ``bf16=True`` enters accelerate's autocast around the forward, which ``prepare`` would otherwise have installed.
+- **The loss** (:meth:`XparTrainerMixin.compute_loss`). transformers' convention for a model called with
+  ``num_items_in_batch=N`` (the valid targets of all ranks and micro-batches of the step, which the Trainer gathers)
+  is a loss of ``this rank's sum / N``, which the Trainer multiplies by the number of processes because DDP averages
+  gradients over them. An xpar_zoo model returns ``world · sum / N`` already (``xpar_zoo.loss``), so the factor would
+  count twice: inside ``compute_loss`` the model is called with ``num_items_in_batch = N · world``, which makes its
+  loss ``sum / N``, and the Trainer's multiplication restores the share FSDP averages. A router auxiliary loss the
+  model adds (``output_router_logits``) is swapped for this rank's share of the global-batch one, divided by the same
+  factor. Logged losses, gradient norms and weights are then single-process ``Trainer``'s on the whole batch.
+- **TRL's fused LM head.** ``SFTTrainer`` computes its loss from ``model(..., fused_lm_head=True).log_probs``;
+  TRL's head reads ``lm_head.weight`` directly, around FSDP's and the vocab plans' hooks, so its gradients would
+  not be reduced. The mixin takes TRL's patch off the model and answers ``fused_lm_head=True`` from the model's own
+  logits (through its head, on every mesh): log-probabilities with gradients, entropy and top-1 without, the router
+  auxiliary loss over the global batch. This holds a micro-batch's ``[batch, seq, vocab]`` logits, as transformers'
+  unfused loss does.
+- **Accumulation**: FSDP reduces gradients after the last micro-batch of a step only. **Clipping**:
+  ``xpar_zoo.clip_grad_norm_`` (one all-reduce over every mesh); the logged ``grad_norm`` is its norm.
+- **Checkpoints**: ``checkpoint-N/`` holds what the Trainer writes (trainer state, scheduler, RNG, the model in the
+  hub's format or the adapter) and ``checkpoint-N/xpar_checkpoint/``: model and optimizer as an xpar_zoo checkpoint
+  (global shapes, reshardable), which ``resume_from_checkpoint`` and ``load_best_model_at_end`` load, so a resumed
+  run continues bit-identically on CPU. (transformers' own resume loads the per-expert hub keys into fused expert
+  tensors non-strictly: every expert would keep its old weights.)
+- **save_model()** writes the hub's format (``save_pretrained`` of a parallelized model: it loads in plain
+  transformers) or, for a PEFT model, the adapter (``xpar_zoo.save_adapter``); every rank calls it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..clip import clip_grad_norm_
+from ..errors import IntegrationError
+from ..loss import IGNORE_INDEX
+from ..vocab import full_logits
+from .accelerate import check_accelerator, parallelized_module
+
+XPAR_CHECKPOINT_DIR = "xpar_checkpoint"  # inside the Trainer's checkpoint-N: the DCP checkpoint of model + optimizer
+SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name (transformers.trainer.SCHEDULER_NAME)
+TRAINING_ARGS_FILE = "training_args.bin"  # likewise (TRAINING_ARGS_NAME)
+
+
+@dataclass(frozen=True)
+class FusedHead:
+    """What TRL's ``add_fused_lm_head`` was asked for: the temperature and the per-token fields."""
+
+    temperature: float = 1.0
+    fields: tuple[str, ...] = ("log_probs",)
+
+
+@dataclass
+class _XparState:
+    module: nn.Module  # the parallelized model (the base model under PEFT)
+    forward: Any  # its forward as xpar_zoo installed it (the global-batch loss)
+    fused_head: FusedHead | None = None
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (what ``save_checkpoint`` takes)."""
+    try:
+        from accelerate.optimizer import AcceleratedOptimizer
+    except ImportError:
+        return optimizer
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _trl_fused_head(current: Any, forward: Any) -> FusedHead | None:
+    """The settings of TRL's fused LM head when ``current`` is TRL's ``add_fused_lm_head`` patch around ``forward``;
+    ``None`` when the forward was left alone. Any other replacement of the forward is refused."""
+    if current is forward:
+        return None
+    fn = getattr(current, "__func__", current)
+    code = getattr(fn, "__code__", None)
+    if code is not None and code.co_name == "_fused_forward":
+        names = inspect.getclosurevars(fn).nonlocals
+        if names.get("original_forward") is forward:
+            return FusedHead(float(names.get("temperature", 1.0)), tuple(names.get("outputs", ("log_probs",))))
+    raise IntegrationError(
+        f"the trainer replaced the model's forward with {getattr(fn, '__qualname__', fn)!r}; an xpar_zoo model "
+        "computes its loss in its own forward (the global-batch loss, vocab-parallel heads), so a replacement "
+        "could bypass its parallel compute: turn that option off (e.g. use_liger_kernel)")
+
+
+def _fused_lm_head(module: nn.Module, forward: Any, head: FusedHead, args: tuple, kwargs: dict):
+    """TRL's ``fused_lm_head=True`` contract answered from the model's own logits: per-token log-probabilities of
+    the next-token labels (with gradients, 0 where ignored), the requested statistics (without), the loss."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+    n_items = kwargs.pop("num_items_in_batch", None)
+    if labels is None and shift_labels is None:
+        raise IntegrationError("fused_lm_head=True needs labels (or shift_labels)")
+    kwargs["use_cache"] = False
+    if getattr(module.config.get_text_config(), "output_router_logits", False):
+        kwargs.setdefault("output_router_logits", True)
+    with full_logits(module):
+        out = forward(*args, **kwargs)  # without labels: the full logits, through the model's (parallel) head
+    logits = out.logits if shift_labels is not None else out.logits[:, :-1]
+    targets = shift_labels if shift_labels is not None else labels[:, 1:]
+    targets = targets.to(logits.device)
+    mask = targets != IGNORE_INDEX
+    log_p = torch.log_softmax(logits.float() / head.temperature, dim=-1)
+    log_probs = log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0)
+    stats = {}
+    with torch.no_grad():
+        if "entropy" in head.fields:
+            stats["entropy"] = -(log_p.exp() * log_p).sum(-1).masked_fill(~mask, 0)
+        if "log_sum_sq_probs" in head.fields:
+            stats["log_sum_sq_probs"] = torch.logsumexp(2 * log_p, dim=-1).masked_fill(~mask, 0)
+        if "mean_logits" in head.fields:
+            stats["mean_logits"] = (logits.float() / head.temperature).mean(-1).masked_fill(~mask, 0)
+        if "is_top1" in head.fields:
+            stats["is_top1"] = (logits.argmax(-1) == targets) & mask
+    loss = -log_probs.sum() / (mask.sum().clamp(min=1) if n_items is None else n_items)
+    aux_loss = None
+    if out.get("aux_loss") is not None:  # TRL adds it after its world factor: the share is what FSDP averages
+        aux_loss = _global_aux_share(module, out, kwargs.get("attention_mask"))
+        loss = loss + _aux_coef(module) * aux_loss
+    return FusedCausalLMOutput(loss=loss, log_probs=log_probs, label_mask=mask, aux_loss=aux_loss, **stats)
+
+
+def _aux_coef(module: nn.Module) -> float:
+    return float(getattr(module.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def _global_aux_share(module: nn.Module, out: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """This rank's share of the router load-balancing loss over every rank's tokens (its mean over the ranks is
+    what transformers computes on the whole batch in one process), in place of the model's per-rank one."""
+    from ..train.balance import global_router_aux_loss
+
+    if not out.get("router_logits"):
+        raise IntegrationError("the model returned an aux_loss without its router_logits; cannot compute the router "
+                               "auxiliary loss over the global batch")
+    return global_router_aux_loss(out.router_logits, module.num_experts, module.num_experts_per_tok,
+                                  attention_mask)[0]
+
+
+@contextlib.contextmanager
+def _transformers_loss_convention(state: _XparState, world: int):
+    """While open, the parallelized model follows transformers' convention for ``num_items_in_batch`` (see the
+    module docstring) and answers TRL's ``fused_lm_head=True``."""
+    module, forward = state.module, state.forward
+
+    def call(*args, fused_lm_head: bool = False, **kwargs):
+        if fused_lm_head:
+            return _fused_lm_head(module, forward, state.fused_head or FusedHead(), args, kwargs)
+        n_items = kwargs.get("num_items_in_batch")
+        if n_items is None or kwargs.get("labels") is None:
+            return forward(*args, **kwargs)
+        kwargs["num_items_in_batch"] = n_items * world
+        out = forward(*args, **kwargs)
+        if out.get("aux_loss") is not None and out.get("loss") is not None:
+            # The model added its per-rank router loss, which the Trainer's world factor would scale too: swap it
+            # for the share of the global-batch one, divided by that factor.
+            coef = _aux_coef(module)
+            out.loss = out.loss - coef * out.aux_loss + coef * _global_aux_share(
+                module, out, kwargs.get("attention_mask")) / world
+        return out
+
+    previous = module.__dict__.get("forward")
+    module.forward = call
+    try:
+        yield
+    finally:
+        module.forward = previous
+
+
+def _check_args(args: Any) -> None:
+    """Refuse training arguments that would wrap or patch the model behind xpar_zoo's back."""
+    if args.n_gpu > 1:
+        raise IntegrationError(f"the Trainer sees {args.n_gpu} GPUs in one process and would wrap the model in "
+                               "DataParallel: start one process per GPU (torchrun or accelerate launch)")
+    for flag, why in (("torch_compile", "torch.compile through accelerate"),
+                      ("use_liger_kernel", "Liger's kernels replace the model's forward")):
+        if getattr(args, flag, False):
+            raise IntegrationError(f"TrainingArguments({flag}=True) is not supported for an xpar_zoo model ({why}); "
+                                   "leave it off")
+
+
+class XparTrainerMixin:
+    """Put in front of ``transformers.Trainer`` or a subclass of it (``class SFT(XparTrainerMixin, SFTTrainer)``)
+    to train an xpar_zoo model (from ``xpar_zoo.from_pretrained`` / ``parallelize``, or a PEFT model around one)
+    exactly: no DDP wrap, the global-token loss under accumulation, xpar_zoo's clip, checkpoints that resume
+    exactly, ``save_model()`` in the hub's format or as a PEFT adapter. See the module docstring for how."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model", args[0] if args else None)
+        if kwargs.get("model_init") is not None:
+            raise IntegrationError(f"{type(self).__name__} takes a built xpar_zoo model (model=...), not model_init")
+        module = parallelized_module(model)
+        if module is None:
+            raise IntegrationError(
+                f"{type(self).__name__} trains xpar_zoo models (from xpar_zoo.from_pretrained or parallelize); got "
+                f"{type(model).__name__}: parallelize it first, or use the plain transformers trainer")
+        self._xpar_state = _XparState(module=module, forward=module.__dict__["forward"])
+        super().__init__(*args, **kwargs)
+        self._xpar_state.fused_head = _trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
+        module.forward = self._xpar_state.forward  # TRL's patch off: answered inside compute_loss instead
+        check_accelerator(self.accelerator)
+        _check_args(self.args)
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+        """accelerate's autocast for ``bf16=True``, which its ``prepare`` puts around the forward of the models it
+        wraps and leaves out for an xpar_zoo model."""
+        return self.accelerator.autocast()
+
+    # ---- placement: xpar_zoo placed every shard at load ---------------------------------------------------------
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        pass
+
+    # ---- the step -----------------------------------------------------------------------------------------------
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None):
+        """The trainer's ``compute_loss`` with the model in transformers' loss convention (module docstring)."""
+        with _transformers_loss_convention(self._xpar_state, self.accelerator.num_processes):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The trainer's step; FSDP reduce-scatters only after the last micro-batch of an optimizer step."""
+        self._xpar_state.module.set_requires_gradient_sync(self.accelerator.sync_gradients)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | float | None = None):
+        return grad_norm if grad_norm is not None else clip_grad_norm_(model.parameters(), float("inf"))
+
+    # ---- saving -------------------------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """``save_model()``: the hub's format, or the adapter of a PEFT model, written by every rank together; the
+        tokenizer and the training arguments beside it, as the Trainer writes them."""
+        if state_dict is not None:
+            raise IntegrationError("an xpar_zoo model is saved from its live shards; save_model takes no state_dict")
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _is_peft_model(self.model):
+            from .. import save_adapter
+
+            save_adapter(self.model, output_dir)
+        else:
+            self._xpar_state.module.save_pretrained(output_dir, progress=not self.args.disable_tqdm)
+        if not self.args.should_save:
+            return
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        root = Path(output_dir) / XPAR_CHECKPOINT_DIR
+        # A run resumed into its own output directory saves its steps again: the earlier checkpoint of this step
+        # is set aside (rank 0, before save_checkpoint's first collective) and removed once the new one is complete.
+        replaced = root.with_name(f".{root.name}.replaced-{uuid.uuid4().hex[:8]}")
+        if self.args.process_index == 0 and root.exists():
+            root.rename(replaced)
+        save_checkpoint(root, self.model, _torch_optimizer(self.optimizer), step=self.state.global_step)
+        if self.args.process_index == 0:
+            shutil.rmtree(replaced, ignore_errors=True)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    # ---- resuming -----------------------------------------------------------------------------------------------
+    def _xpar_checkpoint(self, checkpoint: str) -> Path:
+        root = Path(checkpoint) / XPAR_CHECKPOINT_DIR
+        if latest_checkpoint(root) is None:
+            raise IntegrationError(
+                f"{checkpoint} holds no complete xpar_zoo checkpoint ({root}): it was written with "
+                "save_only_model=True, by another trainer, or was interrupted; resume from another checkpoint")
+        return root
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Checked here, before the optimizer exists; model and optimizer load together in the next method.
+        self._xpar_checkpoint(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        load_checkpoint(self._xpar_checkpoint(checkpoint), self.model, _torch_optimizer(self.optimizer),
+                        restore_rng=False)  # the Trainer restores its RNG itself, where its data order needs it
+        scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        load_checkpoint(self._xpar_checkpoint(self.state.best_model_checkpoint), self.model, restore_rng=False)
+
+
+class XparTrainer(XparTrainerMixin, Trainer):
+    """``transformers.Trainer`` for xpar_zoo models: the same arguments, exact on every mesh (see
+    :class:`XparTrainerMixin` and the module docstring)."""
