@@ -50,3 +50,8 @@ class TrainConfigError(XparError, ValueError):
 
 class DataError(XparError, ValueError):
     """Training data that cannot be read, tokenized or packed as asked (names the file, field or numbers)."""
+
+
+class AdapterError(XparError, ValueError):
+    """A PEFT adapter xpar_zoo cannot train or save as asked: a tuner or option it does not run exactly, an adapter
+    file that does not fit the model (names the keys and shapes), PEFT missing."""
