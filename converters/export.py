@@ -166,10 +166,13 @@ def export_to_hf(
     max_shard_size: str | int = "5GB",
     force: bool = False,
     progress: bool = True,
+    merge_adapter: bool = False,
 ) -> Path:
     """Write the model tensors of an xpar_zoo checkpoint (a ``step-N`` directory, or the newest complete one under a
     root) to ``out_dir`` in the hub's own format. ``model`` (hub id or directory) supplies generation / tokenizer
-    files (and the config if the checkpoint lacks one); ``dtype`` casts floating tensors. Returns ``out_dir``."""
+    files (and the config if the checkpoint lacks one); ``dtype`` casts floating tensors. A checkpoint of a PEFT
+    model needs ``merge_adapter=True``: its adapter is merged into the weights
+    (:class:`xpar_zoo.integrations.peft.AdapterMerge`). Returns ``out_dir``."""
     from tqdm.auto import tqdm
 
     from xpar_zoo.checkpoint import (iter_model_tensors, model_tensor_specs, read_checkpoint_metadata,
@@ -190,6 +193,17 @@ def export_to_hf(
     config = _config_from(meta, source_dir)
     meta_model = build_meta(config, torch.float32)
     skip = _tied_duplicates(meta_model, config)
+    if meta.get("peft") and not merge_adapter:
+        raise ExportError(f"{checkpoint} holds a PEFT adapter ({', '.join(meta['peft'])}): pass --merge-adapter for "
+                          "merged hub weights, or save the adapter itself with xpar_zoo.save_adapter")
+    if merge_adapter and not meta.get("peft"):
+        raise ExportError(f"--merge-adapter: {checkpoint} holds no PEFT adapter")
+    merge = None
+    if merge_adapter:
+        from xpar_zoo.integrations.peft import AdapterMerge
+
+        merge = AdapterMerge(config, meta["peft"], specs)
+        specs = {name: (shape, dt) for name, shape, dt in merge.outputs}
     names = [n for n in specs if n not in skip]
 
     # Plan every hub tensor and shard on meta tensors first (no data), then stream the data into place.
@@ -211,7 +225,10 @@ def export_to_hf(
         bar = tqdm(total=index["metadata"]["total_size"], unit="B", unit_scale=True, desc="export to hub format",
                    disable=not progress)
         # Read a quarter shard at a time: memory stays a fraction of a shard above the baseline.
-        for name, tensor in iter_model_tensors(checkpoint, names, max_bytes=max(1, shard_bytes // 4)):
+        stream = iter_model_tensors(checkpoint, merge.reads if merge else names, max_bytes=max(1, shard_bytes // 4))
+        for name, tensor in merge.merged(stream) if merge else stream:
+            if name in skip:
+                continue
             for key, value in _revert(meta_model, name, tensor).items():
                 if cast is not None and value.is_floating_point():
                     value = value.to(cast)
@@ -232,7 +249,7 @@ def export_to_hf(
         info = {"source_checkpoint": str(Path(checkpoint).absolute()), "step": meta.get("step"),
                 "model_type": config.model_type, "mesh": meta.get("mesh"), "plans": sorted(meta.get("plans") or {}),
                 "xpar_zoo_version": meta.get("xpar_zoo_version"), "dtype": str(cast or "as saved"),
-                "base_model": str(model) if model is not None else None}
+                "base_model": str(model) if model is not None else None, "merged_adapter": bool(merge)}
         (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out_dir
 

@@ -3,8 +3,9 @@
 from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
                          save_checkpoint)
 from .clip import clip_grad_norm_
-from .errors import (BatchError, CheckpointError, KernelError, LoadError, MeshError, ModelStateError, PlanError,
-                     UnknownArchitectureError, XparError)
+from .errors import (AdapterError, BatchError, CheckpointError, KernelError, LoadError, MeshError, ModelStateError,
+                     PlanError, UnknownArchitectureError, XparError)
+from .integrations.peft import save_adapter
 from .loader import from_pretrained
 from .materialize import materialize
 from .mesh import Mesh
@@ -17,8 +18,9 @@ from .vocab import full_logits
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchError", "CheckpointError", "CheckpointFuture", "KernelError", "ExtraPlan", "LoadError", "Mesh", "MeshError", "ModelStateError", "Plan",
+    "AdapterError", "BatchError", "CheckpointError", "CheckpointFuture", "KernelError", "ExtraPlan", "LoadError",
+    "Mesh", "MeshError", "ModelStateError", "Plan",
     "PlanError", "UnknownArchitectureError", "XparError", "clip_grad_norm_", "from_pretrained", "full_logits",
     "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
-    "read_checkpoint_metadata", "save_checkpoint", "supported_architectures",
+    "read_checkpoint_metadata", "save_adapter", "save_checkpoint", "supported_architectures",
 ]

@@ -104,7 +104,8 @@ def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = No
         if _triton_module() is None:
             raise KernelError("the Triton experts kernels need Triton (pip install xpar_zoo[triton]; CUDA builds of "
                               "torch bring it)")
-        odd = sorted({type(m).__name__ for m in experts if not _standard_swiglu(m) or getattr(m, "_xpar_adapters", None)})
+        odd = sorted({type(m).__name__ for m in experts
+                      if not _standard_swiglu(m) or getattr(m, "_xpar_adapters", None)})
         if odd:
             raise KernelError(f"the Triton experts kernels run plain SwiGLU experts in transformers' standard layout "
                               f"(gate_up_proj [E, 2I, H], down_proj [E, H, I], no biases, the default gate); {odd} "

@@ -86,7 +86,8 @@ def to_expert_major(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) ->
 
 
 def to_peft_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`to_expert_major`: ``[E, r, in]``, ``[E, out, r]`` → PEFT's ``[r·E, in]``, ``[out, r·E]``."""
+    """The inverse of :func:`to_expert_major`: ``[E, r, in]``, ``[E, out, r]`` → PEFT's ``[r·E, in]``,
+    ``[out, r·E]``."""
     experts, rank, _ = a.shape
     return a.reshape(experts * rank, -1), b.permute(1, 2, 0).reshape(b.shape[1], rank * experts)
 
@@ -187,7 +188,9 @@ def check_supported(model: nn.Module) -> None:
                 raise AdapterError(
                     f"{fqn}: target_parameters {module.parameter_name!r} of {type(base).__name__} "
                     f"({list(param.shape)}); xpar_zoo runs LoRA on the fused expert weights (gate_up_proj, up_proj, "
-                    "down_proj) of experts modules that use transformers' ExpertsInterface only")
+                    "down_proj) of experts modules that use transformers' ExpertsInterface only"
+                    + ("; PEFT's target_modules='all-linear' adds MoE routers' weights: list the modules instead"
+                       if module.parameter_name == "weight" else ""))
     wrappers = _param_wrappers(hf)
     if wrappers and not (type(hf)._can_set_experts_implementation()
                          and getattr(hf.config, "_experts_implementation", None)):
@@ -526,3 +529,99 @@ def adapter_metadata(model: nn.Module) -> dict | None:
         return getattr(value, "value", value)  # enums
 
     return {name: json.loads(json.dumps(plain(config.to_dict()), default=str)) for name, config in configs.items()}
+
+
+# ---- merged export ----------------------------------------------------------------------------------------------
+class AdapterMerge:
+    """Merged weights from the tensors of a checkpoint of a PEFT model (``xpar-zoo convert to-hf --merge-adapter``):
+    every adapted tensor becomes ``W + s·ΔW`` as PEFT's ``merge_and_unload`` computes it (``ΔW = B @ A``, per
+    expert for fused experts), under its transformers name; adapter tensors themselves are dropped.
+
+    ``config``: the transformers config; ``adapters``: the checkpoint's ``peft`` metadata (:func:`adapter_metadata`);
+    ``specs``: ``{checkpoint name: (shape, dtype)}`` of its model tensors. :attr:`outputs` lists ``(transformers
+    name, shape, dtype)`` in order, :attr:`reads` the checkpoint names to stream into :meth:`merged`."""
+
+    def __init__(self, config, adapters: dict, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        peft = _peft()
+        from peft.tuners.lora import LoraLayer, ParamWrapper
+
+        from ..loader import build_meta
+
+        if len(adapters) != 1:
+            raise AdapterError(f"the checkpoint holds {len(adapters)} adapters ({', '.join(adapters)}); xpar_zoo "
+                               "merges one")
+        (adapter, values), = adapters.items()
+        lora = peft.LoraConfig.from_peft_type(**values)
+        if lora.lora_bias or lora.use_dora:
+            raise AdapterError("merging lora_bias / DoRA adapters is not supported by xpar_zoo")
+        model = peft.get_peft_model(build_meta(config, torch.float32), lora, adapter_name=adapter,
+                                    low_cpu_mem_usage=True)
+        for wrapper in _param_wrappers(model).values():
+            _relayout(wrapper)
+        if not any(n.startswith("base_model.model.") for n in specs):  # saved from the transformers model itself
+            model = model.get_base_model()
+        names = set(model.state_dict())
+        if names != set(specs):
+            missing, unexpected = sorted(names - set(specs)), sorted(set(specs) - names)
+            raise AdapterError("the checkpoint does not fit its own adapter config: " + "; ".join(
+                f"{what} ({len(ks)}): {', '.join(ks[:6])}" for what, ks in
+                (("missing", missing), ("unexpected", unexpected)) if ks))
+        fqn_of = {id(m): n for n, m in model.named_modules()}
+        self._deltas: dict[str, list[tuple[str, str, float, str]]] = {}  # base -> [(A, B, scaling, kind)]
+        adapter_names = set()
+        for fqn, layer in model.named_modules():
+            if not isinstance(layer, LoraLayer) or adapter not in layer.lora_A:
+                continue
+            a, b = f"{fqn}.lora_A.{adapter}.weight", f"{fqn}.lora_B.{adapter}.weight"
+            adapter_names |= {a, b}
+            if isinstance(layer, ParamWrapper):
+                base = f"{fqn_of[id(layer.get_base_layer())]}.{layer.parameter_name}"
+                kind = "experts" if layer._did_swap_in_out_features else "experts_transposed"
+            else:
+                base = f"{fqn_of[id(layer.get_base_layer())]}.weight"
+                kind = "transposed" if layer.fan_in_fan_out else "linear"
+            self._deltas.setdefault(base, []).append((a, b, layer.scaling[adapter], kind))
+        prefix = "base_model.model." if any(n.startswith("base_model.model.") for n in specs) else ""
+        self._hf_name = {n: unwrapped_name(n).removeprefix(prefix) for n in specs if n not in adapter_names}
+        self.outputs = [(self._hf_name[n], specs[n][0], specs[n][1]) for n in specs if n in self._hf_name]
+        self.reads = [r for n in specs if n in self._hf_name
+                      for r in [*(x for a, b, _, _ in self._deltas.get(n, ()) for x in (a, b)), n]]
+
+    def merged(self, stream):
+        """``(transformers name, merged tensor)`` for the ``(checkpoint name, tensor)`` pairs of :attr:`reads`."""
+        held: dict[str, torch.Tensor] = {}
+        for name, tensor in stream:
+            if name not in self._hf_name:
+                held[name] = tensor
+                continue
+            for a, b, scaling, kind in self._deltas.get(name, ()):
+                lora_a, lora_b = held.pop(a).float(), held.pop(b).float()
+                delta = (lora_b @ lora_a) * scaling
+                if kind in ("transposed", "experts_transposed"):
+                    delta = delta.transpose(-2, -1)
+                tensor = tensor + delta.to(tensor.dtype)
+            yield self._hf_name[name], tensor
+
+
+# ---- the planner's model ----------------------------------------------------------------------------------------
+def lora_meta_model(model: nn.Module, plan: Plan, rank: int, modules: list[str] | str | None = None,
+                    parameters: list[str] | None = None) -> tuple[nn.Module, Plan]:
+    """A transformers model built on meta with LoRA of ``rank`` on ``modules`` (default: every linear but the head)
+    and the fused expert tensors ``parameters`` (default: those of ``plan``'s experts plans), prepared as
+    ``parallelize`` prepares it; and its plan. What ``xpar-zoo plan --lora-rank`` sizes."""
+    peft = _peft()
+    if not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"the LoRA rank must be a positive integer, got {rank!r}")
+    if parameters is None:
+        parameters = sorted({p.rpartition("*.")[2] for ep in plan.extra.values() if ep.style == "experts"
+                             for p in ep.params})
+    if modules is None:  # PEFT's "all-linear" would add MoE routers' weights as target_parameters
+        head = model.get_output_embeddings()
+        modules = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                          if isinstance(m, nn.Linear) and m is not head})
+    config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules, target_parameters=list(parameters) or None)
+    try:
+        peft_model = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
+    except ValueError as e:
+        raise AdapterError(f"LoRA on {modules} / {parameters}: {e}") from None
+    return prepare(peft_model, plan)
