@@ -227,7 +227,16 @@ def from_pretrained(
     _check_parallelize_kwargs(parallelize_kwargs)
     mesh = mesh or Mesh()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        check_same_on_all_ranks((str(name), revision, str(dtype), repr(peft_config), str(adapter)),
+        lora = None
+        if peft_config is not None:
+            import hashlib
+            import json
+
+            from .integrations.peft import config_json
+
+            text = json.dumps(config_json(peft_config), sort_keys=True)
+            lora = f"{type(peft_config).__name__} {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+        check_same_on_all_ranks((str(name), revision, str(dtype), lora, None if adapter is None else str(adapter)),
                                 "from_pretrained arguments (name, revision, dtype, peft_config, adapter)", LoadError)
     resolved = resolve_on_each_node(name, revision, cache_dir=cache_dir, token=token)
     config = load_config(resolved.directory)

@@ -118,11 +118,6 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     return units
 
 
-def _input_embedding(model: nn.Module) -> str | None:
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return next((n for n, m in model.named_modules() if m is embedding), None)
-
-
 def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
                      qk_norm: bool = False, recompute: bool = False) -> float:
     """An activation estimate per rank: the values autograd keeps per token, counted per module of a standard
@@ -283,9 +278,7 @@ def estimate(
     gather = reduce = allreduce = 0.0
     for u in units:
         frac = (u.group - 1) / u.group
-        # a unit whose output needs no gradient (a frozen input embedding) is not gathered again for backward
-        once = u.root or (lora_rank and not u.trainable and u.name == _input_embedding(model))
-        gather += (1 if once else u.gathers) * frac * u.numel_padded * pbytes
+        gather += (1 if u.root else u.gathers) * frac * u.numel_padded * pbytes
         reduce += frac * u.trainable * rbytes
         if u.replicate > 1:
             allreduce += 2 * (u.replicate - 1) / u.replicate * (u.trainable / u.group) * rbytes

@@ -512,12 +512,8 @@ def attach_adapter(model: nn.Module, *, peft_config=None, adapter: str | os.Path
 
 
 # ---- checkpoint metadata ----------------------------------------------------------------------------------------
-def adapter_metadata(model: nn.Module) -> dict | None:
-    """``{adapter name: PEFT config as JSON data}`` of a model with a PEFT adapter (for checkpoint metadata), or
-    None."""
-    configs = getattr(model, "peft_config", None)
-    if not configs or not uses_peft(model):
-        return None
+def config_json(config) -> dict:
+    """A PEFT config as JSON data (sets sorted, enums by value): the same on every process."""
 
     def plain(value):
         if isinstance(value, (set, frozenset)):
@@ -528,7 +524,16 @@ def adapter_metadata(model: nn.Module) -> dict | None:
             return [plain(v) for v in value]
         return getattr(value, "value", value)  # enums
 
-    return {name: json.loads(json.dumps(plain(config.to_dict()), default=str)) for name, config in configs.items()}
+    return json.loads(json.dumps(plain(config.to_dict()), default=str))
+
+
+def adapter_metadata(model: nn.Module) -> dict | None:
+    """``{adapter name: PEFT config as JSON data}`` of a model with a PEFT adapter (for checkpoint metadata), or
+    None."""
+    configs = getattr(model, "peft_config", None)
+    if not configs or not uses_peft(model):
+        return None
+    return {name: config_json(config) for name, config in configs.items()}
 
 
 # ---- merged export ----------------------------------------------------------------------------------------------
