@@ -494,3 +494,24 @@ def test_planner_lora_holds_the_base_in_its_dtype_and_trains_the_adapters_in_fp3
     assert lora.memory["adapters (fp32 shards)"] == pytest.approx(adapter_numel * 4 / 4, rel=0.05)
     assert lora.memory["gradients (fp32 shards)"] == lora.memory["adapters (fp32 shards)"]
     assert lora.memory["optimizer states (adamw, adapters)"] == 2 * lora.memory["adapters (fp32 shards)"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_planner_activation_estimate_with_lora_is_an_upper_bound(dtype):
+    """With LoRA the activation term is a full fine-tune's plus the adapters' own values: an upper bound of what
+    autograd keeps (a frozen weight's input is not kept), within 2× of it."""
+    import xpar_zoo.moe  # noqa: F401  (the experts implementation the parallel model uses)
+    from xpar_zoo.vocab import install_fused_loss
+
+    cfg = parity.tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=128, vocab_size=2048)
+    model = get_peft_model(parity.build_model(cfg, experts_implementation="xpar_zoo").to(dtype),
+                           lora_config(r=16, init_lora_weights=True))
+    hf, _ = prepare(model, xpar_zoo.get_plan("qwen3_moe"))
+    install_fused_loss(hf)
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
+    got = parity.saved_for_backward_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward(),
+                                          exclude=model.parameters())
+    nbytes = dtype.itemsize
+    want = (planner.activation_bytes(cfg, ids.numel(), nbytes, fused_head=1, qk_norm=True)
+            + planner.lora_activation_bytes(hf, cfg, ids.numel(), nbytes))
+    assert got <= want <= 2 * got, f"estimate {want / 2**20:.1f} MiB, autograd keeps {got / 2**20:.1f} MiB"

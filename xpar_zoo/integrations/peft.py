@@ -165,8 +165,14 @@ def check_supported(model: nn.Module) -> None:
     if len(names) > 1:
         raise AdapterError(f"the model has {len(names)} adapters ({', '.join(names)}); xpar_zoo trains one at a time")
     hf = base_of(model)
-    edges = {id(m) for getter in ("get_input_embeddings", "get_output_embeddings")
-             for m in [getattr(hf, getter, lambda: None)()] if isinstance(m, nn.Module)}
+    edges = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            edge = getattr(hf, getter, lambda: None)()
+        except (NotImplementedError, AttributeError):  # models without one
+            edge = None
+        if isinstance(edge, nn.Module):
+            edges.add(id(edge))
     for fqn, module in hf.named_modules():
         if isinstance(module, AuxiliaryTrainingWrapper):
             raise AdapterError(f"{fqn}: modules_to_save / trainable_token_indices are not supported by xpar_zoo; "
@@ -259,8 +265,24 @@ def finish(outer: nn.Module, hf: nn.Module) -> nn.Module:
 
     hf.save_pretrained = refuse
     if outer is not hf:
-        outer.save_pretrained = functools.partial(save_adapter, outer)
+        outer.save_pretrained = functools.partial(_save_pretrained, outer)
     return outer
+
+
+def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, safe_serialization: bool = True,
+                     is_main_process: bool = True, selected_adapters: list[str] | None = None,
+                     save_embedding_layers: bool | str = "auto", state_dict: dict | None = None, **kwargs) -> Path:
+    """``PeftModel.save_pretrained`` on a parallelized model: :func:`save_adapter` (a collective; rank 0 writes,
+    ``is_main_process`` is accepted and ignored). Arguments it cannot honour from the live shards are refused."""
+    given = sorted([*kwargs] + [name for name, bad in (("safe_serialization=False", not safe_serialization),
+                                                       ("state_dict", state_dict is not None)) if bad])
+    adapters = _adapter_names(model)
+    if selected_adapters not in (None, adapters):
+        given.append(f"selected_adapters={selected_adapters}")
+    if given:
+        raise ModelStateError(f"save_pretrained on a parallelized PEFT model writes its adapter from the live shards "
+                              f"(xpar_zoo.save_adapter) and does not take {given}")
+    return save_adapter(model, save_directory)
 
 
 # ---- adapter tensors: names, values -----------------------------------------------------------------------------
