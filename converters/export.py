@@ -24,7 +24,7 @@ from xpar_zoo.batching import byte_batches
 from xpar_zoo.errors import XparError
 from xpar_zoo.loader import build_meta
 
-from .hub_layout import TORCH_TO_SAFETENSORS
+from .hub_layout import TORCH_TO_SAFETENSORS, revert_groups
 from .output_dir import StagingDir, check_output
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -147,13 +147,15 @@ class _StreamingShardWriter:
             raise ExportError(f"export stopped after {self.position} of {len(self.queue)} hub tensors")
 
 
-def _revert(meta_model, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+def _revert(meta_model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hub tensors of model tensors that revert together (:func:`~.hub_layout.revert_groups`)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    hub = revert_weight_conversion(meta_model, {name: tensor})
-    if sum(t.numel() for t in hub.values()) != tensor.numel():
-        raise ExportError(f"reverting {name} {tuple(tensor.shape)} to hub keys {sorted(hub)} does not preserve its "
-                          "elements; this layout needs a converter xpar_zoo does not have")
+    hub = revert_weight_conversion(meta_model, dict(tensors))
+    if sum(t.numel() for t in hub.values()) != sum(t.numel() for t in tensors.values()):
+        shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in tensors.items())
+        raise ExportError(f"reverting {shapes} to hub keys {sorted(hub)} does not preserve their elements; this "
+                          "layout needs a converter xpar_zoo does not have")
     return hub
 
 
@@ -204,13 +206,15 @@ def export_to_hf(
 
         merge = AdapterMerge(config, meta["peft"], specs)
         specs = {name: (shape, dt) for name, shape, dt in merge.outputs}
-    names = [n for n in specs if n not in skip]
+    groups = revert_groups(meta_model, [n for n in specs if n not in skip])
+    names = [n for group in groups for n in group]
+    group_of = {n: group for group in groups for n in group}
 
     # Plan every hub tensor and shard on meta tensors first (no data), then stream the data into place.
     hub_tensors, seen = [], set()
-    for name in names:
-        shape, dt = specs[name]
-        for key, t in _revert(meta_model, name, torch.empty(shape, dtype=dt, device="meta")).items():
+    for group in groups:
+        metas = {n: torch.empty(specs[n][0], dtype=specs[n][1], device="meta") for n in group}
+        for key, t in _revert(meta_model, metas).items():
             if key in seen:
                 raise ExportError(f"two checkpoint tensors revert to the same hub key {key!r}")
             seen.add(key)
@@ -225,16 +229,21 @@ def export_to_hf(
         bar = tqdm(total=index["metadata"]["total_size"], unit="B", unit_scale=True, desc="export to hub format",
                    disable=not progress)
         # Read a quarter shard at a time: memory stays a fraction of a shard above the baseline.
-        stream = iter_model_tensors(checkpoint, merge.reads if merge else names, max_bytes=max(1, shard_bytes // 4))
-        for name, tensor in merge.merged(stream) if merge else stream:
-            if name in skip:
+        pending: dict[str, torch.Tensor] = {}  # members of a revert group read so far
+        budget = max(1, shard_bytes // 4)
+        stream = (merge.merged(iter_model_tensors(checkpoint, merge.reads(names), max_bytes=budget)) if merge
+                  else iter_model_tensors(checkpoint, names, max_bytes=budget))
+        for name, tensor in stream:
+            pending[name] = tensor
+            del tensor
+            if len(pending) < len(group_of[name]):
                 continue
-            for key, value in _revert(meta_model, name, tensor).items():
+            for key, value in _revert(meta_model, pending).items():
                 if cast is not None and value.is_floating_point():
                     value = value.to(cast)
                 writer.write(key, value)
                 bar.update(value.numel() * value.element_size())
-            del tensor
+            pending.clear()
         writer.close()
         bar.close()
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

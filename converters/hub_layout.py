@@ -14,6 +14,8 @@ names the keys, their files and the shapes.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import re
@@ -172,13 +174,26 @@ class Read:
 
 
 @dataclass(frozen=True)
+class Conversion:
+    """How transformers' own loader assembles a model tensor whose rule has no slice-wise reading (Interleave,
+    Transpose, Split/Chunk, PermuteForRope, model-specific ops): the converter, the model tensor name it converts
+    under, and its checkpoint keys in load order. Read whole, converted, then cut to the region wanted."""
+
+    converter: object  # a transformers WeightConverter (copied for each conversion)
+    first: str
+    sources: tuple[tuple[str, str], ...]  # (source pattern, checkpoint key)
+
+
+@dataclass(frozen=True)
 class Target:
-    """A model tensor (parameter or persistent buffer) and the checkpoint pieces that cover it."""
+    """A model tensor (parameter or persistent buffer) and the checkpoint pieces that cover it (with
+    ``conversion``: the checkpoint tensors it is converted from)."""
 
     name: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
     rule: str  # how the pieces were derived, for messages: "key", "MergeModulelist(dim=0) + Concatenate(dim=1)", …
+    conversion: Conversion | None = None
 
 
 @dataclass
@@ -191,9 +206,13 @@ class HubLayout:
     ignored: tuple[str, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name whose target fills it
     init_buffers: tuple[str, ...] = ()  # persistent buffers the model allows to be absent: initialised, not read
+    model: nn.Module | None = None  # the (meta) model the layout was planned for: transformers' ops may ask it
 
     def reads(self, name: str, region: Box) -> list[Read]:
-        """What to read for the ``region`` (global ``[start, stop)`` per dim) of model tensor ``name``."""
+        """What to read for the ``region`` (global ``[start, stop)`` per dim) of model tensor ``name`` (none for a
+        converted tensor: see :meth:`convert`)."""
+        if self.targets[name].conversion is not None:
+            return []
         out = []
         for piece in self.targets[name].pieces:
             inter = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(piece.box, region))
@@ -208,11 +227,52 @@ class HubLayout:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def converted(self) -> list[str]:
+        """The model tensors that :meth:`convert` assembles (their rule has no slice-wise reading)."""
+        return [n for n, t in self.targets.items() if t.conversion is not None]
+
+    def convert(self, name: str, directory: str | Path, region: Box | None = None) -> torch.Tensor:
+        """The ``region`` (default: all) of converted model tensor ``name``: its checkpoint tensors read whole from
+        ``directory`` and converted by transformers' own rule, as its loader does."""
+        from safetensors import safe_open
+
+        conversion = self.targets[name].conversion
+        converter = copy.deepcopy(conversion.converter)
+        for pattern, key in conversion.sources:
+            info = self.tensors[key]
+            converter.add_tensor(conversion.first, key, pattern, functools.partial(_read_whole, directory, info))
+        out = _converted(converter, conversion.first, self.model)[name]
+        if region is not None:
+            out = out[tuple(slice(a, b) for a, b in region)]
+        return out
+
 
 def _listing(items: Iterable[str]) -> str:
     items = sorted(items)
     more = f" … and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else ""
     return "\n  " + "\n  ".join(items[:_LIST_LIMIT]) + more
+
+
+def _fusable(converter) -> bool:
+    """Whether a converter is ``MergeModulelist`` then ``Concatenate`` into one target (read slice-wise)."""
+    try:
+        _fusion(converter)
+    except CheckpointMismatchError:
+        return False
+    return True
+
+
+def _read_whole(directory: str | Path, info: TensorInfo) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(directory) / info.file), framework="pt", device="cpu") as f:
+        return f.get_tensor(info.key)
+
+
+def _converted(converter, first: str, model: nn.Module | None) -> dict[str, torch.Tensor]:
+    """``{model tensor name: tensor}`` from a converter holding its checkpoint tensors (transformers' own call)."""
+    out = converter.convert(first, model=model, config=getattr(model, "config", None))
+    return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
 
 
 def _fusion(converter) -> tuple[int | None, int | None]:
@@ -260,6 +320,30 @@ def _conversion_rules(model: nn.Module):
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     return renamings, converters
+
+
+def revert_groups(model: nn.Module, names: Iterable[str]) -> list[tuple[str, ...]]:
+    """``names`` (model tensors) in groups that transformers' ``revert_weight_conversion`` must see together: the
+    targets of one converter that splits a checkpoint tensor (a fused ``qkv_proj``, ``in_proj``, text and vision
+    experts) revert into that one tensor only jointly. Every other name is a group of one; order is kept."""
+    _, converters = _conversion_rules(model)
+    splits = [c.target_patterns for c in converters if len(c.target_patterns) > 1]
+    present = set(names)
+    done: set[str] = set()
+    groups = []
+    for name in names:
+        if name in done:
+            continue
+        group: tuple[str, ...] = (name,)
+        for patterns in splits:
+            hit = next((p for p in patterns if p in name), None)
+            siblings = tuple(name.replace(hit, p, 1) for p in patterns) if hit else ()
+            if siblings and all(s in present and s not in done for s in siblings):
+                group = siblings
+                break
+        done.update(group)
+        groups.append(group)
+    return groups
 
 
 def _ignore_regex(model: nn.Module, attr: str, extra: Iterable[str] = ()) -> re.Pattern | None:
@@ -354,6 +438,12 @@ def plan_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubL
         if name in direct:
             continue
         reported.add(name)
+        if not _fusable(group.converter):
+            converted, errs = _convert_group(name, group, tensors, state, model)
+            reported.update(converted)
+            problems += errs
+            targets.update(converted)
+            continue
         target, errs, miss = _assemble(name, state[name], group, tensors)
         problems += errs
         missing_parts += miss
@@ -384,7 +474,37 @@ def plan_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubL
             parts.append(f"mismatched:{_listing(problems)}")
         raise CheckpointMismatchError(f"checkpoint does not fit {type(model).__name__}:\n" + "\n".join(parts))
     init_buffers = tuple(n for n in state if n not in targets and n not in aliases and n not in params)
-    return HubLayout(targets, dict(tensors), tuple(ignored), dict(aliases), init_buffers)
+    return HubLayout(targets, dict(tensors), tuple(ignored), dict(aliases), init_buffers, model)
+
+
+def _convert_group(first: str, group: _Group, tensors: Mapping[str, TensorInfo], state: Mapping[str, tuple],
+                   model: nn.Module) -> tuple[dict[str, Target], list[str]]:
+    """The model tensors one converter without a slice-wise reading produces from its checkpoint keys, each checked
+    by converting meta tensors of the keys' shapes (transformers' own ops, no data). Returns ``(targets,
+    problems)``."""
+    from transformers.core_model_loading import dot_natural_key
+
+    sources = tuple(sorted(((p, k) for p, entries in group.by_pattern.items() for _, k in entries),
+                           key=lambda pk: (group.converter.source_patterns.index(pk[0]), dot_natural_key(pk[1]))))
+    rule = " + ".join(repr(op) for op in group.converter.operations) + " (converted by transformers)"
+    dry = copy.deepcopy(group.converter)
+    for pattern, key in sources:
+        info = tensors[key]
+        dry.add_tensor(first, key, pattern, functools.partial(
+            torch.empty, info.shape, dtype=SAFETENSORS_DTYPES.get(info.dtype, torch.float32), device="meta"))
+    keys = ", ".join(f"{k} ({tensors[k].file})" for _, k in sources[:4]) + (" …" if len(sources) > 4 else "")
+    try:
+        shapes = {n: tuple(t.shape) for n, t in _converted(dry, first, model).items()}
+    except Exception as e:  # an op that does not fit these keys (or cannot run on meta tensors)
+        return {}, [f"{keys}: {rule} fails on their shapes ({type(e).__name__}: {e})"]
+    problems = [f"{keys}: {rule} gives {n} {list(shape)}, which the model "
+                + (f"has as {list(state[n])}" if n in state else "does not have")
+                for n, shape in shapes.items() if state.get(n) != shape]
+    if problems:
+        return {}, problems
+    pieces = tuple(Piece(tensors[k], tuple((0, n) for n in tensors[k].shape)) for _, k in sources)
+    conversion = Conversion(group.converter, first, sources)
+    return {n: Target(n, shape, pieces, rule, conversion) for n, shape in shapes.items()}, []
 
 
 def _assemble(name: str, shape: tuple[int, ...], group: _Group, tensors: Mapping[str, TensorInfo]

@@ -83,6 +83,8 @@ class _Files:
 def _assemble(layout, name: str, files: _Files) -> torch.Tensor:
     """The full tensor ``name``, filled piece by piece from the hub files."""
     target = layout.targets[name]
+    if target.conversion is not None:  # a rule without a slice-wise reading: transformers' own conversion
+        return layout.convert(name, files.directory)
     dtypes = {p.source.dtype for p in target.pieces}
     if len(dtypes) != 1:
         raise ConvertError(f"{name}: its hub pieces have several dtypes {sorted(dtypes)} "

@@ -1,50 +1,133 @@
-"""The zoo: every curated architecture, and the automatic plan on MoE types without one, trains under its plans +
-FSDP2 exactly like single-process transformers (4 gloo ranks, fp32, one SGD step).
+"""The zoo: every curated architecture, and every transformers MoE type proved through the automatic plan, trains
+under its plans + FSDP2 exactly like single-process transformers (4 gloo ranks, fp32, one SGD step); every plan
+``parallelize`` refuses for a type, and every refused type, is refused with its reason.
 
 One 4-rank job runs every architecture on every mesh (processes and imports are shared)."""
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 import xpar_zoo
-from xpar_zoo.testing import launch, parity
-
-from xpar_zoo.testing.proofs import AUTO_PROVED as AUTO
+from xpar_zoo.registry import refused_architectures
+from xpar_zoo.testing import launch, modality, parity
+from xpar_zoo.testing.proofs import AUTO_PROVED, proof_meshes, proved_architectures
 from xpar_zoo.testing.proofs import PROOF_WORLD as WORLD
-from xpar_zoo.testing.proofs import proof_meshes as _meshes
 
 CURATED = xpar_zoo.supported_architectures()
+PROVED = proved_architectures()
+REFUSED = refused_architectures()
+
+CASES = [(a, m) for a in PROVED for m in proof_meshes(a)]
+IMAGES = sorted(a for a, p in AUTO_PROVED.items() if p.inputs != "text")
+VISION = ("visual", "vision_tower", "vision_model", "vision_encoder", "multi_modal_projector")  # of `model`: vision
+PLAN_REFUSALS = [(a, p) for a in sorted(AUTO_PROVED) for p in AUTO_PROVED[a].without]
 
 
-CASES = [(a, m) for a in CURATED + list(AUTO) for m in _meshes(a)]
+def _refusal(fn) -> str:
+    try:
+        fn()
+    except xpar_zoo.XparError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
-def _job(archs: list) -> dict:
+# A refused type's transformers class and the config overrides it builds with (their defaults do not build).
+REFUSED_MODELS = {
+    "diffusion_gemma": ("DiffusionGemmaForBlockDiffusion",
+                        dict(text_config=dict(num_experts=8, top_k_experts=2, moe_intermediate_size=16))),
+    "openai_privacy_filter": ("OpenAIPrivacyFilterForTokenClassification", {}),
+    "qwen3_omni_moe": ("Qwen3OmniMoeForConditionalGeneration", dict(enable_audio_output=False)),
+}
+# Loaded by from_pretrained on ep=2 from a saved tiny model and saved back with save_pretrained: rules transformers
+# converts whole (transposed experts of a multimodal class; one hub tensor split into four, which reverts only as a
+# group), next to the slice-wise read of per-expert keys.
+LOADED = ("qwen3_vl_moe", "lara_mini", "qwen3_moe")
+
+
+def _refused_model(model_type: str):
+    """A model of a refused type on the meta device (its transformers class, whatever task it has)."""
+    import transformers
+    from transformers import AutoConfig
+
+    class_name, overrides = REFUSED_MODELS[model_type]
+    with torch.device("meta"):
+        return getattr(transformers, class_name)._from_config(AutoConfig.for_model(model_type, **overrides))
+
+
+def _hub_tensors(directory: str) -> dict:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(directory).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _job(archs: list, refused_dirs: dict, saved: dict) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
     out = {}
     for arch in archs:
-        cfg = parity.tiny_config(arch, **AUTO.get(arch, {}))
-        data = parity.make_batches(cfg.vocab_size, 1, WORLD, seed=5)
+        cfg = parity.tiny_config(arch)
+        inputs = AUTO_PROVED[arch].inputs if arch in AUTO_PROVED else "text"
+        if inputs != "text":
+            ids, images = modality.batches(inputs, cfg, WORLD)
+            data, extra = ids[None], [images]  # one step
+        else:
+            data, extra = parity.make_batches(cfg.get_text_config().vocab_size, 1, WORLD, seed=5), None
         before = parity.build_model(cfg).state_dict() if rank == 0 else None
-        ref = parity.train_reference(cfg, data, "sgd", None) if rank == 0 else None
-        for name, mesh_kwargs in _meshes(arch).items():
-            rec = parity.train_parallel(cfg, data, mesh_kwargs, "sgd", None)
+        ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
+        if rank == 0:  # the proof trains the experts (and, with images, the vision tower) at all
+            moved = {n for n, p in ref.params.items() if not torch.equal(p, before[n])}
+            out[arch, "moved"] = {"experts": any(".experts." in n for n in moved),
+                                  "vision": sorted({n.split(".")[1] for n in moved if n.split(".")[1] in VISION})}
+        for name, mesh_kwargs in proof_meshes(arch).items():
+            rec = parity.train_parallel(cfg, data, mesh_kwargs, "sgd", None, extra=extra)
             if rank == 0:
                 out[arch, name] = {"loss": (rec.losses[0], ref.losses[0]),
                                    "errors": parity.param_errors(rec.params, ref.params, before)}
+        for plan_name in AUTO_PROVED[arch].without if arch in AUTO_PROVED else ():
+            mesh = xpar_zoo.Mesh(**{plan_name: 2})
+            out[arch, f"without {plan_name}"] = _refusal(lambda: xpar_zoo.parallelize(parity.build_model(cfg), mesh))
+    for arch, directory in saved.items():
+        model = xpar_zoo.from_pretrained(directory, mesh=xpar_zoo.Mesh(ep=2), progress=False)
+        state = xpar_zoo.full_state_dict(model)
+        model.save_pretrained(f"{directory}-saved", progress=False)  # and back to the hub's layout, every rank
+        if rank == 0:
+            want = parity.build_model(parity.tiny_config(arch)).state_dict()
+            out[arch, "loaded"] = sorted(n for n in want if n not in state or not torch.equal(state[n], want[n]))
+            hub, back = _hub_tensors(directory), _hub_tensors(f"{directory}-saved")
+            out[arch, "saved"] = sorted(k for k in hub.keys() | back.keys()
+                                        if k not in hub or k not in back or not torch.equal(hub[k], back[k]))
+    for model_type, directory in refused_dirs.items():
+        out[model_type, "parallelize"] = _refusal(
+            lambda: xpar_zoo.parallelize(_refused_model(model_type), xpar_zoo.Mesh()))
+        out[model_type, "from_pretrained"] = _refusal(lambda: xpar_zoo.from_pretrained(directory, progress=False))
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch.run(_job, WORLD, CURATED + list(AUTO), timeout_s=900)
+def results(tmp_path_factory):
+    from transformers import AutoConfig
+
+    dirs = {}
+    for model_type in REFUSED:  # a config and a (meaningless) weights file: refused before any tensor is read
+        dirs[model_type] = str(tmp_path_factory.mktemp(model_type))
+        AutoConfig.for_model(model_type).save_pretrained(dirs[model_type])
+        save_file({"x": torch.zeros(1)}, f"{dirs[model_type]}/model.safetensors")
+    saved = {}
+    for arch in LOADED:
+        saved[arch] = str(tmp_path_factory.mktemp(arch))
+        parity.build_model(parity.tiny_config(arch)).save_pretrained(saved[arch])
+    return launch.run(_job, WORLD, PROVED, dirs, saved, timeout_s=1200)
 
 
-def test_the_zoo_has_at_least_12_curated_architectures():
+def test_the_zoo_has_its_curated_and_automatic_architectures():
     assert len(CURATED) >= 12
     assert all(not xpar_zoo.get_plan(a).auto for a in CURATED)
-    assert all(xpar_zoo.get_plan(a).auto for a in AUTO)
+    assert not set(CURATED) & set(AUTO_PROVED)
+    assert not set(PROVED) & set(REFUSED)
 
 
 @pytest.mark.parametrize("arch,mesh", CASES)
@@ -52,3 +135,37 @@ def test_architecture_matches_single_process(results, arch, mesh):
     row = results[arch, mesh]
     parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{arch} on {mesh}")
     parity.assert_params_match(row["errors"], what=f"{arch} on {mesh}:")
+
+
+@pytest.mark.parametrize("arch", [a for a in PROVED if any("ep" in m for m in proof_meshes(a).values())])
+def test_the_proof_trains_the_experts(results, arch):
+    assert results[arch, "moved"]["experts"], f"{arch}: no expert tensor changed in the reference step"
+
+
+@pytest.mark.parametrize("arch", IMAGES)
+def test_image_proof_trains_the_vision_tower(results, arch):
+    assert results[arch, "moved"]["vision"], f"{arch}: no vision-tower parameter changed in the reference step"
+
+
+@pytest.mark.parametrize("arch", LOADED)
+def test_from_pretrained_on_ep2_loads_and_save_pretrained_writes_every_tensor_exactly(results, arch):
+    assert results[arch, "loaded"] == []
+    assert results[arch, "saved"] == []
+
+
+@pytest.mark.parametrize("arch,plan", PLAN_REFUSALS)
+def test_plan_is_refused_with_its_reason(results, arch, plan):
+    message = results[arch, f"without {plan}"]
+    assert message.startswith("PlanError: "), message
+    assert AUTO_PROVED[arch].without[plan] in message, message
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_architecture_raises_its_reason(results, model_type):
+    reason = REFUSED[model_type]
+    with pytest.raises(xpar_zoo.RefusedArchitectureError) as e:
+        xpar_zoo.get_plan(model_type)
+    assert reason in str(e.value) and repr(model_type) in str(e.value)
+    for entry in ("parallelize", "from_pretrained"):
+        message = results[model_type, entry]
+        assert message.startswith("RefusedArchitectureError: ") and reason in message, f"{entry}: {message}"

@@ -1,6 +1,6 @@
-"""The zoo's hub round trip: for every curated architecture (and the MoE types proved through the automatic plan),
-a tiny model saved in the hub's own format → `xpar-zoo convert to-dcp` → `xpar-zoo convert to-hf` gives back the
-same keys and bit-identical tensors, and the DCP holds the model's in-memory (fused) tensors."""
+"""The zoo's hub round trip: for every proved architecture (curated, and the MoE types proved through the automatic
+plan), a tiny model saved in the hub's own format → `xpar-zoo convert to-dcp` → `xpar-zoo convert to-hf` gives back
+the same keys and bit-identical tensors, and the DCP holds the model's in-memory (fused) tensors."""
 
 import json
 
@@ -8,13 +8,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import xpar_zoo
 from xpar_zoo import cli
-from xpar_zoo.testing import parity
 from xpar_zoo.checkpoint import iter_model_tensors
-from xpar_zoo.testing.proofs import AUTO_PROVED
+from xpar_zoo.testing import parity
+from xpar_zoo.testing.proofs import proved_architectures
 
-ARCHS = xpar_zoo.supported_architectures() + sorted(AUTO_PROVED)
+ARCHS = proved_architectures()
 
 
 def _hub_tensors(directory) -> dict:
@@ -28,7 +27,7 @@ def _hub_tensors(directory) -> dict:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hub_to_dcp_to_hub_is_bit_exact(arch, tmp_path):
-    model = parity.build_model(parity.tiny_config(arch, **AUTO_PROVED.get(arch, {})))
+    model = parity.build_model(parity.tiny_config(arch))
     with torch.no_grad():  # biases and correction buffers are zero at init: make every tensor distinctive
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.is_floating_point() and not t.any():

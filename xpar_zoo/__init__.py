@@ -4,7 +4,7 @@ from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, r
                          save_checkpoint)
 from .clip import clip_grad_norm_
 from .errors import (AdapterError, BatchError, CheckpointError, KernelError, LoadError, MeshError, ModelStateError,
-                     PlanError, UnknownArchitectureError, XparError)
+                     PlanError, RefusedArchitectureError, UnknownArchitectureError, XparError)
 from .integrations.peft import save_adapter
 from .loader import from_pretrained
 from .materialize import materialize
@@ -18,9 +18,9 @@ from .vocab import full_logits
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdapterError", "BatchError", "CheckpointError", "CheckpointFuture", "KernelError", "ExtraPlan", "LoadError",
-    "Mesh", "MeshError", "ModelStateError", "Plan",
-    "PlanError", "UnknownArchitectureError", "XparError", "clip_grad_norm_", "from_pretrained", "full_logits",
-    "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
-    "read_checkpoint_metadata", "save_adapter", "save_checkpoint", "supported_architectures",
+    "AdapterError", "BatchError", "CheckpointError", "CheckpointFuture", "ExtraPlan", "KernelError", "LoadError", "Mesh",
+    "MeshError", "ModelStateError", "Plan", "PlanError", "RefusedArchitectureError", "UnknownArchitectureError",
+    "XparError", "clip_grad_norm_", "from_pretrained", "full_logits", "full_state_dict", "get_plan",
+    "latest_checkpoint", "load_checkpoint", "materialize", "parallelize", "read_checkpoint_metadata", "save_adapter",
+    "save_checkpoint", "supported_architectures",
 ]

@@ -20,21 +20,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from .registry import get_plan, supported_architectures
+    from .model_cards import render, render_list
 
-    if args.markdown:
-        from .model_cards import render
-
-        sys.stdout.write(render())
-        return 0
-    rows = []
-    for model_type in supported_architectures():
-        plan = get_plan(model_type)
-        plans = ", ".join(f"{n} ({e.style})" for n, e in plan.extra.items())
-        rows.append((model_type, plans, ", ".join(plan.hub_ids)))
-    width = max(len(r[0]) for r in rows) if rows else 0
-    for model_type, plans, hub in rows:
-        print(f"{model_type:<{width}}  {plans}  [{hub}]")
+    sys.stdout.write(render() if args.markdown else render_list())
     return 0
 
 
@@ -176,7 +164,7 @@ def _add_train(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="xpar-zoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="architectures with a plan")
+    p = sub.add_parser("list", help="architectures: proved (with their plans and meshes) and refused (with the reason)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.set_defaults(func=_cmd_list)
     p = sub.add_parser("demo", help="train a tiny qwen3_moe on CPU ranks and compare with transformers")

@@ -21,6 +21,10 @@ class UnknownArchitectureError(PlanError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class RefusedArchitectureError(UnknownArchitectureError):
+    """A ``model_type`` that xpar_zoo refuses to train, with the reason (MODEL_CARDS.md lists them)."""
+
+
 class CheckpointError(XparError, ValueError):
     """A checkpoint that is incomplete, unreadable, or does not fit the model (names the tensors and shapes)."""
 

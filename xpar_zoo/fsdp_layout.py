@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .plan import Plan
+from .vocab import embedding_weight_read
 
 # Where FSDP2 shards a planned tensor's local slice (the slice is already split on dim 0 by its plan).
 PLANNED_SHARD_DIM = 1
@@ -32,7 +33,7 @@ class FSDPUnit:
     inside it); ``shard_dim``: the dim FSDP2 shards them on (of the local slice, for planned units)."""
 
     fqn: str
-    kind: str  # "planned" | "layer" | "edge" | "root"
+    kind: str  # "planned" | "inner" (dense weights inside a planned module) | "layer" | "edge" | "root"
     params: tuple[str, ...]
     plan_name: str | None = None
     shard_dim: int = 0
@@ -49,7 +50,9 @@ def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(fqn, module)`` of the input embedding and the output head, which become FSDP units of their own
     (torchtitan's layout): the embedding is then gathered only around its own forward and backward and the head
     only from its forward to its backward, instead of both for the whole step as parameters of the root. None when
-    they are tied (one weight, so one unit: the root's)."""
+    they are tied (one weight, so one unit: the root's); not the embedding when the model reads its weight outside
+    its forward (:func:`~xpar_zoo.vocab.embedding_weight_read`: Gemma4's pad embedding), which the root keeps
+    gathered through its forward."""
     found = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         try:
@@ -57,10 +60,11 @@ def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
         except (NotImplementedError, AttributeError):  # models without one (e.g. a base model's head)
             module = None
         if isinstance(module, nn.Module) and module is not model and next(module.parameters(), None) is not None:
-            found.append(module)
-    weights = [id(p) for m in found for p in m.parameters()]
+            found.append((getter, module))
+    weights = [id(p) for _, m in found for p in m.parameters()]
     if len(set(weights)) != len(weights):  # tied
         return []
+    found = [m for getter, m in found if getter != "get_input_embeddings" or not embedding_weight_read(model, m)]
     fqn = {id(m): n for n, m in model.named_modules()}
     return [(fqn[id(m)], m) for m in found if id(m) in fqn]
 
@@ -71,8 +75,10 @@ def _inside(fqn: str, parent: str) -> bool:
 
 def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, reshard_after_forward: bool = True,
                 prefetch: bool = True) -> list[FSDPUnit]:
-    """The FSDP units of ``model`` in the order ``fully_shard`` must be applied (planned modules deepest first, the
-    decoder layers, the embedding and the head, the root last), with their reshard and prefetch decisions:
+    """The FSDP units of ``model`` in the order ``fully_shard`` must be applied (planned modules deepest first, each
+    after the dense weights inside it, e.g. a norm after every expert; the decoder layers, a unit inside another
+    first, e.g. a vision block inside its encoder; the embedding and the head; the root last), with their reshard and
+    prefetch decisions:
 
     - reshard after forward everywhere (``reshard_after_forward``), except the last decoder layer with its planned
       modules and the units after it (the head): backward starts with them, so resharding would only gather them
@@ -85,15 +91,22 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, r
     params = [n for n, _ in model.named_parameters()]
     claimed: set[str] = set()
     planned_units = []
+    planned_fqns = {pm.fqn for pm in planned}
     for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
+        # a planned module's fully_shard takes every weight inside it on its plan's mesh: dense ones go first
+        for child, module in model.get_submodule(pm.fqn).named_children():
+            inner = _qualified(pm.fqn, child)
+            own = tuple(p for p in params if _inside(p, inner) and p not in claimed)
+            if own and inner not in planned_fqns:
+                claimed.update(own)
+                planned_units.append(FSDPUnit(inner, "inner", own))
         own = tuple(_qualified(pm.fqn, p) for p in pm.params)
         claimed.update(own)
         planned_units.append(FSDPUnit(pm.fqn, "planned", own, pm.plan_name, PLANNED_SHARD_DIM))
-    planned_fqns = {u.fqn for u in planned_units}
     classes = set(plan.unit_classes(model))
     layer_fqns = [n for n, m in model.named_modules() if type(m).__name__ in classes and n not in planned_fqns]
     layers = []
-    for fqn in layer_fqns:
+    for fqn in sorted(layer_fqns, key=lambda f: -f.count(".")):  # bottom-up: a unit inside another first
         own = tuple(p for p in params if _inside(p, fqn) and p not in claimed)
         claimed.update(own)
         layers.append(FSDPUnit(fqn, "layer", own))
@@ -109,7 +122,7 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, r
     root = FSDPUnit("", "root", tuple(p for p in params if p not in claimed))
 
     # Planned modules and edge units: inside each layer, or before / after all of them.
-    around = [u.fqn for u in planned_units + edges]
+    around = [u.fqn for u in planned_units + edges if u.kind != "inner"]
     inside = {layer: sorted((f for f in around if _inside(f, layer)), key=order.get) for layer in layer_fqns}
     in_layers = {f for fs in inside.values() for f in fs}
     outside = sorted((f for f in around if f not in in_layers), key=order.get)

@@ -67,6 +67,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
 
     from .converters.export import (INDEX_FILE, _revert, _StreamingShardWriter, _tied_duplicates, parse_dtype,
                                     parse_size, plan_shards)
+    from .converters.hub_layout import revert_groups
     from .loader import build_meta
 
     if not safe_serialization or push_to_hub or state_dict is not None or kwargs:
@@ -79,12 +80,14 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     config = model.config
     meta_model = build_meta(config, torch.float32)
     live = model.state_dict()  # sharded DTensors at global shapes, HF names, persistent buffers included
-    names = [n for n in live if n not in _tied_duplicates(meta_model, config)]
+    groups = revert_groups(meta_model, [n for n in live if n not in _tied_duplicates(meta_model, config)])
+    names = [n for group in groups for n in group]  # the tensors one hub tensor was split into revert together
+    group_of = {n: group for group in groups for n in group}
 
     hub_tensors = []
-    for name in names:
-        value = live[name]
-        for key, t in _revert(meta_model, name, torch.empty(value.shape, dtype=value.dtype, device="meta")).items():
+    for group in groups:
+        metas = {n: torch.empty(live[n].shape, dtype=live[n].dtype, device="meta") for n in group}
+        for key, t in _revert(meta_model, metas).items():
             hub_tensors.append((key, tuple(t.shape), cast if cast is not None and t.is_floating_point() else t.dtype))
     shards = plan_shards(hub_tensors, shard_bytes)
     index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
@@ -102,21 +105,26 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
             error = f"{type(e).__name__}: {e}"
     bar = tqdm(total=index["metadata"]["total_size"], unit="B", unit_scale=True, desc="save_pretrained",
                disable=not progress or rank != 0)
+    pending: dict[str, torch.Tensor] = {}  # members of a revert group gathered so far
     for name in names:
         value = live[name]
         full = value.full_tensor() if isinstance(value, DTensor) else value  # a collective: every rank, same order
         if rank != 0 or error is not None:  # a failed writer keeps gathering, so that no rank is left waiting
             del full
             continue
+        pending[name] = full.detach().cpu()
+        del full
+        if len(pending) < len(group_of[name]):
+            continue
         try:
-            for key, tensor in _revert(meta_model, name, full.detach().cpu()).items():
+            for key, tensor in _revert(meta_model, pending).items():
                 if cast is not None and tensor.is_floating_point():
                     tensor = tensor.to(cast)
                 writer.write(key, tensor)
                 bar.update(tensor.numel() * tensor.element_size())
         except Exception as e:
             error = f"{name}: {type(e).__name__}: {e}"
-        del full
+        pending.clear()
     bar.close()
     if rank == 0 and error is None:
         try:

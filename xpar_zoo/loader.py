@@ -35,7 +35,7 @@ from .hub import HubResolutionError, ResolvedModel, resolve
 from .mesh import Mesh, check_same_on_all_ranks
 from .parallelize import parallelize
 from .plan import Plan
-from .registry import get_plan
+from .registry import check_supported, plan_for
 from .materialize import initialise_buffers, materialize  # noqa: F401 (initialise_buffers: re-exported)
 
 
@@ -125,11 +125,12 @@ def load_config(directory: str | Path):
 
 
 def build_meta(config, dtype: torch.dtype) -> nn.Module:
-    """The transformers causal-LM for ``config`` with every parameter and buffer on the meta device."""
-    from transformers import AutoModelForCausalLM
+    """The transformers language model for ``config`` (:func:`~xpar_zoo.registry.model_class`: the causal LM, or
+    the config's own multimodal class) with every parameter and buffer on the meta device."""
+    from .registry import model_class
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model_class(config)._from_config(config, dtype=dtype)
 
 
 def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
@@ -189,6 +190,11 @@ def fill_local_shards(model: nn.Module, layout: HubLayout, directory: str | Path
                     nreads += 1
                     bar.update(read.nbytes)
                     del data
+        for name in layout.converted():  # rules without a slice-wise reading: read whole, converted by transformers
+            local, region = local_region(live[name])
+            local.copy_(layout.convert(name, directory, region))
+            nbytes += sum(p.source.nbytes for p in layout.targets[name].pieces)
+            nreads += len(layout.targets[name].pieces)
     return LoadStats(nbytes, layout.total_bytes(), nreads, len(work), time.perf_counter() - start, str(directory))
 
 
@@ -243,8 +249,9 @@ def from_pretrained(
     if getattr(config, "quantization_config", None):
         raise LoadError(f"{name}: quantized checkpoints ({config.quantization_config}) are not supported")
     torch_dtype = _torch_dtype(dtype, config)
-    plan = plan or get_plan(config.model_type)  # an architecture without a plan: refused before any work
+    check_supported(config.model_type)  # a refused architecture: refused before any work
     model = build_meta(config, torch_dtype)
+    plan = plan or plan_for(model)  # curated, or derived from transformers' declarations on the model
     layout = plan_hub_layout(model, read_checkpoint_headers(resolved.directory))
     outer, initial = model, None
     if peft_config is not None or adapter is not None:

@@ -32,8 +32,9 @@ from .loss import install_global_loss
 from .materialize import check_materialized, meta_tensors, unread_buffers
 from .moe import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .plan import Plan, match_parameters, owner_module
-from .registry import get_plan
-from .vocab import fusable_head, install_fused_loss, install_vocab_embedding, install_vocab_lm_head
+from .registry import plan_for
+from .vocab import (check_embedding, check_head, fusable_head, install_fused_loss, install_vocab_embedding,
+                    install_vocab_lm_head)
 
 
 @dataclass
@@ -123,6 +124,13 @@ def match_plan(model: nn.Module, plan: Plan, active: dict[str, int], shard_size:
                 f"plan {name!r} splits {mod_fqn}.{names} but not {others} of the same module; "
                 "a planned module's own parameters must all be planned"
             )
+        if plan.extra[name].style == "lm_head":  # vocab modules the styles cannot serve: refused before any work
+            check_head(model, module)
+        elif plan.extra[name].style == "embedding":
+            try:
+                check_embedding(model, module)
+            except PlanError as e:
+                raise PlanError(f"plan {name!r} ({mod_fqn}): {e}; leave {name!r} out of the mesh") from None
         planned.append(PlannedModule(mod_fqn, name, plan.extra[name].style, tuple(names)))
     modules = [p.fqn for p in planned]
     if len(set(modules)) != len(modules):
@@ -261,8 +269,9 @@ def parallelize(
     fused_loss: bool = True,
 ) -> nn.Module:
     """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (dim 1 for planned
-    tensors) to a transformers model in place; returns it. ``plan`` defaults to the registry's plan for
-    ``model.config.model_type``; ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction.
+    tensors) to a transformers model in place; returns it. ``plan`` defaults to the registry's plan for the model
+    (:func:`~xpar_zoo.registry.plan_for`: curated, else derived from transformers' declarations);
+    ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction.
 
     ``fused_loss`` (default): where the mesh has no ``head`` plan but the plan defines one (so the architecture's
     head is proved to take it), the whole-vocab head gets the fused linear + cross-entropy of
@@ -274,12 +283,12 @@ def parallelize(
     micro-batch (the mean of ``out.loss`` over the ranks is that global mean, and the gradients are exactly its
     gradients); ``num_items_in_batch`` sets the global count explicitly (gradient accumulation): see
     :mod:`xpar_zoo.loss`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint."""
-    plan = plan or get_plan(model.config.model_type)
     outer = model
     if uses_peft(model):  # LoRA applied before parallelize: the transformers model inside, its plan under PEFT's names
-        from .integrations.peft import prepare
+        from .integrations.peft import base_of, prepare
 
-        model, plan = prepare(outer, plan)
+        model, plan = prepare(outer, plan or plan_for(base_of(outer)))
+    plan = plan or plan_for(model)
     check_same_on_all_ranks({"model and plan": _fingerprint(model, plan), "mixed_precision": repr(mixed_precision),
                              "reshard_after_forward": reshard_after_forward, "prefetch": prefetch,
                              "fused_loss": fused_loss}, "parallelize arguments", PlanError)

@@ -65,13 +65,57 @@ def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
 
 
 def install_vocab_embedding(module: nn.Module, shard: PlanShard) -> None:
-    """Make ``module`` (an ``nn.Embedding`` whose weight holds ``shard.rows`` rows here) look ids up vocab-parallel."""
+    """Make ``module`` (an ``nn.Embedding`` whose weight holds ``shard.rows`` rows here) look ids up vocab-parallel.
+    A subclass whose forward post-processes ``nn.Embedding``'s lookup (``super().forward(ids)`` times a scale, or
+    through a norm: Gemma's and Inkling's embeddings) keeps its forward: the vocab-parallel lookup takes the place of
+    ``nn.Embedding.forward`` behind it."""
+    _check_embedding_module(module)
+    module._xpar_vocab = shard
+    if type(module).forward is nn.Embedding.forward:
+        module.forward = types.MethodType(_embedding_forward, module)
+    else:
+        module.__class__ = _with_vocab_parallel_lookup(type(module))
+
+
+class _VocabParallelLookup(nn.Embedding):
+    forward = _embedding_forward
+
+
+@functools.cache
+def _with_vocab_parallel_lookup(cls: type) -> type:
+    """``cls`` with :class:`_VocabParallelLookup` between it and ``nn.Embedding`` in its MRO, so that its forward's
+    ``super().forward(ids)`` is the vocab-parallel lookup; same name, so class-name based choices are unchanged."""
+    return type(cls.__name__, (cls, _VocabParallelLookup), {"__module__": cls.__module__})
+
+
+def _check_embedding_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Embedding):
         raise PlanError(f"the embedding style needs an nn.Embedding, got {type(module).__name__}")
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise PlanError("the vocab-parallel embedding supports neither max_norm, scale_grad_by_freq nor sparse")
-    module._xpar_vocab = shard
-    module.forward = types.MethodType(_embedding_forward, module)
+    cls = type(module)
+    if cls.forward is not nn.Embedding.forward and "super().forward(" not in _source(cls.forward):
+        raise PlanError(f"the vocab-parallel embedding replaces nn.Embedding's lookup, but {cls.__name__}.forward "
+                        "does not call it (super().forward(ids)): it would look ids up in this rank's rows only")
+
+
+def check_embedding(model: nn.Module, module: nn.Module) -> None:
+    """Raise :class:`~xpar_zoo.errors.PlanError` naming the reason when ``module`` cannot be ``model``'s
+    vocab-parallel embedding: not an ``nn.Embedding`` (or a subclass that post-processes its lookup), an option the
+    lookup cannot honour, or a model that reads the weight outside the embedding's forward."""
+    _check_embedding_module(module)
+    line = embedding_weight_read(model, module)
+    if line:
+        raise PlanError(f"the vocab-parallel embedding splits {type(module).__name__}.weight, but "
+                        f"{type(model).__name__} reads that weight outside the embedding's forward ({line!r})")
+
+
+@functools.cache
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
 
 
 # ---- lm_head: the fused (vocab-parallel) head ------------------------------------------------------
@@ -84,6 +128,11 @@ class VocabParallelLogits(ModelOutput):
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+
+    def float(self) -> VocabParallelLogits:
+        """Itself: a forward that upcasts the head's output before its loss (``self.lm_head(h).float()``, as
+        nemotron_h's does) gets what the fused loss already does, whose softmax statistics are fp32."""
+        return self
 
 
 @dataclass
@@ -184,7 +233,32 @@ def _forward_logits_transform(cls: type, name: str | None) -> str | None:
     return changed[0] if changed else None
 
 
-def _check_head(model: nn.Module, module: nn.Module) -> None:
+def embedding_weight_read(model: nn.Module, module: nn.Module) -> str | None:
+    """The first line of a forward of ``model`` (or of a transformers model inside it) that reads the input
+    embedding ``module``'s weight directly instead of calling the module (e.g. Gemma4Model's pad embedding), or
+    ``None``. Such a model needs the whole weight outside the embedding's own forward: the ``emb`` plan cannot
+    split it, and FSDP keeps it with the root's parameters."""
+    from transformers import PreTrainedModel
+
+    attr = next((n.rpartition(".")[2] for n, m in model.named_modules() if m is module), None)
+    if not attr:
+        return None
+    classes = {type(m) for m in model.modules() if isinstance(m, PreTrainedModel)}
+    return next((line for cls in sorted(classes, key=lambda c: c.__name__)
+                 if (line := _forward_weight_read(cls, attr)) is not None), None)
+
+
+@functools.cache
+def _forward_weight_read(cls: type, attr: str) -> str | None:
+    source = _source(cls.forward)
+    pattern = re.compile(rf"\b{re.escape(attr)}\.weight\b(?!\.(dtype|device|shape))")
+    return next((line.strip() for line in source.splitlines() if pattern.search(line)), None)
+
+
+def check_head(model: nn.Module, module: nn.Module) -> None:
+    """Raise :class:`~xpar_zoo.errors.PlanError` naming the reason when ``module`` cannot be ``model``'s fused
+    (whole-vocab or vocab-parallel) head: not a bias-free ``nn.Linear`` output embedding, logit softcapping, or a
+    forward that changes the logits between the head and the loss."""
     if not isinstance(module, nn.Linear) or module.bias is not None:
         raise PlanError(f"the fused head needs a bias-free nn.Linear, got {module}")
     if getattr(model, "get_output_embeddings", lambda: None)() is not module:
@@ -207,7 +281,7 @@ def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard,
     the usual loss. Every rank of a head group must call the model alike (labels or not, :func:`full_logits` or not).
     A group of one (:func:`install_fused_loss`) is the same fused loss over the whole vocab, with no collective.
     """
-    _check_head(model, module)
+    check_head(model, module)
     module._xpar_head = _HeadState(shard, chunk_elements, kernels)
     module.forward = types.MethodType(_lm_head_forward, module)
 
@@ -241,7 +315,7 @@ def fusable_head(model: nn.Module) -> nn.Module | None:
     softcapping, not fused yet), else ``None``."""
     module = getattr(model, "get_output_embeddings", lambda: None)()
     try:
-        _check_head(model, module)
+        check_head(model, module)
     except PlanError:
         return None
     return module
@@ -262,7 +336,7 @@ def install_fused_loss(model: nn.Module, *, chunk_elements: int | None = None, k
     ``num_items_in_batch``), except that a batch whose targets are all ignored gives 0 instead of NaN.
     """
     module = getattr(model, "get_output_embeddings", lambda: None)()
-    _check_head(model, module)  # before reading its weight
+    check_head(model, module)  # before reading its weight
     install_vocab_lm_head(model, module, whole_vocab(module.weight), chunk_elements, kernels)
     return model
 

@@ -566,7 +566,7 @@ class AdapterMerge:
 
     ``config``: the transformers config; ``adapters``: the checkpoint's ``peft`` metadata (:func:`adapter_metadata`);
     ``specs``: ``{checkpoint name: (shape, dtype)}`` of its model tensors. :attr:`outputs` lists ``(transformers
-    name, shape, dtype)`` in order, :attr:`reads` the checkpoint names to stream into :meth:`merged`."""
+    name, shape, dtype)`` in order; :meth:`reads` the checkpoint names to stream into :meth:`merged`."""
 
     def __init__(self, config, adapters: dict, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         peft = _peft()
@@ -610,12 +610,16 @@ class AdapterMerge:
             self._deltas.setdefault(base, []).append((a, b, layer.scaling[adapter], kind))
         prefix = "base_model.model." if any(n.startswith("base_model.model.") for n in specs) else ""
         self._hf_name = {n: unwrapped_name(n).removeprefix(prefix) for n in specs if n not in adapter_names}
+        self._source = {hf: n for n, hf in self._hf_name.items()}
         self.outputs = [(self._hf_name[n], specs[n][0], specs[n][1]) for n in specs if n in self._hf_name]
-        self.reads = [r for n in specs if n in self._hf_name
-                      for r in [*(x for a, b, _, _ in self._deltas.get(n, ()) for x in (a, b)), n]]
+
+    def reads(self, names: list[str]) -> list[str]:
+        """The checkpoint tensors to stream into :meth:`merged` for the transformers tensors ``names``, in order."""
+        return [r for hf in names for n in [self._source[hf]]
+                for r in [*(x for a, b, _, _ in self._deltas.get(n, ()) for x in (a, b)), n]]
 
     def merged(self, stream):
-        """``(transformers name, merged tensor)`` for the ``(checkpoint name, tensor)`` pairs of :attr:`reads`."""
+        """``(transformers name, merged tensor)`` for the ``(checkpoint name, tensor)`` pairs of :meth:`reads`."""
         held: dict[str, torch.Tensor] = {}
         for name, tensor in stream:
             if name not in self._hf_name:

@@ -17,30 +17,39 @@ from torch import nn
 # fp32 tolerances: loss |Δ| and each parameter's |Δ| relative to the norm of its own update.
 LOSS_TOL = 1e-5
 PARAM_REL_TOL = 1e-4
+# An update below this norm is rounding noise, not training: an attention key bias, whose true gradient is zero
+# (softmax ignores a shift of every key), moves ~1e-13 on both sides. Errors are measured against at least this.
+UPDATE_FLOOR = 1e-7
 
 
 def tiny_config(model_type: str = "qwen3_moe", **overrides):
-    """A tiny transformers config of ``model_type``: shared small dims plus the plan's own ``tiny`` overrides
-    (≥ 2 layers; 8 experts, top-2 for MoE types)."""
+    """A tiny transformers config of ``model_type``: shared small dims plus the type's tiny overrides (its curated
+    plan's ``tiny``, else its entry in :data:`xpar_zoo.testing.proofs.AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
+    for MoE types). A composite config (vision/audio + text) gets the small dims in its ``text_config``; its other
+    sub-configs come from the overrides as dicts."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .proofs import tiny_overrides
 
     base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
                 rms_norm_eps=1e-6)
-    from ..registry import get_plan
-
-    base.update(get_plan(model_type).tiny)
-    base.update(overrides)
-    return AutoConfig.for_model(model_type, **base)
+    tiny = {**tiny_overrides(model_type), **overrides}
+    if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {}):
+        text = {**base, **tiny.pop("text_config", {})}
+        return AutoConfig.for_model(model_type, text_config=text, **tiny)
+    return AutoConfig.for_model(model_type, **{**base, **tiny})
 
 
 def build_model(config, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
-    """The transformers causal-LM for ``config`` with weights drawn from ``seed`` (identical on every rank)."""
-    from transformers import AutoModelForCausalLM
+    """The transformers language model for ``config`` (:func:`xpar_zoo.registry.model_class`: causal LM, or the
+    config's own multimodal class) with weights drawn from ``seed`` (identical on every rank)."""
+    from ..registry import model_class
 
     torch.manual_seed(seed)
     kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    model = model_class(config)._from_config(config, dtype=torch.float32, **kwargs)
     return model.train()
 
 
@@ -86,17 +95,30 @@ class RunRecord:
     local_shapes: dict[str, tuple[int, ...]]  # this rank's local shard shapes (parallel run only)
 
 
+def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | None = None) -> dict:
+    """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.batches`) of ``step``:
+    ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process
+    reference."""
+    if not extra:
+        return {}
+    if rank is not None:
+        return dict(extra[step][rank])
+    return {k: torch.cat([e[k] for e in extra[step]]) for k in extra[step][0]}
+
+
 def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0,
-                    labels: torch.Tensor | None = None) -> RunRecord:
+                    labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None) -> RunRecord:
     """Single-process transformers (HF's own eager experts) on every rank's data at once: the loss is the mean over
-    all valid targets of the step's global batch. ``labels`` default to :func:`make_labels` of ``data``."""
+    all valid targets of the step's global batch. ``labels`` default to :func:`make_labels` of ``data``;
+    ``extra``: more inputs per step and rank (:func:`step_inputs`)."""
     model = build_model(config, seed, experts_implementation="eager")
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     labels = make_labels(data) if labels is None else labels
     losses, norms = [], []
     for step in range(data.shape[0]):
         ids = data[step].reshape(-1, data.shape[-1])
-        loss = model(input_ids=ids, labels=labels[step].reshape(-1, data.shape[-1])).loss
+        step_labels = labels[step].reshape(-1, data.shape[-1])
+        loss = model(input_ids=ids, labels=step_labels, **step_inputs(extra, step)).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
         opt.step()
@@ -108,10 +130,10 @@ def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float 
 
 def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str, max_norm: float | None,
                    seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False,
-                   labels: torch.Tensor | None = None) -> RunRecord:
+                   labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None) -> RunRecord:
     """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``kernels`` for
     :func:`xpar_zoo.moe.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
-    decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` as in
+    decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
     :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
     batch's. Every rank calls it; rank 0's record is complete."""
     import xpar_zoo
@@ -129,7 +151,7 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     losses, norms = [], []
     for step in range(data.shape[0]):
         ids = data[step, rank]
-        loss = model(input_ids=ids, labels=labels[step, rank]).loss
+        loss = model(input_ids=ids, labels=labels[step, rank], **step_inputs(extra, step, rank)).loss
         loss.backward()
         norm = xpar_zoo.clip_grad_norm_(model, max_norm if max_norm else float("inf"))
         opt.step()
@@ -173,7 +195,7 @@ def compare_meshes(config, world: int, meshes: dict[str, dict], adamw_meshes=(),
 
 def param_errors(par: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], before: dict[str, torch.Tensor]
                  ) -> dict[str, float]:
-    """Per parameter: ``|p_par − p_ref| / |p_ref − p_before|`` (absolute error where the update is zero).
+    """Per parameter: ``|p_par − p_ref| / max(|p_ref − p_before|, UPDATE_FLOOR)``.
 
     The difference first loses one fp32 rounding step's worth, ``eps·|p_ref|``: two runs whose gradients agree to
     1e-7 can still store ``p − lr·g`` one ulp apart, and for a norm weight near 1.0 with an update of 1e-3 that ulp
@@ -188,9 +210,12 @@ def param_errors(par: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], bef
         p = par[name]
         if p.shape != r.shape:
             raise AssertionError(f"{name}: parallel shape {tuple(p.shape)} vs reference {tuple(r.shape)}")
+        if not r.is_floating_point():  # an integer buffer (e.g. a hash-routing table): equal or wrong
+            out[name] = 0.0 if torch.equal(p, r) else float("inf")
+            continue
         update = (r - before[name]).norm().item()
         diff = max(0.0, (p - r).norm().item() - eps * r.norm().item())
-        out[name] = diff / (update if update > 0 else 1.0)
+        out[name] = diff / max(update, UPDATE_FLOOR)
     return out
 
 

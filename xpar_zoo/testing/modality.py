@@ -1,0 +1,99 @@
+"""Image inputs for the zoo's parity proofs of multimodal MoE models: token ids with image placeholders and the pixel
+inputs a tiny config's vision tower takes, one micro-batch per rank (the single-process reference concatenates
+them on dim 0, which is how these models batch images).
+
+Two layouts: the Qwen-VL one that most of transformers' multimodal MoE models share (:func:`image_batches`:
+``pixel_values`` of ``[patches, channels · temporal_patch · patch²]``, an ``image_grid_thw`` row per image, and in
+the text one image placeholder per ``spatial_merge_size²`` patches, which ``mm_token_type_ids`` marks), and the
+LLaVA one (:func:`pixel_batches`: ``pixel_values`` of ``[images, 3, H, W]`` and a fixed number of placeholders per
+image), and Gemma4's flattened, positioned patches (:func:`patch_batches`). The proofs' data names the variant:
+:data:`INPUTS`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Special token ids of the tiny configs (inside their 128-token vocab; the text tokens stay below them).
+IMAGE_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+TEXT_VOCAB = 120
+_GRID = (1, 4, 4)  # one frame of 4×4 patches per image
+_PIXELS = 16  # the side of a LLaVA-layout image
+
+
+def image_batches(config, world: int, batch: int = 2, seq: int = 12, seed: int = 5, row_newline: bool = False
+                  ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Token ids ``[world, batch, seq]`` (each row: text, vision start, the image's placeholders, vision end, text)
+    and, per rank, the image inputs of its rows (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``).
+    ``row_newline``: one more placeholder per row of merged patches (HY-V4-VL's newline tokens)."""
+    vision = config.vision_config
+    merge = getattr(vision, "spatial_merge_size", 2)
+    t, h, w = _GRID
+    patches = t * h * w
+    placeholders = t * (h // merge) * (w // merge + row_newline)
+    if placeholders + 4 > seq:
+        raise ValueError(f"a row of {seq} tokens cannot hold an image of {placeholders} placeholders")
+    row = 1 + placeholders + 1
+    channels = getattr(vision, "in_channels", getattr(vision, "num_channels", 3))
+    pixels = channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TEXT_VOCAB, (world, batch, seq), generator=g)
+    ids[..., 1] = config.vision_start_token_id
+    ids[..., 2:row] = config.image_token_id
+    ids[..., row] = config.vision_end_token_id
+    extra = []
+    for rank in range(world):
+        extra.append({"pixel_values": torch.randn(batch * patches, pixels, generator=g),
+                      "image_grid_thw": torch.tensor([_GRID] * batch),
+                      "mm_token_type_ids": (ids[rank] == config.image_token_id).long()})
+    return ids, extra
+
+
+def pixel_batches(config, world: int, placeholders: int, image_sizes: bool = False, batch: int = 2, seq: int = 12,
+                  seed: int = 5) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Token ids ``[world, batch, seq]`` (each row: text, then the ``placeholders`` tokens its image becomes, then
+    text; text tokens from 20 up, above the small special ids these models use) and, per rank, ``pixel_values`` of
+    ``[batch, 3, 16, 16]`` (and ``image_sizes`` where the model takes them)."""
+    token = getattr(config, "image_token_id", None)
+    token = config.image_token_index if token is None else token
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(20, TEXT_VOCAB, (world, batch, seq), generator=g)
+    ids[..., 1:1 + placeholders] = token
+    extra = []
+    for _ in range(world):
+        inputs = {"pixel_values": torch.randn(batch, 3, _PIXELS, _PIXELS, generator=g)}
+        if image_sizes:
+            inputs["image_sizes"] = torch.tensor([[_PIXELS, _PIXELS]] * batch)
+        extra.append(inputs)
+    return ids, extra
+
+
+def patch_batches(config, world: int, side: int = 6, batch: int = 2, seq: int = 12, seed: int = 5
+                  ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Gemma4's layout: each image as ``side²`` flattened patches (``pixel_values [batch, side², 3 · patch²]``) with
+    their ``(x, y)`` positions (``image_position_ids``), pooled into ``side² / pooling_kernel_size²`` placeholders."""
+    vision = config.vision_config
+    placeholders = side**2 // vision.pooling_kernel_size**2
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(20, TEXT_VOCAB, (world, batch, seq), generator=g)
+    ids[..., 1:1 + placeholders] = config.image_token_id
+    grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1).reshape(-1, 2)
+    extra = [{"pixel_values": torch.randn(batch, side**2, 3 * vision.patch_size**2, generator=g),
+              "image_position_ids": grid.expand(batch, -1, -1).clone()} for _ in range(world)]
+    return ids, extra
+
+
+# The inputs a proof trains on (:attr:`xpar_zoo.testing.proofs.Proof.inputs`): a builder and its arguments.
+INPUTS = {
+    "image": (image_batches, {}),
+    "image_row_newline": (image_batches, {"row_newline": True}),  # HY-V4-VL
+    "pixels_2": (pixel_batches, {"placeholders": 2}),  # Aria: its projector's 2 queries for 16 patches
+    "pixels_sized_4": (pixel_batches, {"placeholders": 4, "image_sizes": True}),  # Pixtral-style: (16/4/2)² patches
+    "patches": (patch_batches, {}),  # Gemma4
+}
+
+
+def batches(inputs: str, config, world: int) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Token ids ``[world, batch, seq]`` and each rank's image inputs for a proof's ``inputs`` (:data:`INPUTS`)."""
+    builder, kwargs = INPUTS[inputs]
+    return builder(config, world, **kwargs)
