@@ -197,6 +197,10 @@ def check_supported(model: nn.Module) -> None:
                     "down_proj) of experts modules that use transformers' ExpertsInterface only"
                     + ("; PEFT's target_modules='all-linear' adds MoE routers' weights: list the modules instead"
                        if module.parameter_name == "weight" else ""))
+            inner = [f"{fqn}.{n}" for n, _ in base.named_parameters() if "." in n]
+            if inner:
+                raise AdapterError(f"{fqn}: LoRA on experts that hold weights of their own inside them ({inner[0]}) is "
+                                   "not supported by xpar_zoo")
     wrappers = _param_wrappers(hf)
     if wrappers and not (type(hf)._can_set_experts_implementation()
                          and getattr(hf.config, "_experts_implementation", None)):
@@ -650,7 +654,8 @@ def lora_meta_model(model: nn.Module, plan: Plan, rank: int, modules: list[str] 
         head = model.get_output_embeddings()
         modules = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
                           if isinstance(m, nn.Linear) and m is not head})
-    config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules, target_parameters=list(parameters) or None)
+    config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules,
+                             target_parameters=list(parameters) or None)
     try:
         peft_model = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
     except ValueError as e:
