@@ -372,6 +372,41 @@ def test_expert_layout_round_trips():
     assert torch.equal(back_a, a) and torch.equal(back_b, b)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "granitemoe"])
+def test_expert_adapters_in_the_experts_path_equal_peft_folding_them_into_the_weights(arch):
+    """One process: xpar_zoo's experts path with the adapters as grouped GEMMs gives PEFT's loss and gradients
+    (PEFT folds ``W + s·BA`` into the weights and runs transformers' eager experts): gate/up concatenated or
+    transposed with biases (gpt_oss), shared experts (deepseek_v3), other module names (granitemoe)."""
+    import copy
+
+    from xpar_zoo.moe import EXPERTS_IMPLEMENTATION
+
+    cfg, plan = parity.tiny_config(arch), xpar_zoo.get_plan(arch)
+    targets = sorted({p.rpartition("*.")[2] for e in plan.extra.values() if e.style == "experts" for p in e.params
+                      if p.endswith("_proj")})
+    config = lora_config(target_modules=["q_proj", "v_proj"], target_parameters=targets)
+    ref = get_peft_model(parity.build_model(cfg, experts_implementation="eager"), config)
+    ours = get_peft_model(parity.build_model(cfg, experts_implementation="eager"), copy.deepcopy(config))
+    ours.load_state_dict(ref.state_dict())
+    hf, _ = prepare(ours, plan)
+    hf.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    want, got = ref(input_ids=ids, labels=ids).loss, ours(input_ids=ids, labels=ids).loss
+    want.backward()
+    got.backward()
+    assert abs(got.item() - want.item()) < parity.LOSS_TOL
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    for name, p in ref.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = grads[name]
+        if g.dim() == 3:  # an expert factor, stored per expert: compare in PEFT's layout
+            a, b = (name, name.replace(".lora_A.", ".lora_B.")) if ".lora_A." in name else (
+                name.replace(".lora_B.", ".lora_A."), name)
+            g = to_peft_layout(grads[a], grads[b])[0 if name == a else 1]
+        assert (g - p.grad).norm() <= 1e-5 * p.grad.norm(), name
+
+
 # ---- checkpoints, export, bf16 ------------------------------------------------------------------------------------
 def test_lora_checkpoint_reshards_ep4_to_ep2_with_optimizer_state(reshard_run, reference):
     run, root = reshard_run
