@@ -364,10 +364,10 @@ def test_adapter_path_loads_the_saved_adapter_trainable(parity_runs):
 def test_expert_layout_round_trips():
     a, b = torch.randn(8 * 4, 16), torch.randn(32, 4 * 8)
     a3, b3 = to_expert_major(a, b, 8)
-    assert a3.shape == (8, 4, 16) and b3.shape == (8, 32, 4)
+    assert a3.shape == (8, 16, 4) and b3.shape == (8, 32, 4)
     # expert e's update is B_e @ A_e, as PEFT's einsum "o r e, e r i -> e o i" computes it
     delta = torch.einsum("ore,eri->eoi", b.reshape(32, 4, 8), a.reshape(8, 4, 16))
-    assert torch.allclose(b3 @ a3, delta, atol=1e-6)
+    assert torch.allclose(b3 @ a3.transpose(1, 2), delta, atol=1e-6)
     back_a, back_b = to_peft_layout(a3, b3)
     assert torch.equal(back_a, a) and torch.equal(back_b, b)
 
@@ -418,7 +418,7 @@ def test_lora_checkpoint_reshards_ep4_to_ep2_with_optimizer_state(reshard_run, r
     specs = model_tensor_specs(root)
     experts = _config().num_experts
     adapter = "base_model.model.model.layers.0.mlp.experts.lora_A.default.weight"
-    assert specs[adapter][0] == (experts, 4, _config().moe_intermediate_size)  # global: every expert
+    assert specs[adapter][0] == (experts, _config().moe_intermediate_size, 4)  # global: every expert
     assert sorted(read_checkpoint_metadata(root)["peft"]["default"]["target_parameters"]) == sorted(EXPERTS)
 
 

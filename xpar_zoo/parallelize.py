@@ -51,11 +51,6 @@ class ParallelState:
         return {f"{m.fqn}.{p}" if m.fqn else p: m.plan_name for m in self.planned for p in m.params}
 
 
-def _split(fqn: str) -> tuple[str, str]:
-    mod, _, name = fqn.rpartition(".")
-    return mod, name
-
-
 def check_plan_names(names, plan: Plan) -> None:
     """Raise :class:`PlanError` when a mesh names plans that ``plan`` does not define (the planner checks alike)."""
     unknown = [n for n in names if n not in plan.extra]

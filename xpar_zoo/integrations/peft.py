@@ -8,9 +8,10 @@
 - Expert LoRA (PEFT's ``ParamWrapper`` around ``gate_up_proj`` / ``down_proj``): PEFT folds ``W_e + s·B_e A_e`` into
   the whole expert stack each forward; here each adapter runs beside its grouped GEMM, inside the same EP dispatch,
   as two more grouped GEMMs over the rows each rank received, ``y += s·(x A_eᵀ) B_eᵀ``
-  (:func:`xpar_zoo.moe.install_expert_adapter`). Its factors are therefore stored per expert, ``lora_A [E, r, in]``
-  and ``lora_B [E, out, r]`` (:func:`to_expert_major`; PEFT's ``[r·E, in]`` and ``[out, r·E]`` interleave the
-  experts in ``lora_B``'s columns), so the plan splits them on dim 0 with their experts: a wrapped experts module,
+  (:func:`xpar_zoo.moe.install_expert_adapter`). Its factors are therefore stored per expert, ``lora_A`` as
+  ``[E, in, r]`` and ``lora_B`` as ``[E, out, r]`` (:func:`to_expert_major`; PEFT's ``[r·E, in]`` and ``[out, r·E]``
+  interleave the experts in ``lora_B``'s columns), so the plan splits them on dim 0 with their experts (and FSDP
+  on dim 1, never the small ``r``): a wrapped experts module,
   its wrappers and their adapters are one planned module and one FSDP unit (:func:`xpar_zoo.plan.owner_module`).
   Files (:func:`save_adapter`, ``adapter=``) use PEFT's own layout and key names, at global shapes.
 - The frozen base gets no gradient and no reduce-scatter (FSDP2 reduces only parameters that require grad).
@@ -77,19 +78,19 @@ def unwrapped_name(fqn: str) -> str:
 # ---- the per-expert layout of expert adapters ---------------------------------------------------------------------
 def to_expert_major(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """PEFT's expert factors ``lora_A [r·E, in]`` (expert-major rows) and ``lora_B [out, r·E]`` (column ``i·E + e``
-    is rank ``i`` of expert ``e``) → ``[E, r, in]`` and ``[E, out, r]``, so that expert ``e``'s update is
-    ``B[e] @ A[e]`` in PEFT's ``(out, in)`` orientation."""
+    is rank ``i`` of expert ``e``) → ``[E, in, r]`` and ``[E, out, r]``, so that expert ``e``'s update is
+    ``B[e] @ A[e]ᵀ`` in PEFT's ``(out, in)`` orientation."""
     rank = lora_a.shape[0] // experts
-    a = lora_a.reshape(experts, rank, lora_a.shape[1])
+    a = lora_a.reshape(experts, rank, lora_a.shape[1]).transpose(1, 2).contiguous()
     b = lora_b.reshape(lora_b.shape[0], rank, experts).permute(2, 0, 1).contiguous()
     return a, b
 
 
 def to_peft_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`to_expert_major`: ``[E, r, in]``, ``[E, out, r]`` → PEFT's ``[r·E, in]``,
+    """The inverse of :func:`to_expert_major`: ``[E, in, r]``, ``[E, out, r]`` → PEFT's ``[r·E, in]``,
     ``[out, r·E]``."""
-    experts, rank, _ = a.shape
-    return a.reshape(experts * rank, -1), b.permute(1, 2, 0).reshape(b.shape[1], rank * experts)
+    experts, _, rank = a.shape
+    return a.transpose(1, 2).reshape(experts * rank, -1), b.permute(1, 2, 0).reshape(b.shape[1], rank * experts)
 
 
 def _is_expert_major(wrapper: nn.Module, adapter: str) -> bool:
@@ -123,7 +124,7 @@ def _expert_lora(wrapper: nn.Module):
             a, b = to_local(wrapper.lora_A[name].weight), to_local(wrapper.lora_B[name].weight)
             if a.shape[0] != num:  # not EP-sharded: every expert is local
                 a, b = a[first:first + num], b[first:first + num]
-            delta = grouped_linear(grouped_linear(x, a.to(x.dtype), counts), b.to(x.dtype), counts)
+            delta = grouped_linear(grouped_linear(x, a.to(x.dtype), counts, transposed=True), b.to(x.dtype), counts)
             delta = delta * wrapper.scaling[name]
             out = delta if out is None else out + delta
         return out
@@ -631,6 +632,8 @@ class AdapterMerge:
                 continue
             for a, b, scaling, kind in self._deltas.get(name, ()):
                 lora_a, lora_b = held.pop(a).float(), held.pop(b).float()
+                if kind.startswith("experts"):  # per expert: A [E, in, r]
+                    lora_a = lora_a.transpose(-2, -1)
                 delta = (lora_b @ lora_a) * scaling
                 if kind in ("transposed", "experts_transposed"):
                     delta = delta.transpose(-2, -1)
