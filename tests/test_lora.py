@@ -249,6 +249,18 @@ def _reshard_job(base: str, root: str) -> dict:
     losses.append(_global_mean(loss))
     result = {"losses": losses, "adapter": adapter_state(model)}
 
+    torch.manual_seed(SEED)  # transformers' activation checkpointing of every layer, adapters trained the same
+    model = xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=2), peft_config=lora_config(), progress=False).train()
+    model.activation_checkpointing_enable()
+    _, result["recompute_losses"], _, _ = _train(model, data, labels, range(STEPS), rank)
+    result["recompute_adapter"] = adapter_state(model)
+
+    try:  # ranks that disagree on the adapter: one clear error on every rank, before any work
+        xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=2), peft_config=lora_config(r=4 + 4 * (rank == 1)),
+                                 progress=False)
+    except xpar_zoo.LoadError as e:
+        result["disagree"] = str(e)
+
     torch.manual_seed(SEED)
     model = xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=2), dtype=torch.bfloat16, peft_config=lora_config(),
                                      progress=False).train()
@@ -444,6 +456,17 @@ def test_merged_export_equals_peft_merge_and_unload(reshard_run, base, tmp_path)
         from xpar_zoo.converters.export import export_to_hf
         export_to_hf(root, tmp_path / "unmerged", model=base)
     assert not (tmp_path / "unmerged").exists()
+
+
+def test_lora_with_activation_checkpointing_matches_single_process_peft(reshard_run, reference):
+    run, _ = reshard_run
+    parity.assert_losses_match(run["recompute_losses"], reference["losses"], "lora ep2 recompute")
+    parity.assert_params_match(parity.param_errors(run["recompute_adapter"], reference["adapters"][-1],
+                                                   reference["init"]), "lora ep2 recompute")
+
+
+def test_ranks_that_disagree_on_the_adapter_are_refused(reshard_run):
+    assert "ranks were given different from_pretrained arguments: peft_config" in reshard_run[0]["disagree"]
 
 
 def test_bf16_base_with_fp32_adapters_trains(reshard_run, reference):

@@ -235,15 +235,13 @@ def from_pretrained(
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         lora = None
         if peft_config is not None:
-            import hashlib
-            import json
+            from .integrations.peft import config_fingerprint
 
-            from .integrations.peft import config_json
-
-            text = json.dumps(config_json(peft_config), sort_keys=True)
-            lora = f"{type(peft_config).__name__} {hashlib.sha1(text.encode()).hexdigest()[:12]}"
-        check_same_on_all_ranks((str(name), revision, str(dtype), lora, None if adapter is None else str(adapter)),
-                                "from_pretrained arguments (name, revision, dtype, peft_config, adapter)", LoadError)
+            lora = config_fingerprint(peft_config)
+        check_same_on_all_ranks((str(name), revision, str(dtype)), "from_pretrained arguments (name, revision, dtype)",
+                                LoadError)
+        check_same_on_all_ranks({"peft_config": lora, "adapter": None if adapter is None else str(adapter)},
+                                "from_pretrained arguments", LoadError)
     resolved = resolve_on_each_node(name, revision, cache_dir=cache_dir, token=token)
     config = load_config(resolved.directory)
     if getattr(config, "quantization_config", None):

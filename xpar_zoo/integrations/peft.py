@@ -554,6 +554,14 @@ def config_json(config) -> dict:
     return json.loads(json.dumps(plain(config.to_dict()), default=str))
 
 
+def config_fingerprint(config) -> str:
+    """A short digest of a PEFT config, the same on every process (to compare the ranks' arguments)."""
+    import hashlib
+
+    text = json.dumps(config_json(config), sort_keys=True) if hasattr(config, "to_dict") else repr(config)
+    return f"{type(config).__name__} {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
 def adapter_metadata(model: nn.Module) -> dict | None:
     """``{adapter name: PEFT config as JSON data}`` of a model with a PEFT adapter (for checkpoint metadata), or
     None."""
