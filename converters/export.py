@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from xpar_zoo.batching import byte_batches
-from xpar_zoo.errors import XparError
+from xpar_zoo.errors import CheckpointError, XparError
 from xpar_zoo.loader import build_meta
 
 from .hub_layout import TORCH_TO_SAFETENSORS, revert_groups
-from .output_dir import StagingDir, check_output
+from .output_dir import StagingDir, check_apart, check_output
 
 INDEX_FILE = "model.safetensors.index.json"
 EXPORT_INFO_FILE = "xpar_export.json"
@@ -49,17 +49,17 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[key]
 
 
-def parse_size(size: str | int) -> int:
-    """``"5GB"``, ``"500MB"``, ``"64KiB"`` or an int → bytes."""
-    if isinstance(size, int):
+def parse_size(size: str | int, what: str = "shard size") -> int:
+    """``"5GB"``, ``"500MB"``, ``"64KiB"`` or an int → bytes; errors name ``what`` (the option it came from)."""
+    if isinstance(size, int) and not isinstance(size, bool):
         value = size
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
         if not m:
-            raise ExportError(f"cannot parse shard size {size!r}; use e.g. 5GB, 500MB, 64KiB or a number of bytes")
+            raise ExportError(f"cannot parse {what} {size!r}; use e.g. 5GB, 500MB, 64KiB or a number of bytes")
         value = int(float(m[1]) * _UNITS[m[2] or ""])
     if value <= 0:
-        raise ExportError(f"shard size must be positive, got {size!r}")
+        raise ExportError(f"{what} must be positive, got {size!r}")
     return value
 
 
@@ -178,13 +178,18 @@ def export_to_hf(
     from tqdm.auto import tqdm
 
     from xpar_zoo.checkpoint import (iter_model_tensors, model_tensor_specs, read_checkpoint_metadata,
-                                     resolve_checkpoint)
+                                     resolve_checkpoint, verify_checkpoint)
 
     cast = parse_dtype(dtype)
     shard_bytes = parse_size(max_shard_size)
     out_dir = Path(out_dir).expanduser().absolute()
-    check_output(out_dir, force, ExportError)
+    local_model = [model] if model is not None and Path(model).expanduser().is_dir() else []
+    check_output(out_dir, force, ExportError, inputs=[checkpoint, *local_model])
     checkpoint = resolve_checkpoint(checkpoint)  # once: a root that is still being saved into cannot mix steps
+    check_apart(out_dir, [checkpoint], ExportError)
+    damage = verify_checkpoint(checkpoint)["problems"]
+    if damage:
+        raise CheckpointError(f"{checkpoint} is damaged, not exported: damaged files: {'; '.join(damage)}")
     meta = read_checkpoint_metadata(checkpoint)
     specs = model_tensor_specs(checkpoint)
     source_dir = None
@@ -224,28 +229,27 @@ def export_to_hf(
     index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
              "weight_map": {key: s.file for s in shards for key, _, _ in s.entries}}
 
-    with StagingDir(out_dir) as tmp:  # moved into place when complete, removed on any error
+    with StagingDir(out_dir, ExportError) as tmp:  # moved into place when complete, removed on any error
         writer = _StreamingShardWriter(tmp, shards)
-        bar = tqdm(total=index["metadata"]["total_size"], unit="B", unit_scale=True, desc="export to hub format",
-                   disable=not progress)
-        # Read a quarter shard at a time: memory stays a fraction of a shard above the baseline.
-        pending: dict[str, torch.Tensor] = {}  # members of a revert group read so far
-        budget = max(1, shard_bytes // 4)
-        stream = (merge.merged(iter_model_tensors(checkpoint, merge.reads(names), max_bytes=budget)) if merge
-                  else iter_model_tensors(checkpoint, names, max_bytes=budget))
-        for name, tensor in stream:
-            pending[name] = tensor
-            del tensor
-            if len(pending) < len(group_of[name]):
-                continue
-            for key, value in _revert(meta_model, pending).items():
-                if cast is not None and value.is_floating_point():
-                    value = value.to(cast)
-                writer.write(key, value)
-                bar.update(value.numel() * value.element_size())
-            pending.clear()
-        writer.close()
-        bar.close()
+        with tqdm(total=index["metadata"]["total_size"], unit="B", unit_scale=True, desc="export to hub format",
+                  disable=not progress) as bar:  # closed (a line of its own) on errors too
+            # Read a quarter shard at a time: memory stays a fraction of a shard above the baseline.
+            pending: dict[str, torch.Tensor] = {}  # members of a revert group read so far
+            budget = max(1, shard_bytes // 4)
+            stream = (merge.merged(iter_model_tensors(checkpoint, merge.reads(names), max_bytes=budget)) if merge
+                      else iter_model_tensors(checkpoint, names, max_bytes=budget))
+            for name, tensor in stream:
+                pending[name] = tensor
+                del tensor
+                if len(pending) < len(group_of[name]):
+                    continue
+                for key, value in _revert(meta_model, pending).items():
+                    if cast is not None and value.is_floating_point():
+                        value = value.to(cast)
+                    writer.write(key, value)
+                    bar.update(value.numel() * value.element_size())
+                pending.clear()
+            writer.close()
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         if cast is not None:
             config.dtype = cast
@@ -255,10 +259,12 @@ def export_to_hf(
                 for f in source_dir.glob(pattern):
                     if f.is_file():
                         shutil.copyfile(f, tmp / f.name)
-        info = {"source_checkpoint": str(Path(checkpoint).absolute()), "step": meta.get("step"),
+        # No local path: this file is published with the folder (the checkpoint by its name only).
+        info = {"source_checkpoint": checkpoint.name, "step": meta.get("step"),
                 "model_type": config.model_type, "mesh": meta.get("mesh"), "plans": sorted(meta.get("plans") or {}),
                 "xpar_zoo_version": meta.get("xpar_zoo_version"), "dtype": str(cast or "as saved"),
-                "base_model": str(model) if model is not None else None, "merged_adapter": bool(merge)}
+                "base_model": str(model) if model is not None and not local_model else None,
+                "merged_adapter": bool(merge)}
         (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out_dir
 

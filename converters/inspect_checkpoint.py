@@ -113,14 +113,15 @@ def _dcp_summary(directory: Path, model_only: bool) -> dict[str, Any]:
     }
 
 
-def _inspect_step(directory: Path) -> dict[str, Any]:
+def _inspect_step(directory: Path, verify: bool = False) -> dict[str, Any]:
     from xpar_zoo.checkpoint import META_FILE, _incomplete_reason
 
     try:
         meta = json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError) as e:
         raise InspectError(f"{directory / META_FILE}: unreadable ({e})") from None
-    why = _incomplete_reason(directory)
+    named = re.fullmatch(r"step-(\d+)", directory.name)
+    why = _incomplete_reason(directory, int(named[1]) if named else None)
     out = {"format": XPAR_CHECKPOINT, "path": str(directory), "model_type": meta.get("model_type"),
            "model_class": meta.get("model_class"), "step": meta.get("step"), "complete": why is None}
     if why:
@@ -131,47 +132,78 @@ def _inspect_step(directory: Path) -> dict[str, Any]:
                 "xpar_zoo_version": meta.get("xpar_zoo_version"), "torch_version": meta.get("torch_version")})
     if meta.get("converted_from"):
         out["converted_from"] = meta["converted_from"]
+    if verify and why is None:
+        out["verify"] = _verify(directory)
     return out
 
 
-def _inspect_root(directory: Path) -> dict[str, Any]:
+def _verify(directory: Path) -> dict[str, Any]:
+    from xpar_zoo.checkpoint import verify_checkpoint
+
+    result = verify_checkpoint(directory)
+    return {"checksum": result["checksum"], "files": result["files"], "problems": result["problems"]}
+
+
+def _inspect_root(directory: Path, verify: bool) -> dict[str, Any]:
     from xpar_zoo.checkpoint import _scan
 
     complete, broken = _scan(directory)
     out: dict[str, Any] = {
         "format": XPAR_ROOT, "path": str(directory),
-        "checkpoints": [{"dir": p.name, "step": s} for s, p in complete],
+        "checkpoints": [{"dir": p.name, "step": s, **({"verify": _verify(p)} if verify else {})}
+                        for s, p in complete],
         "incomplete": [{"dir": p.name, "reason": why} for p, why in broken],
     }
     if complete:
-        latest = _inspect_step(complete[-1][1])
+        latest = _inspect_step(complete[-1][1], verify)
         out["latest"] = latest
         for key in ("model_type", "parameters", "dtypes", "step", "mesh", "plans"):
             out[key] = latest.get(key)
     return out
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
     """Describe the checkpoint at ``path`` from headers and metadata only: ``format`` (one of ``hub per-expert``,
     ``hub fused``, ``xpar_zoo DCP checkpoint``, ``xpar_zoo DCP checkpoint root``, ``plain DCP``), ``model_type``,
     ``parameters`` (elements of the model tensors), ``dtypes`` (tensor counts), ``shards`` (files, sizes), and for
-    xpar_zoo checkpoints the step, mesh, plans and completeness (a root lists its incomplete checkpoints)."""
+    xpar_zoo checkpoints the step, mesh, plans and completeness (a root lists its incomplete checkpoints).
+    ``verify=True`` also reads every file of an xpar_zoo checkpoint (of every complete one under a root) and checks
+    it against the checksums recorded at save: ``verify`` ``{"checksum", "files", "problems"}`` (see
+    :func:`damage`)."""
     from xpar_zoo.checkpoint import DCP_METADATA, META_FILE, STEP_PREFIX, TMP_PREFIX
 
     directory = Path(path).expanduser()
     if not directory.is_dir():
         raise InspectError(f"{directory}: not a directory")
     if (directory / META_FILE).is_file():
-        return _inspect_step(directory)
+        return _inspect_step(directory, verify)
+    if verify and ((directory / DCP_METADATA).is_file() or (directory / "config.json").is_file()):
+        raise InspectError(f"{directory}: --verify checks xpar_zoo checkpoints (their COMPLETE marker records a "
+                           "checksum per file); this is not one")
     if (directory / DCP_METADATA).is_file():
         return {"format": PLAIN_DCP, "path": str(directory), "model_type": None,
                 **_dcp_summary(directory, model_only=False)}
     if (directory / "config.json").is_file():
         return _inspect_hub(directory)
     if any(c.is_dir() and c.name.startswith((STEP_PREFIX, TMP_PREFIX)) for c in directory.iterdir()):
-        return _inspect_root(directory)
+        return _inspect_root(directory, verify)
     raise InspectError(f"{directory}: neither a hub checkpoint (no config.json), nor a DCP checkpoint (no "
                        f"{DCP_METADATA}), nor a root of xpar_zoo checkpoints (no {STEP_PREFIX}* directory)")
+
+
+def damage(info: dict[str, Any]) -> list[str]:
+    """The damaged files that ``inspect_checkpoint(..., verify=True)`` found, as ``"<dir>/<file>: why"`` lines."""
+    rows = [(info, "")] if "verify" in info else []
+    rows += [(c, f"{c['dir']}/") for c in info.get("checkpoints", []) if "verify" in c]
+    return [f"{prefix}{problem}" for row, prefix in rows for problem in row["verify"]["problems"]]
+
+
+def _verify_line(result: dict[str, Any]) -> str:
+    if result["checksum"] is None:
+        return "checksums: none recorded (saved before xpar_zoo recorded them): not verified"
+    if result["problems"]:
+        return f"checksums: DAMAGED: {'; '.join(result['problems'])}"
+    return f"checksums: {result['files']} files intact ({result['checksum']})"
 
 
 def format_report(info: dict[str, Any]) -> str:
@@ -181,6 +213,7 @@ def format_report(info: dict[str, Any]) -> str:
         lines.append(f"  note: {info['note']}")
     if info["format"] == XPAR_ROOT:
         lines.append(f"  complete checkpoints: {', '.join(c['dir'] for c in info['checkpoints']) or 'none'}")
+        lines += [f"  {c['dir']} {_verify_line(c['verify'])}" for c in info["checkpoints"] if "verify" in c]
         for c in info["incomplete"]:
             lines.append(f"  INCOMPLETE {c['dir']}: {c['reason']}")
         if "latest" in info:
@@ -197,6 +230,8 @@ def format_report(info: dict[str, Any]) -> str:
         lines.append(f"  mesh: {json.dumps(info.get('mesh'))}, world size {info.get('world_size')}")
         lines.append(f"  plans: {', '.join(f'{k} ({n} tensors)' for k, n in info['plans'].items()) or 'none'}")
         lines.append(f"  optimizer state: {info.get('optimizer') or 'none'}")
+        if "verify" in info:
+            lines.append(f"  {_verify_line(info['verify'])}")
         if info.get("converted_from"):
             src = info["converted_from"]
             lines.append(f"  converted from: {src.get('source')} ({src.get('layout')})")

@@ -22,6 +22,7 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 from xpar_zoo.errors import XparError
@@ -87,9 +88,33 @@ def clear_leftovers(out_dir: Path) -> None:
         warnings.warn(f"{', '.join(aside)} in {out_dir.parent}: {hint}", LeftoverWarning, stacklevel=4)
 
 
-def check_output(out_dir: Path, force: bool, error: type[Exception] = OutputError) -> None:
-    """Raise ``error`` when ``out_dir`` exists without ``force``, is not a directory, or its parent is unwritable;
-    then clear what interrupted conversions left beside it (:func:`clear_leftovers`)."""
+def check_apart(out_dir: Path, inputs: Iterable[str | os.PathLike], error: type[Exception] = OutputError) -> None:
+    """Raise ``error`` when ``out_dir`` is one of the ``inputs`` (paths that exist are compared; links resolved),
+    contains one, or lies inside one: replacing it (``--force``) would delete the input, writing into it would
+    change it."""
+    out = Path(os.path.realpath(out_dir))
+    for given in inputs:
+        if not Path(given).exists():
+            continue
+        source = Path(os.path.realpath(given))
+        if out == source:
+            how = "is"
+        elif out in source.parents:
+            how = "contains"
+        elif source in out.parents:
+            how = "lies inside"
+        else:
+            continue
+        raise error(f"the output {out_dir} {how} the input {given}: choose an output outside it (replacing it with "
+                    "--force would delete the input)")
+
+
+def check_output(out_dir: Path, force: bool, error: type[Exception] = OutputError,
+                 inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Raise ``error`` when ``out_dir`` is, contains or lies inside one of the ``inputs`` (:func:`check_apart`),
+    exists without ``force``, is not a directory, or its parent is unwritable; then clear what interrupted
+    conversions left beside it (:func:`clear_leftovers`)."""
+    check_apart(out_dir, inputs, error)
     if out_dir.exists() and not force:
         raise error(f"{out_dir} already exists; pass --force (force=True) to replace it")
     if out_dir.exists() and not out_dir.is_dir():
@@ -106,10 +131,12 @@ def check_output(out_dir: Path, force: bool, error: type[Exception] = OutputErro
 class StagingDir:
     """A new hidden directory beside ``out_dir`` to write into (``.path``), locked while this process writes:
     :meth:`commit` moves it into place, :meth:`discard` removes it. As a context manager (``with StagingDir(out)
-    as tmp:``) it commits when the block completes and discards on any exception, the commit's own included."""
+    as tmp:``) it commits when the block completes and discards on any exception, the commit's own included; a
+    full disk (or quota) becomes one ``error`` saying so."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, error: type[Exception] = OutputError) -> None:
         self.out_dir = out_dir
+        self.error = error
         self.path = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
         self.path.mkdir()
         self._lock: int | None = os.open(self.path / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
@@ -125,11 +152,22 @@ class StagingDir:
         if exc_type is None:
             try:
                 self.commit()
-            except BaseException:
+            except BaseException as e:
                 self.discard()
+                self._raise_if_disk_full(e)
                 raise
         else:
             self.discard()
+            self._raise_if_disk_full(exc)
+
+    def _raise_if_disk_full(self, exc: BaseException) -> None:
+        from xpar_zoo.integrity import disk_full
+
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, XparError)):
+            return
+        full = disk_full(exc, self.out_dir.parent)
+        if full:
+            raise self.error(f"writing {self.out_dir} failed: {full}; nothing was written") from None
 
     def _unlock(self) -> None:
         if self._lock is not None:

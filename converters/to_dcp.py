@@ -26,7 +26,7 @@ from xpar_zoo.batching import byte_batches
 from xpar_zoo.errors import XparError
 
 from .hub_layout import SAFETENSORS_DTYPES
-from .output_dir import StagingDir, check_output
+from .output_dir import StagingDir, check_apart, check_output
 
 DEFAULT_BATCH_BYTES = 1 << 30
 _PART_PREFIX = ".part-"
@@ -168,9 +168,10 @@ def convert_to_dcp(
     from xpar_zoo.loader import build_meta
 
     out_dir = Path(out_dir).expanduser().absolute()
-    check_output(out_dir, force, ConvertError)
+    check_output(out_dir, force, ConvertError, inputs=[Path(name).expanduser()])
     resolved = resolve(name, revision, cache_dir=cache_dir, token=token)
     directory = resolved.directory
+    check_apart(out_dir, [directory], ConvertError)  # a hub id's snapshot (or a link to a local directory)
     config = AutoConfig.from_pretrained(directory)
     if getattr(config, "quantization_config", None):
         raise ConvertError(f"{name}: quantized checkpoints ({config.quantization_config}) are not supported")
@@ -189,31 +190,31 @@ def convert_to_dcp(
             alias_of.setdefault(canonical, []).append(alias)
 
     step = 0
-    with StagingDir(out_dir) as tmp:  # moved into place when complete, removed on any error
+    with StagingDir(out_dir, ConvertError) as tmp:  # moved into place when complete, removed on any error
         ckpt = tmp / ck.checkpoint_name(step)
         ckpt.mkdir(parents=True)
-        bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="convert to DCP", disable=not progress)
-        parts = []
-        for k, batch in enumerate(byte_batches(sizes.items(), max_bytes)):
-            files = _Files(directory)
-            state = {}
-            try:
-                for n in batch:
-                    state[n] = _assemble(layout, n, files)
-                    for alias in alias_of.get(n, ()):
-                        state[alias] = state[n]
-            finally:
-                files.close()
-            if k == 0:
-                state.update(buffers)
-            part = ckpt / f"{_PART_PREFIX}{k:05d}"
-            with ck._quiet_single_process():
-                dcp.save({ck.MODEL_KEY: state}, storage_writer=dcp.FileSystemWriter(str(part), sync_files=True),
-                         no_dist=True)
-            parts.append(part)
-            bar.update(sum(sizes[n] for n in batch))
-            del state
-        bar.close()
+        with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="convert to DCP",
+                  disable=not progress) as bar:  # closed (a line of its own) on errors too
+            parts = []
+            for k, batch in enumerate(byte_batches(sizes.items(), max_bytes)):
+                files = _Files(directory)
+                state = {}
+                try:
+                    for n in batch:
+                        state[n] = _assemble(layout, n, files)
+                        for alias in alias_of.get(n, ()):
+                            state[alias] = state[n]
+                finally:
+                    files.close()
+                if k == 0:
+                    state.update(buffers)
+                part = ckpt / f"{_PART_PREFIX}{k:05d}"
+                with ck._quiet_single_process():
+                    dcp.save({ck.MODEL_KEY: state}, storage_writer=dcp.FileSystemWriter(str(part), sync_files=True),
+                             no_dist=True)
+                parts.append(part)
+                bar.update(sum(sizes[n] for n in batch))
+                del state
         _merge_parts(ckpt, parts)
         meta = ck._metadata(model, step, None, {}, None)
         meta.update(world_size=None, converted_from={

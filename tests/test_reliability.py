@@ -2,7 +2,10 @@
 numbers), before any tensor data is read, the same on every rank, and leaves nothing half-written; a rank that dies
 or hangs during a load ends the job with a clear error within a bounded time; nothing untrusted is unpickled.
 
-Cases proved elsewhere (not repeated here):
+Adversarial cases: 58 here (pytest items: the load cases by from_pretrained, outputs never overwritten nor
+written into their input, damaged DCP directories, local paths never published, dying ranks, the pickle grep) and
+31 in tests/test_checkpoint_reliability.py (checkpoints under attack or misuse): 89 in all (39 before issue 18),
+plus those proved elsewhere:
 
 =================================================  =========================  ======================================
 case                                               error                      test
@@ -21,6 +24,25 @@ SIGKILL at every phase of a save / of one rank     last checkpoint intact     te
 SIGKILL during convert to-hf                       earlier output intact      test_export (test_a_killed_export_*)
 SIGKILL during convert to-dcp                      earlier output intact      test_to_dcp_inspect_publish
                                                                               (test_sigkill_during_to_dcp_*)
+.metadata whose STACK_GLOBAL reaches os.system     CheckpointError, no code   test_checkpoint_reliability
+(load, convert inspect, convert to-hf)             ran                        (test_a_crafted_metadata_runs_no_code)
+a flipped byte in a data / side file               CheckpointError (crc32),   test_checkpoint_reliability
+                                                   inspect --verify exit 2    (test_a_flipped_byte_*)
+optimizer with other parameter groups              CheckpointError            (test_optimizer_parameter_groups_*)
+garbled extra_state / RNG / metadata JSON          CheckpointError, model     (test_a_garbled_side_file_*)
+                                                   untouched
+step-* link to another root, renamed step          skipped, never pruned      (test_links_and_renamed_steps_*)
+NaN / inf parameters at save, at load              CheckpointError            (test_non_finite_parameters_*)
+NaN / inf gradients, error_if_nonfinite=True       NonFiniteError (torch's)   (test_clip_grad_norm_*)
+user dict {"__tuple__": …} in extra_state          comes back as itself       (test_user_dicts_that_look_like_tags_*)
+.tmp- / .deleting- left by interrupted saves       removed by the next save   (test_the_next_save_removes_*)
+full disk / file size limit (save, convert to-hf)  "No space left on device"  (test_a_full_disk_*,
+                                                   / "File too large", no     test_a_write_past_the_file_size_*)
+                                                   .tmp- left
+save_checkpoint on rank 0 only                     CheckpointError within     (test_save_on_rank_0_only_*)
+                                                   the rendezvous timeout
+ranks disagree: async_save, optimizer, save/load   the same CheckpointError   (test_ranks_that_disagree_*)
+one rank's bad RNG file / byte / NaN grad / shard  the same error everywhere  (test_one_ranks_problem_*)
 =================================================  =========================  ======================================
 """
 
@@ -29,6 +51,8 @@ import os
 import re
 import shutil
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,8 +61,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import xpar_zoo
-from xpar_zoo.testing import launch, parity
+from xpar_zoo.checkpoint import write_complete_marker
 from xpar_zoo.errors import XparError
+from xpar_zoo.testing import launch, parity
 
 WORLD = 2
 INDEX = "model.safetensors.index.json"
@@ -60,6 +85,29 @@ def _edit_file(directory: Path, key: str, edit) -> str:
     index["weight_map"] = {k: f for k, f in index["weight_map"].items() if f != file} | {k: file for k in tensors}
     (directory / INDEX).write_text(json.dumps(index))
     return file
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    """Rewrite the JSON header of a safetensors file with ``edit(header)``, keeping its data bytes."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + size:])
+
+
+def _two_of_a_size(path: Path) -> tuple[str, str]:
+    """Two tensors of one file with the same byte size (in file order)."""
+    (size,) = struct.unpack("<Q", path.read_bytes()[:8])
+    header = json.loads(path.read_bytes()[8:8 + size])
+    header.pop("__metadata__", None)
+    by_size: dict = {}
+    for key in sorted(header, key=lambda k: header[k]["data_offsets"]):
+        start, end = header[key]["data_offsets"]
+        by_size.setdefault(end - start, []).append(key)
+    return next(tuple(keys[:2]) for keys in by_size.values() if len(keys) > 1)
 
 
 def _make_bad(root: Path, hub: Path, dense: Path, kind: str) -> tuple[Path, dict]:
@@ -106,6 +154,22 @@ def _make_bad(root: Path, hub: Path, dense: Path, kind: str) -> tuple[Path, dict
     elif kind == "int8_weights":
         key = "model.layers.1.self_attn.q_proj.weight"
         facts["file"] = _edit_file(out, key, lambda t: t.update({key: t[key].to(torch.int8)}))
+    elif kind == "index_not_json":
+        (out / INDEX).write_text('{"weight_map": {')
+    elif kind == "index_no_weight_map":
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": 1}}))
+    elif kind == "unknown_dtype":
+        facts["file"], facts["key"] = files[0], _two_of_a_size(out / files[0])[0]
+        _rewrite_header(out / files[0], lambda h: h[facts["key"]].update(dtype="F12"))
+    elif kind == "offsets_overlap":  # a tensor pointing at another's bytes: to-dcp once copied them silently
+        facts["file"] = files[0]
+        facts["first"], facts["key"] = _two_of_a_size(out / files[0])
+        _rewrite_header(out / files[0], lambda h: h[facts["key"]].update(
+            data_offsets=h[facts["first"]]["data_offsets"]))
+    elif kind == "offsets_wrong_size":
+        facts["file"], facts["key"] = files[0], _two_of_a_size(out / files[0])[0]
+        _rewrite_header(out / files[0], lambda h: h[facts["key"]]["data_offsets"].__setitem__(
+            1, h[facts["key"]]["data_offsets"][1] - 4))
     elif kind == "pickle_only":
         for f in files:
             (out / f).unlink()
@@ -136,6 +200,18 @@ LOAD_CASES = {
     "int8_weights": ("CheckpointMismatchError", ["quantized weights",
                                                  "model.layers.1.self_attn.q_proj.weight ({file}, I8)"]),
     "pickle_only": ("CheckpointMismatchError", ["pytorch_model.bin", "never unpickles", "safetensors"]),
+    "index_not_json": ("CheckpointMismatchError", ["index_not_json/model.safetensors.index.json: not a valid JSON "
+                                                   "index"]),
+    "index_no_weight_map": ("CheckpointMismatchError", ['index_no_weight_map/model.safetensors.index.json: no '
+                                                        '"weight_map"']),
+    "unknown_dtype": ("CheckpointMismatchError", ["{file}: tensor {key} has dtype 'F12', which safetensors does "
+                                                  "not define"]),
+    "offsets_overlap": ("CheckpointMismatchError", ["{file}: tensor {key}: data_offsets", "overlaps the data of "
+                                                    "{first}", "a corrupt or crafted file"]),
+    "offsets_wrong_size": ("CheckpointMismatchError", ["{file}: tensor {key}: data_offsets", "bytes, its shape",
+                                                       "needs"]),
+    # a path that is no directory: said at once, not after retries on the hub ("hub" is a directory of the cwd)
+    "path_does_not_exist": ("HubResolutionError", ["hub/no_such_model does not exist (no such local directory"]),
     # arguments
     "dtype_int3": ("LoadError", ["dtype must be a floating-point dtype, got torch.int3"]),  # torch has int3
     "dtype_unknown": ("LoadError", ["unknown dtype 'float33'"]),
@@ -148,7 +224,10 @@ LOAD_CASES = {
     "unknown_plan_name": ("PlanError", ["mesh uses plan(s) ['foo']", "its plans: ep, emb, head"]),
     "vocab_not_divisible_by_emb": ("PlanError", ["model.embed_tokens.weight has 127", "not divisible by emb=2"]),
 }
-FILE_CASES = [k for k in LOAD_CASES if not k.startswith(("dtype_", "ranks_", "plan_", "unknown_plan", "vocab_"))]
+FILE_CASES = [k for k in LOAD_CASES if not k.startswith(("dtype_", "ranks_", "plan_", "unknown_plan", "vocab_",
+                                                          "path_"))]
+BEFORE_PARALLELIZE = [*FILE_CASES, "path_does_not_exist"]  # found from the files alone: parallelize never runs
+PATH_BOUND_S = 10  # hub retries took 27 s
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +238,8 @@ def checkpoints(tmp_path_factory):
     model.save_pretrained(root / "hub", max_shard_size=total // 3)
     parity.build_model(parity.tiny_config("qwen3")).save_pretrained(root / "dense", max_shard_size=total // 3)
     parity.build_model(parity.tiny_config("qwen3_moe", vocab_size=127)).save_pretrained(root / "vocab127")
-    dirs = {"hub": str(root / "hub"), "vocab127": str(root / "vocab127")}
+    dirs = {"root": str(root), "hub": str(root / "hub"), "vocab127": str(root / "vocab127"),
+            "path_does_not_exist": "hub/no_such_model"}
     facts = {}
     for kind in FILE_CASES:
         path, facts[kind] = _make_bad(root, root / "hub", root / "dense", kind)
@@ -168,9 +248,11 @@ def checkpoints(tmp_path_factory):
 
 
 class _Watch:
-    """Counts tensor reads (``safe_open`` handles the loader opens) and unpickling calls on one rank."""
+    """Counts tensor reads (``safe_open`` handles the loader opens), ``parallelize`` calls and unpickling calls on
+    one rank."""
 
     opens = 0
+    parallelized = 0
     unpickles: list = []
 
 
@@ -200,7 +282,15 @@ def _load_job(dirs: dict, cases: list) -> dict:
     import xpar_zoo.loader
 
     rank = dist.get_rank()
+    os.chdir(dirs["root"])  # relative names resolve there
     xpar_zoo.loader.safe_open = _counting_safe_open
+    real_parallelize = xpar_zoo.loader.parallelize
+
+    def counting_parallelize(*args, **kwargs):
+        _Watch.parallelized += 1
+        return real_parallelize(*args, **kwargs)
+
+    xpar_zoo.loader.parallelize = counting_parallelize
     _watch_unpickling()
     out = {}
     for kind in cases:
@@ -221,7 +311,7 @@ def _load_job(dirs: dict, cases: list) -> dict:
             mesh = {"foo": 2}
         elif kind == "vocab_not_divisible_by_emb":
             name, mesh = dirs["vocab127"], {"emb": 2}
-        _Watch.opens, _Watch.unpickles = 0, []
+        _Watch.opens, _Watch.parallelized, _Watch.unpickles = 0, 0, []
         start = time.perf_counter()
         try:
             xpar_zoo.from_pretrained(name, mesh=xpar_zoo.Mesh(**mesh), dtype=dtype, progress=False)
@@ -230,7 +320,7 @@ def _load_job(dirs: dict, cases: list) -> dict:
             outcome = (type(e).__name__, str(e), isinstance(e, XparError))
         seconds = time.perf_counter() - start
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (outcome, _Watch.opens, list(_Watch.unpickles), seconds))
+        dist.all_gather_object(every, (outcome, _Watch.opens, list(_Watch.unpickles), seconds, _Watch.parallelized))
         out[kind] = every
     return out
 
@@ -257,6 +347,10 @@ def test_bad_load_input_is_a_clear_error_on_every_rank_before_reading_tensors(lo
         assert part in message, f"{kind}: {part!r} not in {message!r}"
     assert [e[1] for e in every] == [0] * WORLD, f"{kind}: a checkpoint file was opened for tensor data"
     assert [e[2] for e in every] == [[]] * WORLD, f"{kind}: something was unpickled: {every}"
+    if kind in BEFORE_PARALLELIZE:
+        assert [e[4] for e in every] == [0] * WORLD, f"{kind}: parallelize ran before the error"
+    if kind == "path_does_not_exist":
+        assert max(e[3] for e in every) < PATH_BOUND_S, f"{kind}: {[e[3] for e in every]} s"
 
 
 # ---- outputs: never overwritten, never half-written ------------------------------------------------------------------
@@ -270,20 +364,6 @@ def dcp_checkpoint(tmp_path_factory):
     return _tiny_checkpoint(tmp_path_factory.mktemp("dcp") / "ckpt")
 
 
-def _to_dcp():
-    """``convert_to_dcp`` and whether ``xpar-zoo convert to-dcp`` exists; skip (naming why) when it has not landed."""
-    from xpar_zoo import cli
-
-    try:
-        from xpar_zoo.converters.to_dcp import convert_to_dcp
-    except ImportError as e:
-        pytest.skip(f"convert to-dcp has not landed yet ({e})")
-    actions = cli.build_parser()._subparsers._group_actions[0].choices["convert"]._subparsers._group_actions[0]
-    if "to-dcp" not in actions.choices:
-        pytest.skip("`xpar-zoo convert to-dcp` is not in the CLI yet")
-    return convert_to_dcp
-
-
 def _siblings(path: Path) -> set[str]:
     return set(os.listdir(path.parent))
 
@@ -292,8 +372,6 @@ def _siblings(path: Path) -> set[str]:
 def test_convert_refuses_an_existing_output_without_force(command, dcp_checkpoint, checkpoints, tmp_path, capsys):
     from xpar_zoo import cli
 
-    if command == "to-dcp":
-        _to_dcp()
     source = str(dcp_checkpoint) if command == "to-hf" else checkpoints[1]["hub"]
     out = tmp_path / "out"
     out.mkdir()
@@ -308,8 +386,6 @@ def test_convert_refuses_an_unwritable_output_before_work(command, dcp_checkpoin
     """A path under a regular file can be written by nobody, root included (permission bits do not stop root)."""
     from xpar_zoo import cli
 
-    if command == "to-dcp":
-        _to_dcp()
     source = str(dcp_checkpoint) if command == "to-hf" else checkpoints[1]["hub"]
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -353,6 +429,139 @@ def test_export_dtype_int3_and_bad_shard_size_are_refused_before_work(dcp_checkp
     assert os.listdir(tmp_path) == []
 
 
+def _tree(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("command, source, out, how", [
+    ("to-hf", "root", "root", "is"),
+    ("to-hf", "root/step-00000001", "root", "contains"),
+    ("to-hf", "root", "root/export", "lies inside"),
+    ("to-dcp", "hub", "hub", "is"),
+    ("to-dcp", "hub", ".", "contains"),
+    ("to-dcp", "hub", "hub/dcp", "lies inside"),
+])
+def test_force_never_deletes_nor_writes_into_the_input(command, source, out, how, dcp_checkpoint, checkpoints,
+                                                        tmp_path, capsys):
+    """`--force` replaces the output: an output that is, contains or lies inside the input is refused before
+    anything is written (once `to-hf ROOT ROOT --force` exited 0 with the checkpoints gone)."""
+    from xpar_zoo import cli
+
+    shutil.copytree(dcp_checkpoint.parent, tmp_path / "root")
+    shutil.copytree(checkpoints[1]["hub"], tmp_path / "hub")
+    before = _tree(tmp_path)
+    source, out = tmp_path / source, tmp_path / out
+    assert cli.main(["convert", command, str(source), str(out), "--force"]) == 2
+    assert f"the output {out} {how} the input " in capsys.readouterr().err
+    assert _tree(tmp_path) == before, "the input (or anything beside it) changed"
+
+
+def test_to_dcp_inspect_and_publish_refuse_overlapping_offsets(checkpoints, tmp_path, capsys, monkeypatch):
+    """One tensor pointing at another's bytes: to-dcp's fast reader once copied them into the wrong tensor."""
+    from huggingface_hub import HfApi
+
+    from xpar_zoo import cli
+
+    _, dirs, facts = checkpoints
+    bad, want = dirs["offsets_overlap"], f"tensor {facts['offsets_overlap']['key']}: data_offsets"
+    assert cli.main(["convert", "to-dcp", bad, str(tmp_path / "out")]) == 2
+    assert want in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert cli.main(["convert", "inspect", bad]) == 2
+    assert want in capsys.readouterr().err
+    monkeypatch.setattr(HfApi, "create_repo", lambda *a, **k: pytest.fail("nothing may be uploaded"))
+    folder = tmp_path / "folder"
+    shutil.copytree(bad, folder)
+    assert cli.main(["publish", str(folder), "me/tiny"]) == 2
+    assert want in capsys.readouterr().err
+
+
+def test_index_without_weight_map_is_named_by_inspect(checkpoints, capsys):
+    from xpar_zoo import cli
+
+    for kind in ("index_not_json", "index_no_weight_map"):
+        assert cli.main(["convert", "inspect", checkpoints[1][kind]]) == 2
+        assert f"{kind}/model.safetensors.index.json: " in capsys.readouterr().err
+
+
+def test_nothing_published_names_the_local_file_system(checkpoints, tmp_path, monkeypatch):
+    """A checkpoint saved under a user's directory, exported with --model from a local folder and published: no
+    uploaded file (the card included) holds the local paths."""
+    from huggingface_hub import HfApi
+
+    from xpar_zoo import cli
+
+    private = tmp_path / "home" / "alice" / "secret-project"
+    hub = private / "base-model"
+    shutil.copytree(checkpoints[1]["hub"], hub)
+    model = parity.build_model(parity.tiny_config("qwen3_moe"))
+    model.config.name_or_path = str(hub)  # as from_pretrained(local_dir) leaves it
+    ckpt = xpar_zoo.save_checkpoint(private / "checkpoints", model, step=7)
+    export = tmp_path / "export"
+    assert cli.main(["convert", "to-hf", str(ckpt.parent), str(export), "--model", str(hub)]) == 0
+    uploaded = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda *a, **k: None)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **k: uploaded.append(k["folder_path"]) or "url")
+    assert cli.main(["publish", str(export), "me/tiny"]) == 0
+    assert uploaded == [str(export)]
+    leaks = {f: secret for f, data in _tree(export).items() for secret in (str(private), str(tmp_path))
+             if secret.encode() in data}
+    assert not leaks, leaks
+    assert json.loads((export / "xpar_export.json").read_text())["source_checkpoint"] == "step-00000007"
+
+
+def test_publish_refuses_an_export_that_records_a_local_path(checkpoints, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import HfApi
+
+    from xpar_zoo import cli
+
+    folder = tmp_path / "old-export"
+    shutil.copytree(checkpoints[1]["hub"], folder)
+    (folder / "xpar_export.json").write_text(json.dumps({"source_checkpoint": "/home/alice/ckpt/step-00000007",
+                                                         "step": 7}))
+    monkeypatch.setattr(HfApi, "create_repo", lambda *a, **k: pytest.fail("nothing may be uploaded"))
+    assert cli.main(["publish", str(folder), "me/tiny"]) == 2
+    assert ("records local paths, which publish would upload: xpar_export.json source_checkpoint: "
+            "/home/alice/ckpt/step-00000007") in capsys.readouterr().err
+
+
+def test_a_hub_id_whose_org_is_a_local_directory_resolves_from_the_cache(checkpoints, tmp_path):
+    """`org/name` with a local `org/` directory: taken for the hub id when the cache has it, else refused at once as
+    a missing local path (no hub request, no retries)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    entry = tmp_path / "cache" / "models--org--tiny"
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text(commit)
+    shutil.copytree(checkpoints[1]["hub"], entry / "snapshots" / commit)
+    (tmp_path / "work" / "org").mkdir(parents=True)
+    script = ("from xpar_zoo.hub import resolve\nprint(resolve('org/tiny').origin)\ntry:\n    resolve('org/other')\n"
+              "except Exception as e:\n    print(type(e).__name__, e)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path / "work", capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "cache"),
+                                            "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["org/tiny", "HubResolutionError org/other does not exist (no such local "
+                                        "directory; org/ is a local directory, so the name is not looked up on the "
+                                        "hub; for the hub repo of that name, run from another directory)"]
+    assert time.monotonic() - start < PATH_BOUND_S
+
+
+def test_cli_number_options_name_themselves(checkpoints, tmp_path, capsys):
+    from xpar_zoo import cli
+
+    assert cli.main(["convert", "to-dcp", checkpoints[1]["hub"], str(tmp_path / "o"), "--batch-size", "lots"]) == 2
+    assert "cannot parse --batch-size 'lots'" in capsys.readouterr().err
+    for option, value, said in (("--world", "0", "must be at least 1, got 0"), ("--world", "two", "'two' is not a "
+                                "whole number"), ("--micro-batch", "-1", "must be at least 1, got -1")):
+        args = ["plan", "qwen3_moe", "--world", "4", option, value] if option != "--world" else [
+            "plan", "qwen3_moe", "--world", value]
+        with pytest.raises(SystemExit) as e:
+            cli.main(args)
+        assert e.value.code == 2
+        assert f"argument {option}: {said}" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
 # ---- incomplete or damaged DCP checkpoints ---------------------------------------------------------------------------
 def _damage(ckpt: Path, kind: str) -> str:
     """Damage the checkpoint directory ``ckpt`` as ``kind``; returns what the error must name."""
@@ -368,7 +577,13 @@ def _damage(ckpt: Path, kind: str) -> str:
         return f"file {data.name} has {data.stat().st_size} bytes, COMPLETE says"
     if kind == "metadata_corrupt":
         size = (ckpt / ".metadata").stat().st_size
-        (ckpt / ".metadata").write_bytes(b"\xff" * size)  # same size: only the unpickling can notice
+        (ckpt / ".metadata").write_bytes(b"\xff" * size)  # same size: the checksum notices
+        return ".metadata: crc32"
+    if kind == "metadata_corrupt_recorded":  # garbled before COMPLETE was written: only the unpickling can notice
+        size = (ckpt / ".metadata").stat().st_size
+        (ckpt / ".metadata").write_bytes(b"\xff" * size)
+        (ckpt / "COMPLETE").unlink()
+        write_complete_marker(ckpt, int(ckpt.name.removeprefix("step-")))
         return "unreadable DCP metadata"
     if kind == "plain_dcp":
         for f in ("COMPLETE", "xpar_checkpoint.json", "extra_state.json"):
@@ -378,7 +593,7 @@ def _damage(ckpt: Path, kind: str) -> str:
 
 
 @pytest.mark.parametrize("kind", ["no_complete_marker", "data_file_missing", "data_file_truncated",
-                                  "metadata_corrupt", "plain_dcp"])
+                                  "metadata_corrupt", "metadata_corrupt_recorded", "plain_dcp"])
 def test_incomplete_dcp_directory_is_refused_by_load_and_export(kind, dcp_checkpoint, tmp_path):
     from xpar_zoo.converters.export import export_to_hf
 

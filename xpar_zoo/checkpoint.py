@@ -9,21 +9,29 @@ Layout of a checkpoint root (``save_checkpoint(root, ...)`` writes one ``step-N`
         xpar_checkpoint.json         format, step, model_type, config, mesh, plans, versions, optimizer hyper-params
         extra_state.json             the user's ``extra_state`` (JSON)
         rng/rank-00000.safetensors   each saving rank's RNG state (torch CPU, CUDA when initialised, Python random)
-        COMPLETE                     the commit marker (JSON: step and the size of every file), written last
+        COMPLETE                     the commit marker (JSON: step, size and CRC-32 of every file), written last
       .tmp-step-00000012-<id>/       a save in progress, or one that was interrupted: never loaded
       .deleting-step-00000004-<id>/  a checkpoint being pruned (``keep_last``)
 
-Every rank writes under ``.tmp-…``; when all ranks have finished, rank 0 renames the directory to ``step-N`` and then
-writes ``COMPLETE``. A process killed at any moment leaves every earlier checkpoint untouched; whatever it was
-writing is reported (a :class:`CheckpointWarning` naming it) and skipped by :func:`latest_checkpoint`, and refused by
-:func:`load_checkpoint`. One writer per root at a time.
+Every rank writes under ``.tmp-…``; when all ranks have finished, each checksums the files it wrote, and rank 0
+renames the directory to ``step-N`` and then writes ``COMPLETE``. A process killed at any moment leaves every earlier
+checkpoint untouched; whatever it was writing is reported (a :class:`CheckpointWarning` naming it), skipped by
+:func:`latest_checkpoint`, refused by :func:`load_checkpoint` and removed by the next save. A failed save (a full
+disk, a rank's error) removes its own ``.tmp-…``. One writer per root at a time. Directories are never followed
+through symbolic links, and a ``step-N`` whose COMPLETE records another step is not a checkpoint.
+
+Integrity: :func:`load_checkpoint` checks every file against its CRC-32 before it touches the model (the ranks
+share the reading), then reads and checks every side file, then loads; :func:`verify_checkpoint` (``xpar-zoo
+convert inspect --verify``) checks a checkpoint offline. ``save_checkpoint`` refuses NaN / inf values unless told
+otherwise. Both calls meet the other ranks first (:mod:`xpar_zoo.rendezvous`): a rank that calls alone, or ranks
+given different arguments, get a clear error within a bounded time instead of a hang.
 
 :func:`iter_model_tensors` streams a checkpoint's full tensors (HF names, global shapes) in bounded memory, for
 export; :func:`read_checkpoint_metadata` returns its JSON metadata.
 
-Nothing is unpickled: non-tensor optimizer values and the user's state are JSON, RNG states are safetensors, DCP's
-tensor data is read with ``weights_only=True`` and its ``.metadata`` with an unpickler that admits only DCP's own
-metadata classes.
+Nothing is unpickled: non-tensor optimizer values and the user's state are JSON (tuples tagged, tag-like user dicts
+escaped), RNG states are safetensors, DCP's tensor data is read with ``weights_only=True`` and its ``.metadata`` with
+an unpickler that admits only DCP's own metadata classes, each by module and exact name.
 
 RNG is saved per rank and restored on the rank with the same id; a rank that did not exist in the saving job keeps
 its RNG (a different world size draws different random streams anyway). The root must be one filesystem that every
@@ -59,6 +67,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -69,6 +79,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .batching import byte_batches
 from .errors import CheckpointError
+from .integrity import (CHECKSUM, RecordingStream, checksum_files, disk_full, file_checksum, nonfinite_names,
+                        verify_files)
+from .rendezvous import meet
 
 FORMAT = "xpar_zoo.checkpoint/1"
 STEP_PREFIX = "step-"
@@ -100,16 +113,28 @@ def _reached(phase: str) -> None:
 
 
 # ---- scanning a root --------------------------------------------------------------------------------------------
-def _incomplete_reason(ckpt: Path) -> str | None:
-    """Why ``ckpt`` is not a complete checkpoint, or None when it is."""
+def _complete_record(ckpt: Path) -> dict:
+    """The JSON of ``ckpt``'s COMPLETE marker (``{"format", "step", "files": {name: size}, "checksum",
+    "checksums": {name: hex}}``); raises OSError / ValueError when it cannot be read."""
+    record = json.loads((ckpt / COMPLETE_FILE).read_text())
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        raise ValueError("no files listed")
+    return record
+
+
+def _incomplete_reason(ckpt: Path, step: int | None = None) -> str | None:
+    """Why ``ckpt`` is not a complete checkpoint (of ``step``, when given: the step its name says), or None when
+    it is. Sizes only: checksums are verified by :func:`verify_checkpoint` and at load."""
     marker = ckpt / COMPLETE_FILE
     if not marker.is_file():
         return "no COMPLETE marker (the save never committed)"
     try:
-        record = json.loads(marker.read_text())
+        record = _complete_record(ckpt)
         files = record["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return "unreadable COMPLETE marker"
+    if step is not None and record.get("step") != step:
+        return f"{_RENAMED} {record.get('step')!r}, its name says {step} (renamed or copied)"
     for rel, size in files.items():
         f = ckpt / rel
         if not f.is_file():
@@ -122,20 +147,35 @@ def _incomplete_reason(ckpt: Path) -> str | None:
     return None
 
 
+_LINK_REASON = "a symbolic link: checkpoints are never read, pruned or cleaned up through links"
+_RENAMED = "COMPLETE records step"
+
+
+def _foreign(path: Path, why: str) -> bool:
+    """Whether a directory skipped by :func:`_scan` is not ours to remove: a link, or a complete checkpoint under
+    another step's name (a user's copy)."""
+    return path.is_symlink() or why.startswith(_RENAMED)
+
+
 def _scan(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
-    """Complete checkpoints ``[(step, dir)]`` sorted by step, and broken directories ``[(dir, reason)]``."""
+    """Complete checkpoints ``[(step, dir)]`` sorted by step, and broken directories ``[(dir, reason)]`` (links
+    among them: never loaded, never removed)."""
     complete, broken = [], []
     if not root.is_dir():
         return complete, broken
     for child in sorted(root.iterdir()):
-        if not child.is_dir():
+        if not child.name.startswith((TMP_PREFIX, DELETING_PREFIX, STEP_PREFIX)):
             continue
-        if child.name.startswith(TMP_PREFIX):
+        if child.is_symlink():
+            broken.append((child, _LINK_REASON))
+        elif not child.is_dir():
+            continue
+        elif child.name.startswith(TMP_PREFIX):
             broken.append((child, "an unfinished save (interrupted, or still running)"))
         elif child.name.startswith(DELETING_PREFIX):
             broken.append((child, "left over from an interrupted pruning"))
         elif m := _STEP_RE.match(child.name):
-            why = _incomplete_reason(child)
+            why = _incomplete_reason(child, int(m[1]))
             if why:
                 broken.append((child, why))
             else:
@@ -166,7 +206,8 @@ def _resolve(path: Path) -> Path:
     if any((path / f).exists() for f in (COMPLETE_FILE, META_FILE, DCP_METADATA)):
         if not (path / META_FILE).exists() and (path / DCP_METADATA).exists():
             raise CheckpointError(f"{path} is a DCP directory but not an xpar_zoo checkpoint (no {META_FILE})")
-        why = _incomplete_reason(path)
+        m = _STEP_RE.match(path.name)
+        why = _incomplete_reason(path, int(m[1]) if m else None)
         if why:
             raise CheckpointError(f"{path} is not a complete checkpoint: {why}; it is never loaded")
         return path
@@ -192,8 +233,12 @@ def read_checkpoint_metadata(path: str | os.PathLike) -> dict:
 
 # ---- safe reading of DCP ------------------------------------------------------------------------------------------
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
-_ALLOWED_GLOBALS: dict[str, frozenset[str] | None] = {
-    "torch.distributed.checkpoint.metadata": None,  # every DCP metadata class
+# Every global a DCP .metadata may name, by module, as plain class names: never a dotted name (pickle protocol 4
+# resolves "os.system" under any module that imports os), never a whole module.
+_ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"}),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.serialization": frozenset({"_get_layout"}),
     "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
@@ -203,16 +248,16 @@ _ALLOWED_GLOBALS: dict[str, frozenset[str] | None] = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata`` only: its own dataclasses, torch sizes/dtypes/layouts, paths, builtin sets."""
+    """Unpickles DCP ``.metadata`` only: its own dataclasses, torch sizes/dtypes/layouts, paths, builtin sets —
+    each admitted by module and exact class name."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if name == "Size" or isinstance(obj, _TORCH_CONSTANTS):
-                return obj
-        elif module in _ALLOWED_GLOBALS:
-            allowed = _ALLOWED_GLOBALS[module]
-            if allowed is None or name in allowed:
+        if "." not in name:
+            if module == "torch":
+                obj = getattr(torch, name, None)
+                if name == "Size" or isinstance(obj, _TORCH_CONSTANTS):
+                    return obj
+            elif name in _ALLOWED_GLOBALS.get(module, ()):
                 return super().find_class(module, name)
         raise CheckpointError(f"DCP .metadata refers to {module}.{name}, which a checkpoint never needs; refusing "
                               "to unpickle it")
@@ -224,10 +269,47 @@ class _SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{self.path}: its .metadata holds a {type(metadata).__name__}, not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class _RecordingFileSystem(FileSystem):
+    """DCP's local file system, checksumming every file as it is written (``checksums``: ``{path: crc32}``, for
+    files written in order) and keeping the OSError of every failed write (a full disk) in ``errors``: torch's zip
+    writer, which DCP writes tensors with, replaces it with ``unexpected pos …``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[OSError] = []
+        self.checksums: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        try:
+            with super().create_stream(path, mode) as stream:
+                recorded = RecordingStream(stream, path, self.errors)
+                yield recorded
+        except OSError as e:  # the final flush of close()
+            if not any(e is seen for seen in self.errors):
+                self.errors.append(e if e.filename else OSError(e.errno, e.strerror, os.fspath(path)))
+            raise
+        if recorded.checksum is not None:
+            self.checksums[os.fspath(path)] = recorded.checksum
+
+
+def _writer(tmp: Path) -> tuple[dcp.FileSystemWriter, _RecordingFileSystem]:
+    """A DCP writer into ``tmp`` (fsynced files) and its file system, which records checksums and failures."""
+    writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+    writer.fs = _RecordingFileSystem()
+    return writer, writer.fs
 
 
 class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
@@ -294,10 +376,14 @@ def iter_model_tensors(path: str | os.PathLike, names: list[str] | None = None, 
 
 
 # ---- JSON -------------------------------------------------------------------------------------------------------
+_TUPLE_TAG, _DICT_TAG = "__tuple__", "__dict__"
+
+
 def _to_json(value: Any, what: str) -> Any:
-    """``value`` as JSON data; tuples are tagged so that they come back as tuples."""
+    """``value`` as JSON data; tuples are tagged (``{"__tuple__": [...]}``) so that they come back as tuples, and a
+    user dict that looks like a tag is escaped (``{"__dict__": {...}}``) so that it comes back as itself."""
     if isinstance(value, tuple):
-        return {"__tuple__": [_to_json(v, what) for v in value]}
+        return {_TUPLE_TAG: [_to_json(v, what) for v in value]}
     if isinstance(value, list):
         return [_to_json(v, what) for v in value]
     if isinstance(value, Mapping):
@@ -306,7 +392,7 @@ def _to_json(value: Any, what: str) -> Any:
             if not isinstance(k, str):
                 raise CheckpointError(f"{what}: key {k!r} is not a string (JSON)")
             out[k] = _to_json(v, what)
-        return out
+        return {_DICT_TAG: out} if set(out) in ({_TUPLE_TAG}, {_DICT_TAG}) else out
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise CheckpointError(f"{what}: {type(value).__name__} value {value!r:.80} is not JSON-serialisable")
@@ -316,8 +402,10 @@ def _from_json(value: Any) -> Any:
     if isinstance(value, list):
         return [_from_json(v) for v in value]
     if isinstance(value, dict):
-        if set(value) == {"__tuple__"}:
-            return tuple(_from_json(v) for v in value["__tuple__"])
+        if set(value) == {_TUPLE_TAG}:
+            return tuple(_from_json(v) for v in value[_TUPLE_TAG])
+        if set(value) == {_DICT_TAG} and isinstance(value[_DICT_TAG], dict):
+            return {k: _from_json(v) for k, v in value[_DICT_TAG].items()}
         return {k: _from_json(v) for k, v in value.items()}
     return value
 
@@ -364,23 +452,41 @@ def _save_rng(ckpt: Path, rank: int) -> None:
     _write_file(_rng_file(ckpt, rank), save(tensors, metadata=meta))
 
 
-def _load_rng(ckpt: Path, rank: int) -> bool:
-    from safetensors import safe_open
+def _read_rng(ckpt: Path, rank: int) -> dict[str, Any] | None:
+    """This rank's saved RNG state, read and checked (None when the saving job had no such rank); raises
+    :class:`CheckpointError` naming the file when it is not a valid RNG state."""
+    from safetensors import SafetensorError, safe_open
 
     path = _rng_file(ckpt, rank)
     if not path.is_file():
-        return False
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda = sorted(k for k in tensors if k.startswith("cuda_"))
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        cpu = tensors["torch_cpu"]
+        if cpu.dtype != torch.uint8 or cpu.shape != torch.get_rng_state().shape:
+            raise ValueError(f"torch_cpu is {cpu.dtype} {list(cpu.shape)}, not the {list(torch.get_rng_state().shape)}"
+                             " bytes of a CPU generator state")
+        state: dict[str, Any] = {"torch_cpu": cpu, "cuda": [tensors[k] for k in sorted(tensors)
+                                                            if k.startswith("cuda_")], "python": None}
+        if "python" in tensors and "python_version" in meta:
+            internal = tuple(int(x) for x in tensors["python"].tolist())
+            gauss = json.loads(meta.get("python_gauss_next", "null"))
+            state["python"] = (int(meta["python_version"]), internal, gauss)
+            random.Random().setstate(state["python"])  # checks it without touching the global generator
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: not a valid RNG state ({type(e).__name__}: {e})") from None
+    return state
+
+
+def _apply_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    cuda = state["cuda"]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
-    if "python" in tensors and "python_version" in meta:
-        random.setstate((int(meta["python_version"]), tuple(int(x) for x in tensors["python"].tolist()),
-                         json.loads(meta.get("python_gauss_next", "null"))))
-    return True
+        torch.cuda.set_rng_state_all(cuda)
+    if state["python"] is not None:
+        random.setstate(state["python"])
 
 
 @contextlib.contextmanager
@@ -400,27 +506,54 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
     """Rank 0's ``obj`` on every rank (our own small Python values between our own processes)."""
     if not _distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _first_error(message: str | None, group: dist.ProcessGroup | None = None) -> str | None:
-    """Every rank's error message (or None) gathered; the first one, or None when all ranks succeeded."""
+def _all_gather(obj: Any, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj``, by rank."""
+    if not _distributed():
+        return [obj]
+    values: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, obj, group=group)
+    return values
+
+
+def _every_error(message: str | None, group: dist.ProcessGroup | None = None) -> str | None:
+    """Every rank's error message (or None) gathered: one line per distinct message, naming its ranks (a single
+    process: its own message), or None when all ranks succeeded. The same text on every rank."""
     if not _distributed():
         return message
-    messages: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, message, group=group)
-    errors = [f"rank {r}: {m}" for r, m in enumerate(messages) if m]
-    return "\n".join(errors) or None
+    return _join_errors(_all_gather(message, group))
 
 
 def _describe_error(e: BaseException) -> str:
-    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    """One line for an error: our own message, each rank's failure of a DCP ``CheckpointException``, or the type
+    and text of anything else."""
+    if isinstance(e, CheckpointError):
+        return str(e)
+    failures = getattr(e, "failures", None)
+    if isinstance(e, CheckpointException) and isinstance(failures, dict) and failures:
+        causes = {r: f[0] if isinstance(f, tuple) else f for r, f in failures.items()}  # {rank: (exception, tb)}
+        return _join_errors([_describe_error(causes[r]) if r in causes else None for r in range(max(causes) + 1)])
+    return f"{type(e).__name__}: {e}"
+
+
+def _join_errors(messages: list[str | None]) -> str | None:
+    """Per-rank messages (None: no error) as lines, ranks with the same message on one line; None when none."""
+    by_text: dict[str, list[int]] = {}
+    for r, m in enumerate(messages):
+        if m:
+            by_text.setdefault(m, []).append(r)
+    if len(messages) == 1:
+        return messages[0]
+    return "\n".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}"
+                     for m, rs in by_text.items()) or None
 
 
 # ---- state dicts --------------------------------------------------------------------------------------------------
@@ -475,13 +608,19 @@ def _listing(keys: list[str]) -> str:
 
 
 def _check_compatible(ckpt: Path, saved: dict[str, tuple[int, ...]], meta: dict, model: nn.Module,
-                      expected: dict[str, tuple[int, ...]], with_optimizer: bool) -> None:
+                      expected: dict[str, tuple[int, ...]], with_optimizer: bool,
+                      param_groups: list | None = None) -> None:
     """Raise :class:`CheckpointError` naming every mismatch between checkpoint and model, before loading."""
     problems = []
     saved_type = meta.get("model_type")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if saved_type and model_type and saved_type != model_type:
         problems.append(f"architecture: the checkpoint holds a {saved_type!r} model, this model is {model_type!r}")
+    if with_optimizer:
+        group_problem = _param_group_problem(_from_json((meta.get("optimizer") or {}).get("param_groups")),
+                                             param_groups or [])
+        if group_problem:
+            problems.append(group_problem)
     if with_optimizer and not any(k.startswith(f"{OPTIM_KEY}.") for k in saved) and any(
             k.startswith(f"{OPTIM_KEY}.") for k in expected):
         problems.append("the checkpoint has no optimizer state (saved without optimizer=)")
@@ -501,6 +640,24 @@ def _check_compatible(ckpt: Path, saved: dict[str, tuple[int, ...]], meta: dict,
                         f"{_listing(unexpected)}")
     if problems:
         raise CheckpointError(f"checkpoint {ckpt} does not fit {_model_class(model)}:\n  " + "\n  ".join(problems))
+
+
+def _param_group_problem(saved: list | None, current: list) -> str | None:
+    """How the optimizer's parameter groups differ from the checkpoint's (count, or the parameters of a group),
+    as ``torch.optim.Optimizer.load_state_dict`` refuses them; None when they agree."""
+    if saved is None:
+        return None
+    if len(saved) != len(current):
+        return (f"the checkpoint's optimizer has {len(saved)} parameter group(s), this optimizer has {len(current)}:"
+                " build it with the same groups")
+    for i, (s, c) in enumerate(zip(saved, current)):
+        want, have = list(s.get("params", [])), list(c.get("params", []))
+        if set(want) != set(have):
+            missing, extra = [p for p in want if p not in have], [p for p in have if p not in want]
+            return (f"parameter group {i} holds {len(want)} parameters in the checkpoint, {len(have)} in this "
+                    "optimizer" + (f"; only in the checkpoint: {', '.join(missing[:_SHOW])}" if missing else "")
+                    + (f"; only in this optimizer: {', '.join(extra[:_SHOW])}" if extra else ""))
+    return None
 
 
 def _model_class(model: nn.Module) -> str:
@@ -583,16 +740,40 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _discard(tmp: Path) -> None:
+    """Remove the directory of a failed save (renamed aside first, as :func:`_remove` does)."""
+    try:
+        target = tmp.with_name(f"{DELETING_PREFIX}{tmp.name.removeprefix(TMP_PREFIX)}-{uuid.uuid4().hex[:8]}")
+        os.rename(tmp, target)
+        tmp = target
+    except OSError:
+        pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _clear_leftovers(root: Path) -> None:
+    """Rank 0, at the start of a save (one writer per root): remove what interrupted saves and prunings left
+    (``.tmp-…``, ``.deleting-…``; never through a link), naming them in a :class:`CheckpointWarning`."""
+    removed = []
+    for path, why in _scan(root)[1]:
+        if path.name.startswith((TMP_PREFIX, DELETING_PREFIX)) and not _foreign(path, why):
+            _discard(path)
+            removed.append(path.name)
+    if removed:
+        warnings.warn(f"xpar_zoo: removed {', '.join(removed)} from {root}: left by interrupted saves",
+                      CheckpointWarning, stacklevel=3)
+
+
 def _prune(root: Path, keep_last: int, keep: Path) -> None:
     """Keep the ``keep_last`` newest complete checkpoints (always ``keep``, the one just committed); remove older
-    ones and leftovers of interrupted saves or prunings."""
+    ones and leftovers of interrupted saves or prunings (never a link, nor a renamed copy)."""
     complete, broken = _scan(root)
-    victims = [p for _, p in complete[:-keep_last] if p != keep] + [p for p, _ in broken]
+    victims = [p for _, p in complete[:-keep_last] if p != keep] + [p for p, why in broken if not _foreign(p, why)]
     for path in victims:
         _remove(path)
 
 
-def _commit(tmp: Path, final: Path, keep_last: int | None) -> None:
+def _commit(tmp: Path, final: Path, keep_last: int | None, checksums: Mapping[str, str]) -> None:
     """Rank 0, once every rank's data is on disk: rename ``tmp`` to ``final``, then write the COMPLETE marker."""
     _reached("before_rename")
     if final.exists():  # an incomplete leftover of the same step (a complete one was refused before writing)
@@ -600,18 +781,69 @@ def _commit(tmp: Path, final: Path, keep_last: int | None) -> None:
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     _reached("before_marker")
-    write_complete_marker(final, int(final.name[len(STEP_PREFIX):]))
+    write_complete_marker(final, int(final.name[len(STEP_PREFIX):]), checksums)
     _reached("committed")
     if keep_last is not None:
         _prune(final.parent, keep_last, final)
 
 
-def write_complete_marker(ckpt: Path, step: int) -> None:
-    """Commit the checkpoint directory ``ckpt`` of ``step``: write its ``COMPLETE`` marker listing the size of every
-    file in it (call it last, once every file is on disk)."""
-    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
-    _write_file(ckpt / COMPLETE_FILE, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1).encode())
+def write_complete_marker(ckpt: Path, step: int, checksums: Mapping[str, str] | None = None) -> None:
+    """Commit the checkpoint directory ``ckpt`` of ``step``: write its ``COMPLETE`` marker listing the size and
+    the checksum of every file in it (call it last, once every file is on disk). ``checksums`` already computed
+    (by the ranks that wrote the files) are recorded as given; the others are computed here."""
+    names = [str(p.relative_to(ckpt)) for p in sorted(ckpt.rglob("*"))
+             if p.is_file() and not p.is_symlink() and p.name != COMPLETE_FILE]
+    given = dict(checksums or {})
+    record = {"format": FORMAT, "step": step, "files": {n: (ckpt / n).stat().st_size for n in names},
+              "checksum": CHECKSUM, "checksums": {n: given.get(n) or file_checksum(ckpt / n) for n in names}}
+    _write_file(ckpt / COMPLETE_FILE, json.dumps(record, indent=1).encode())
     _fsync_dir(ckpt)
+
+
+def _own_files(tmp: Path, rank: int) -> list[str]:
+    """The files of the save in ``tmp`` that ``rank`` wrote: its DCP data files (DCP names them ``__<rank>_…``) and
+    RNG file; rank 0 also the metadata files."""
+    names = [p.name for p in tmp.glob(f"__{rank}_*.distcp")]
+    if _rng_file(tmp, rank).is_file():
+        names.append(str(_rng_file(tmp, rank).relative_to(tmp)))
+    if rank == 0:
+        names += [n for n in (DCP_METADATA, META_FILE, EXTRA_FILE) if (tmp / n).is_file()]
+    return names
+
+
+def _finish_save(tmp: Path, final: Path, keep_last: int | None, error: str | None,
+                 group: dist.ProcessGroup | None, written: Mapping[str, str]) -> str | None:
+    """Every rank, once the DCP data is written (or failed with ``error``): the checksums of the files this rank
+    wrote (``written``: taken while DCP wrote them; the others read back, in parallel with the other ranks); then
+    rank 0 commits (rename, COMPLETE with every checksum, pruning), or removes ``tmp`` when any rank failed.
+    Returns the error, the same text on every rank, or None."""
+    rank = _rank()
+    sums: dict[str, str] = {}
+    if error is None:
+        try:
+            taken = {str(Path(p).relative_to(tmp)): c for p, c in written.items()}
+            sums = {**taken, **checksum_files(tmp, [n for n in _own_files(tmp, rank) if n not in taken])}
+        except Exception as e:
+            error = _write_error(e, final.parent)
+    gathered = _all_gather((error, sums), group)
+    outcome = None
+    if rank == 0:
+        outcome = _join_errors([e for e, _ in gathered])
+        if outcome:
+            _discard(tmp)
+        else:
+            try:
+                _commit(tmp, final, keep_last, {n: c for _, part in gathered for n, c in part.items()})
+            except Exception as e:
+                outcome = f"committing {final} failed: {_write_error(e, final.parent)}"
+    return _broadcast(outcome, group)
+
+
+def _write_error(e: BaseException, directory: Path, seen: list[OSError] | None = None) -> str:
+    """A failed write into ``directory`` as one line: a full disk (or quota) as such, naming the file, else the
+    error. ``seen``: OSErrors the writer recorded."""
+    full = disk_full(e, directory, seen or ())
+    return f"{full}; make room (space, quota or file size limit) and save again" if full else _describe_error(e)
 
 
 class _Control:
@@ -630,47 +862,69 @@ def _control(model: nn.Module) -> _Control:
     return ctl
 
 
-class CheckpointFuture:
-    """An asynchronous save in flight. Rank 0 commits it (rename, then COMPLETE) as soon as every rank's data is
-    written, whether or not anyone waits. ``result()`` waits for the commit and returns the checkpoint directory,
-    raising :class:`CheckpointError` if any rank failed; it is a collective (every rank calls it), and
-    ``save_checkpoint``/``load_checkpoint`` call it on the previous save of the same model."""
+def _wait_pending(ctl: _Control) -> None:
+    """Wait for the model's async save in flight, if any (raising its error)."""
+    if ctl.pending is not None:
+        pending, ctl.pending = ctl.pending, None
+        pending.result()
 
-    def __init__(self, tmp: Path, final: Path, keep_last: int | None, group: dist.ProcessGroup | None) -> None:
+
+class CheckpointFuture:
+    """An asynchronous save in flight. Once every rank's data is written, every rank checksums its own files and
+    rank 0 commits (rename, then COMPLETE), whether or not anyone waits. ``result()`` waits for the commit and
+    returns the checkpoint directory, raising :class:`CheckpointError` (the same on every rank) if any rank
+    failed; ``save_checkpoint``/``load_checkpoint`` call it on the previous save of the same model."""
+
+    def __init__(self, tmp: Path, final: Path, keep_last: int | None, group: dist.ProcessGroup | None,
+                 written: _RecordingFileSystem) -> None:
         self.path = final
-        self._tmp, self._keep_last, self._group = tmp, keep_last, group
+        self._tmp, self._keep_last, self._group, self._written = tmp, keep_last, group, written
         self._finished = threading.Event()
         self._error: str | None = None
-        self._outcome: tuple[Path | None, str | None] | None = None
 
-    def _on_saved(self, fut) -> None:  # the saving thread, once this rank's part (rank 0: the whole save) is done
+    def _on_saved(self, fut) -> None:  # the saving thread, once the DCP save of every rank is done
+        error = None
         try:
             fut.result()
-            if _rank() == 0:
-                _commit(self._tmp, self.path, self._keep_last)
-        except BaseException as e:  # reported by result() on every rank
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            error = _write_error(e, self.path.parent, self._written.errors)
+        try:
+            self._error = _finish_save(self._tmp, self.path, self._keep_last, error, self._group,
+                                       self._written.checksums)
+        except BaseException as e:
             self._error = _describe_error(e)
         finally:
             self._finished.set()
 
     def done(self) -> bool:
-        """Whether this rank's part has finished (rank 0: written and committed). Not a collective."""
+        """Whether this rank's part has finished (rank 0: written and committed)."""
         return self._finished.is_set()
 
     def result(self, timeout: float | None = None) -> Path:
-        """Wait until the checkpoint is committed; return its directory. A collective."""
-        if self._outcome is None:
-            if not self._finished.wait(timeout):
-                raise TimeoutError(f"checkpoint {self.path} not written within {timeout} s")
-            error = _first_error(self._error, self._group)
-            self._outcome = (None, error) if error else (self.path, None)
-        path, error = self._outcome
-        if error:
-            raise CheckpointError(f"saving {self.path} failed:\n{error}")
-        return path
+        """Wait until the checkpoint is committed; return its directory."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"checkpoint {self.path} not written within {timeout} s")
+        if self._error:
+            raise CheckpointError(f"saving {self.path} failed:\n{self._error}")
+        return self.path
 
 
 # ---- public API -------------------------------------------------------------------------------------------------
+DEFAULT_RENDEZVOUS_TIMEOUT = 600.0
+
+
+def _nonfinite_message(msd: dict, osd: dict | None) -> str | None:
+    """Which of this rank's model / optimizer tensors hold NaN or inf, as one line; None when none does."""
+    names = nonfinite_names(msd.items())
+    if osd is not None:
+        names += nonfinite_names((f"optimizer state {fqn}.{n}", v) for fqn, state in osd["state"].items()
+                                 for n, v in state.items())
+    if not names:
+        return None
+    return (f"non-finite values (NaN or inf) in {', '.join(names[:_SHOW])}"
+            + (f", … and {len(names) - _SHOW} more" if len(names) > _SHOW else ""))
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -680,28 +934,53 @@ def save_checkpoint(
     step: int | None = None,
     async_save: bool = False,
     keep_last: int | None = None,
+    allow_nonfinite: bool = False,
+    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT,
 ) -> Path | CheckpointFuture:
     """Save ``model`` (and ``optimizer``, the RNG state and the JSON-able ``extra_state``) as the checkpoint
     ``path/step-N`` — DCP at global shapes, loadable on any mesh or world size — atomically: written under a
-    temporary name and committed (renamed, then marked COMPLETE) only when every rank has finished. ``step``
-    defaults to ``extra_state["step"]``, else one past the newest checkpoint under ``path``. ``keep_last=N`` then
-    removes all but the N newest complete checkpoints. With ``async_save=True`` the state is copied and written in
-    the background: returns a :class:`CheckpointFuture` (else the checkpoint directory). A collective."""
+    temporary name and committed (renamed, then marked COMPLETE with every file's size and CRC-32) only when every
+    rank has finished. ``step`` defaults to ``extra_state["step"]``, else one past the newest checkpoint under
+    ``path``. ``keep_last=N`` then removes all but the N newest complete checkpoints; every save removes what
+    interrupted saves left under ``path`` (``.tmp-…``). Parameters or optimizer states holding NaN or inf are
+    refused unless ``allow_nonfinite=True``. With ``async_save=True`` the state is copied and written in the
+    background: returns a :class:`CheckpointFuture` (else the checkpoint directory).
+
+    A collective, guarded: before the first collective, each rank waits at most ``rendezvous_timeout`` seconds
+    (default 600, below the process group's own timeout; set it above the longest time your ranks can drift
+    apart) for the others to call too, then all ranks check that they were given the same optimizer (class or
+    none), ``step``, ``async_save``, ``keep_last`` and ``allow_nonfinite`` — a rank that calls alone, or ranks that
+    disagree, get a :class:`CheckpointError` instead of a hang (:mod:`xpar_zoo.rendezvous`). ``path`` and
+    ``extra_state`` are rank 0's."""
     root = Path(path)
     extra = dict(extra_state or {})
-    extra_json = _to_json(extra, "extra_state")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+    meet("save_checkpoint", {"optimizer": None if optimizer is None else type(optimizer).__name__,
+                             "step": step if step is not None else extra.get("step"), "async_save": bool(async_save),
+                             "keep_last": keep_last, "allow_nonfinite": bool(allow_nonfinite)},
+         CheckpointError, rendezvous_timeout)
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise CheckpointError(f"keep_last must be a positive integer or None, got {keep_last!r}")
     ctl = _control(model)
-    if ctl.pending is not None:
-        pending, ctl.pending = ctl.pending, None
-        pending.result()
+    _wait_pending(ctl)
     rank = _rank()
+    msd, osd = _state_dicts(model, optimizer)  # collective
 
-    decision: tuple[str, Any, Any]
+    error = None
+    try:  # checks of this rank's values, before anything is written
+        extra_json = _to_json(extra, "extra_state")
+        if not allow_nonfinite and (bad := _nonfinite_message(msd, osd)):
+            raise CheckpointError(f"{bad}; pass allow_nonfinite=True to save them anyway")
+    except Exception as e:
+        error = _describe_error(e)
+    error = _every_error(error)
+    if error:
+        raise CheckpointError(f"not saving under {root}:\n{error}")
+
+    decision: tuple[str, Any, Any] = ("", None, None)
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
+            _clear_leftovers(root)
             n = _choose_step(root, step, extra)
             final = root / checkpoint_name(n)
             if final.exists() and _incomplete_reason(final) is None:
@@ -710,9 +989,7 @@ def save_checkpoint(
             tmp.mkdir()
             decision = ("ok", n, str(tmp))
         except Exception as e:
-            decision = ("error", _describe_error(e), None)
-    else:
-        decision = ("", None, None)
+            decision = ("error", _write_error(e, root if root.is_dir() else root.parent), None)
     decision = _broadcast(decision)
     if decision[0] == "error":
         raise CheckpointError(decision[1])
@@ -722,7 +999,6 @@ def save_checkpoint(
 
     error = None
     try:
-        msd, osd = _state_dicts(model, optimizer)  # collective
         _save_rng(tmp, rank)
         _reached("rng_written")
         if rank == 0:
@@ -731,36 +1007,88 @@ def save_checkpoint(
                                                     indent=1).encode())
             _write_file(tmp / EXTRA_FILE, json.dumps(extra_json, indent=1).encode())
     except Exception as e:
-        error = _describe_error(e)
-    error = _first_error(error)
+        error = _write_error(e, root)
+    error = _every_error(error)
     if error:
-        raise CheckpointError(f"saving {final} failed before writing tensors:\n{error}")
+        if rank == 0:
+            _discard(tmp)
+        raise CheckpointError(f"saving {final} failed before writing tensors (nothing was kept):\n{error}")
 
-    writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+    writer, written = _writer(tmp)
     state = _dcp_state(msd, osd)
     if async_save:
         if _distributed() and ctl.group is None:
             ctl.group = dist.new_group(backend="gloo")
-        handle = CheckpointFuture(tmp, final, keep_last, ctl.group)
+        handle = CheckpointFuture(tmp, final, keep_last, ctl.group, written)
         with _quiet_single_process():
             fut = dcp.async_save(state, storage_writer=writer, process_group=ctl.group, no_dist=not _distributed())
         fut.add_done_callback(handle._on_saved)
         ctl.pending = handle
         return handle
 
-    with _quiet_single_process():  # returns on rank 0 once every rank's files are written
-        dcp.save(state, storage_writer=writer, no_dist=not _distributed())
-    _reached("dcp_written")
     error = None
-    if rank == 0:
-        try:
-            _commit(tmp, final, keep_last)
-        except Exception as e:
-            error = _describe_error(e)
-    error = _broadcast(error)
+    try:
+        with _quiet_single_process():  # returns on every rank once every rank's files are written
+            dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        _reached("dcp_written")
+    except (Exception, CheckpointException) as e:  # DCP raises the same failure on every rank
+        error = _write_error(e, root, written.errors)
+    error = _finish_save(tmp, final, keep_last, error, None, written.checksums)
     if error:
-        raise CheckpointError(f"committing {final} failed: {error}")
+        raise CheckpointError(f"saving {final} failed (nothing was kept):\n{error}")
     return final
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Check every file of a checkpoint directory (or of the newest complete one under a root) against the
+    checksums its COMPLETE marker records: ``{"path", "checksum": "crc32" (None when the checkpoint records
+    none: saved before checksums were recorded), "files": how many were checked, "problems": one line per damaged
+    file}``. Reads every byte."""
+    ckpt = _resolve(Path(path))
+    record = _complete_record(ckpt)
+    sums = record.get("checksums")
+    if not isinstance(sums, dict):
+        return {"path": str(ckpt), "checksum": None, "files": 0, "problems": []}
+    return {"path": str(ckpt), "checksum": record.get("checksum", CHECKSUM), "files": len(sums),
+            "problems": verify_files(ckpt, sums, record["files"])}
+
+
+def _verify_share(ckpt: Path, rank: int, world: int) -> None:
+    """Verify this rank's share (every ``world``-th file) of the checkpoint's checksums; raise naming the damage."""
+    record = _complete_record(ckpt)
+    sums = record.get("checksums")
+    if not isinstance(sums, dict):
+        return  # saved before checksums were recorded
+    names = sorted(sums)[rank::world]
+    problems = verify_files(ckpt, {n: sums[n] for n in names}, record["files"])
+    if problems:
+        raise CheckpointError(f"damaged files: {'; '.join(problems)}; load an earlier checkpoint (`xpar-zoo convert "
+                              "inspect --verify ROOT` checks them all)")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _read_side_files(ckpt: Path, rank: int, restore_rng: bool) -> tuple[dict, dict, dict | None, Metadata]:
+    """Everything a load needs besides the tensor data, read and checked before the model is touched:
+    ``(xpar_checkpoint.json, extra_state, this rank's RNG state or None, DCP metadata)``."""
+    meta = _read_json(ckpt / META_FILE)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{ckpt / META_FILE}: unknown checkpoint format {found!r} (expected {FORMAT!r})")
+    opt = meta.get("optimizer")
+    if opt is not None and not (isinstance(opt, dict) and isinstance(opt.get("param_groups", []), list)
+                                and isinstance(opt.get("non_tensor_state", {}), dict)):
+        raise CheckpointError(f"{ckpt / META_FILE}: its optimizer record is malformed")
+    extra = _from_json(_read_json(ckpt / EXTRA_FILE))
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{ckpt / EXTRA_FILE}: not a JSON object (got {type(extra).__name__})")
+    rng = _read_rng(ckpt, rank) if restore_rng else None
+    return meta, extra, rng, _read_dcp_metadata(_SafeReader(str(ckpt)), ckpt)
 
 
 def load_checkpoint(
@@ -769,45 +1097,59 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     restore_rng: bool = True,
+    verify: bool = True,
+    check_finite: bool = False,
+    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``) on any mesh or world size, or into a plain
     single-process model (no process group needed), and return its ``extra_state``. ``path`` is a checkpoint
     directory or a root, of which the newest complete checkpoint is taken (incomplete ones are reported and
-    skipped). Every tensor's name and global shape is checked against the DCP metadata before anything is
-    loaded: a checkpoint of another architecture or other shapes raises :class:`CheckpointError` naming them.
-    A collective when distributed."""
+    skipped). Before the model is touched: every file is checked against its recorded checksum (``verify``; the
+    ranks share the reading), the side files (metadata, ``extra_state``, RNG) are read and checked, and every
+    tensor's name and global shape and the optimizer's parameter groups are checked against the checkpoint — a
+    damaged checkpoint, or one of another architecture, shapes or groups, raises :class:`CheckpointError` naming
+    them. ``check_finite=True`` then raises naming every loaded tensor that holds NaN or inf. A collective when
+    distributed, guarded as :func:`save_checkpoint` is (``rendezvous_timeout``; the ranks must agree on the
+    optimizer class, ``restore_rng``, ``verify`` and ``check_finite``)."""
     from .materialize import check_materialized
 
     check_materialized(model, CheckpointError)  # built on meta: xpar_zoo.materialize(model) first
-    ctl = _control(model)
-    if ctl.pending is not None:
-        pending, ctl.pending = ctl.pending, None
-        pending.result()
+    meet("load_checkpoint", {"optimizer": None if optimizer is None else type(optimizer).__name__,
+                             "restore_rng": bool(restore_rng), "verify": bool(verify),
+                             "check_finite": bool(check_finite)}, CheckpointError, rendezvous_timeout)
+    _wait_pending(_control(model))
     rank = _rank()
-    found: tuple[str, str]
+    found: tuple[str, str] = ("", "")
     if rank == 0:
         try:
             found = ("ok", str(_resolve(Path(path))))
         except Exception as e:
             found = ("error", _describe_error(e))
-    else:
-        found = ("", "")
     found = _broadcast(found)
     if found[0] == "error":
         raise CheckpointError(found[1])
     ckpt = Path(found[1])
 
-    meta = json.loads((ckpt / META_FILE).read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT!r})")
-    reader = _SafeReader(str(ckpt))
-    saved = {k: tuple(v.size) for k, v in _read_dcp_metadata(reader, ckpt).state_dict_metadata.items()
+    error, side = None, None
+    try:
+        if verify:
+            _verify_share(ckpt, rank, dist.get_world_size() if _distributed() else 1)
+        side = _read_side_files(ckpt, rank, restore_rng)
+    except Exception as e:
+        error = _describe_error(e)
+    error = _every_error(error)
+    if error:
+        raise CheckpointError(f"{ckpt} cannot be loaded (nothing was loaded):\n{error}")
+    meta, extra, rng, dcp_meta = side
+    saved = {k: tuple(v.size) for k, v in dcp_meta.state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
     msd, osd = _state_dicts(model, optimizer)  # collective; initialises an optimizer that has no state yet
-    _check_compatible(ckpt, saved, meta, model, _expected_shapes(msd, osd), optimizer is not None)
+    _check_compatible(ckpt, saved, meta, model, _expected_shapes(msd, osd), optimizer is not None,
+                      None if osd is None else osd["param_groups"])
 
     with _quiet_single_process():
-        dcp.load(_dcp_state(msd, osd), storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=not _distributed())
+        dcp.load(_dcp_state(msd, osd), storage_reader=_SafeReader(str(ckpt)), planner=_SafeLoadPlanner(),
+                 no_dist=not _distributed())
     if osd is None:
         set_model_state_dict(model, msd)
     else:
@@ -817,6 +1159,10 @@ def load_checkpoint(
         for fqn, values in _from_json(saved_opt.get("non_tensor_state", {})).items():
             osd["state"].setdefault(fqn, {}).update(values)
         set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
-    if restore_rng:
-        _load_rng(ckpt, rank)
-    return _from_json(json.loads((ckpt / EXTRA_FILE).read_text()))
+    if check_finite:
+        bad = _every_error(_nonfinite_message(msd, osd))
+        if bad:
+            raise CheckpointError(f"{ckpt} holds non-finite values (the model now holds them too):\n{bad}")
+    if rng is not None:
+        _apply_rng(rng)
+    return extra

@@ -112,7 +112,7 @@ def _cmd_to_dcp(args: argparse.Namespace) -> int:
     from xpar_zoo.converters.export import parse_size
 
     out = convert_to_dcp(args.name_or_dir, args.out_dir, revision=args.revision, force=args.force,
-                         max_bytes=parse_size(args.batch_size))
+                         max_bytes=parse_size(args.batch_size, "--batch-size"))
     print(f"wrote {out}")
     return 0
 
@@ -120,7 +120,7 @@ def _cmd_to_dcp(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from xpar_zoo.converters.inspect_checkpoint import format_report, inspect_checkpoint
+    from xpar_zoo.converters.inspect_checkpoint import damage, format_report, inspect_checkpoint
 
     from .hub import HubResolutionError, resolve
 
@@ -129,8 +129,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         path = resolve(path, args.revision).directory  # a hub id: its snapshot (cached, or downloaded)
     elif args.revision:
         raise HubResolutionError(f"--revision {args.revision!r} was given but {path} is a local path")
-    info = inspect_checkpoint(path)
+    info = inspect_checkpoint(path, verify=args.verify)
     print(json.dumps(info, indent=2) if args.json else format_report(info))
+    damaged = damage(info)
+    if damaged:
+        print(f"xpar-zoo: error: damaged checkpoint files: {'; '.join(damaged)}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -159,6 +163,17 @@ def _add_train(sub) -> None:
                                    "--config (YAML) and flags (flags win). Launch with torchrun for several ranks.")
     add_arguments(p)
     p.set_defaults(func=_cmd_train)
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "or DCP directory")
     c.add_argument("--revision", help="hub revision of a hub id (branch, tag or commit)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.add_argument("--verify", action="store_true",
+                   help="read every file of an xpar_zoo checkpoint and check it against the checksums recorded at "
+                        "save (exit status 2 when one is damaged)")
     c.set_defaults(func=_cmd_inspect)
     p = sub.add_parser("publish", help="validate a hub-format folder, write its model card, upload it to the hub")
     p.add_argument("dir", help="hub-format folder (e.g. from convert to-hf)")
@@ -210,18 +228,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_publish)
     p = sub.add_parser("plan", help="per-rank memory and per-step communication of a mesh; suggest meshes")
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
-    p.add_argument("--world", type=int, required=True, help="number of ranks")
-    p.add_argument("--ep", type=int, help="expert-parallel size (omit with --suggest to rank meshes)")
-    p.add_argument("--emb", type=int, help="vocab-parallel embedding size")
-    p.add_argument("--head", type=int, help="vocab-parallel lm_head size")
-    p.add_argument("--replicate", type=int, default=1, help="HSDP replicas")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length")
+    p.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
+    p.add_argument("--ep", type=_positive_int, help="expert-parallel size (omit with --suggest to rank meshes)")
+    p.add_argument("--emb", type=_positive_int, help="vocab-parallel embedding size")
+    p.add_argument("--head", type=_positive_int, help="vocab-parallel lm_head size")
+    p.add_argument("--replicate", type=_positive_int, default=1, help="HSDP replicas")
+    p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per rank per step")
+    p.add_argument("--seq", type=_positive_int, default=4096, help="sequence length")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="compute dtype")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
     p.add_argument("--recompute", action="store_true",
                    help="activation checkpointing of every decoder layer (model.activation_checkpointing_enable())")
-    p.add_argument("--lora-rank", type=int, help="PEFT LoRA of this rank: count the frozen base, the "
+    p.add_argument("--lora-rank", type=_positive_int, help="PEFT LoRA of this rank: count the frozen base, the "
                    "adapters, their gradients and optimizer states")
     p.add_argument("--lora-modules", help="LoRA target_modules, comma-separated (default: every linear but the head)")
     p.add_argument("--lora-parameters", help="LoRA target_parameters, comma-separated, or none (default: the fused "

@@ -56,6 +56,10 @@ class DataError(XparError, ValueError):
     """Training data that cannot be read, tokenized or packed as asked (names the file, field or numbers)."""
 
 
+class NonFiniteError(XparError, RuntimeError):
+    """NaN or inf where training needs finite numbers (gradients to clip); names the tensors and ranks."""
+
+
 class AdapterError(XparError, ValueError):
     """A PEFT adapter xpar_zoo cannot train or save as asked: a tuner or option it does not run exactly, an adapter
     file that does not fit the model (names the keys and shapes), PEFT missing."""

@@ -48,6 +48,33 @@ def is_offline() -> bool:
     return huggingface_hub.is_offline_mode()
 
 
+def _path_reason(name: str | os.PathLike, cache_dir: str | os.PathLike | None) -> str | None:
+    """Why ``name`` can only mean a local path (absolute, ``./``, ``../``, ``~``, a trailing or a second slash, a
+    backslash; or ``dir/name`` where ``dir`` is a local directory and the hub id is not in the local cache), or
+    None when it may be a hub id."""
+    text = os.fspath(name)
+    if (isinstance(name, os.PathLike) or os.path.isabs(text) or text.startswith((".", "~")) or text.endswith("/")
+            or text.count("/") > 1 or "\\" in text):
+        return "a hub id looks like org/name"
+    head = text.split("/", 1)[0]
+    if "/" in text and Path(head).is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(text, CONFIG_FILE, cache_dir=cache_dir), str):
+            return (f"{head}/ is a local directory, so the name is not looked up on the hub; for the hub repo of "
+                    "that name, run from another directory")
+    return None
+
+
+def _refuse_missing_local(name: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> None:
+    """Raise :class:`HubResolutionError` at once for a local path that is no directory, before any hub request."""
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir():
+        raise HubResolutionError(f"{os.fspath(name)} is a file, not a model directory (config.json and safetensors)")
+    if not path.exists() and (why := _path_reason(name, cache_dir)):
+        raise HubResolutionError(f"{os.fspath(name)} does not exist (no such local directory; {why})")
+
+
 def resolve(name: str | os.PathLike, revision: str | None = None, *, cache_dir: str | os.PathLike | None = None,
             token: str | bool | None = None, weights: bool = True) -> ResolvedModel:
     """A local directory with ``name``'s config and weights: ``name`` itself when it is a directory, else the hub
@@ -61,6 +88,7 @@ def resolve(name: str | os.PathLike, revision: str | None = None, *, cache_dir: 
         if not (path / CONFIG_FILE).is_file():
             raise HubResolutionError(f"{path} is a directory without {CONFIG_FILE}")
         return ResolvedModel(path.resolve(), "local")
+    _refuse_missing_local(name, cache_dir)
     return _resolve_hub(str(name), revision, cache_dir, token, weights)
 
 
@@ -76,6 +104,7 @@ def resolve_config(name: str | os.PathLike, revision: str | None = None, *, cach
         if not (path / CONFIG_FILE).is_file():
             raise HubResolutionError(f"{path} is a directory without {CONFIG_FILE}")
         return path / CONFIG_FILE
+    _refuse_missing_local(name, cache_dir)
     where = f"{str(name)!r}" + (f" at revision {revision!r}" if revision else "")
     mode = " (HF_HUB_OFFLINE=1: only the local huggingface_hub cache is searched)" if is_offline() else ""
     try:
@@ -112,7 +141,10 @@ def _resolve_hub(repo_id: str, revision: str | None, cache_dir, token, weights: 
     if not weights:
         needed = [CONFIG_FILE]
     elif index is not None:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise HubResolutionError(f"{where}: {INDEX_FILE} is not a valid index ({type(e).__name__}: {e})") from None
         needed = [CONFIG_FILE, INDEX_FILE, *shards]
     elif fetch(SINGLE_FILE) is not None:
         needed = [CONFIG_FILE, SINGLE_FILE]

@@ -2,9 +2,10 @@
 model card.
 
 The folder is validated first (``config.json``, safetensors shards whose headers parse and whose data is all there,
-an index that lists only existing files and the keys they hold); then a ``README.md`` model card is generated
-(YAML front matter: ``library_name: xpar_zoo``, ``base_model``, tags, and the export's layout / mesh facts), and only
-then is the repository created and the folder uploaded. Nothing is uploaded from a folder that fails validation.
+an index that lists only existing files and the keys they hold, no JSON file naming a local path); then a
+``README.md`` model card is generated (YAML front matter: ``library_name: xpar_zoo``, ``base_model``, tags, and the
+export's layout / mesh facts), and only then is the repository created and the folder uploaded. Nothing is uploaded
+from a folder that fails validation.
 """
 
 from __future__ import annotations
@@ -106,6 +107,37 @@ def _export_info(directory: Path) -> dict[str, Any]:
         raise PublishError(f"{path}: not valid JSON ({e})") from None
 
 
+def _is_local_path(value: Any) -> bool:
+    return isinstance(value, str) and (os.path.isabs(value) or value.startswith(("~", "./", "../")))
+
+
+def _local_paths(value: Any, where: str = "") -> list[str]:
+    """``"key: value"`` for every string in a JSON value that names the local file system."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _local_paths(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _local_paths(v, f"{where}[{i}]")]
+    return [f"{where}: {value}"] if _is_local_path(value) else []
+
+
+def refuse_local_paths(directory: str | os.PathLike) -> None:
+    """Raise :class:`PublishError` when a JSON file of the folder (``config.json``, ``xpar_export.json``,
+    ``generation_config.json``…) records a local path (absolute, ``~``, ``./``): publishing it would put the user's
+    directory layout on the hub."""
+    found = []
+    for path in sorted(Path(directory).glob("*.json")):
+        if path.stat().st_size > (16 << 20):  # a tokenizer's vocabulary, not metadata
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        found += [f"{path.name} {p}" for p in _local_paths(data)]
+    if found:
+        raise PublishError(f"{directory} records local paths, which publish would upload: {'; '.join(found[:8])}; "
+                           "remove them (or re-export with `xpar-zoo convert to-hf`, which records none)")
+
+
 def _hub_id(value: Any) -> str | None:
     """``value`` when it looks like a hub repo id (``org/name``) rather than a local path."""
     if isinstance(value, str) and _REPO_ID.match(value) and not Path(value).exists():
@@ -146,7 +178,7 @@ def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: 
         "tensors": summary["tensors"],
     }
     for key in ("mesh", "plans", "step", "dtype", "xpar_zoo_version", "source_checkpoint"):
-        if info.get(key) is not None:
+        if info.get(key) is not None and not _local_paths(info[key]):
             xpar[key] = info[key]
     if not info:
         xpar["dtype"] = config.get("dtype") or config.get("torch_dtype")
@@ -217,6 +249,7 @@ def publish(
     if not _REPO_ID.match(repo_id):
         raise PublishError(f"{repo_id!r} is not a hub repo id (org/name)")
     summary = validate_folder(directory)
+    refuse_local_paths(directory)
     card_path = directory / CARD_FILE
     write_card = overwrite_card or not card_path.exists()
     card = build_model_card(directory, repo_id, base_model=base_model, summary=summary) if write_card else None
