@@ -59,15 +59,16 @@ def _job(root: str, rounds: int, hidden: int) -> dict:
 
     import xpar_zoo
     from xpar_zoo import checkpoint
+    from xpar_zoo.checkpoint import dcp_io, layout, save
     from xpar_zoo.testing import parity
 
     distributed = dist.is_initialized()
     model = parity.build_model(_config(hidden))
     if distributed:
         model = xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=dist.get_world_size()))
-    real = (checkpoint.checksum_files, checkpoint.file_checksum, checkpoint.RecordingStream)
+    real = (save.checksum_files, layout.file_checksum, dcp_io.RecordingStream)
 
-    class Unhashed(checkpoint.RecordingStream):  # the stream without its running CRC-32
+    class Unhashed(dcp_io.RecordingStream):  # the stream without its running CRC-32
         def write(self, data):
             self._crc = None
             return self._recorded("write", data)
@@ -97,10 +98,10 @@ def _job(root: str, rounds: int, hidden: int) -> dict:
         for with_sums in ((True, False) if r % 2 else (False, True)):
             step += 1
             if not with_sums:
-                checkpoint.checksum_files, checkpoint.file_checksum, checkpoint.RecordingStream = (
+                save.checksum_files, layout.file_checksum, dcp_io.RecordingStream = (
                     lambda d, names: {}), (lambda p: "-"), Unhashed
             seconds = timed(lambda: xpar_zoo.save_checkpoint(root, model, step=step, keep_last=2))
-            checkpoint.checksum_files, checkpoint.file_checksum, checkpoint.RecordingStream = real
+            save.checksum_files, layout.file_checksum, dcp_io.RecordingStream = real
             if r:
                 times[f"save_{'with' if with_sums else 'without'}"].append(seconds)
             if with_sums:

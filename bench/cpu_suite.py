@@ -3,17 +3,19 @@
 imported: the loader alone) and peak RSS, training step time, peak RSS and peak live tensor bytes (the torch
 profiler's allocator accounting, which glibc's retention of freed heap does not blur), checkpoint save time.
 
-    python bench/cpu_suite.py [--keep DIR] [--steps N] [--seq 128,1024] [--rounds 2]
+    python bench/cpu_suite.py [--keep DIR] [--steps N] [--seq 128,1024] [--rounds 2] [--stacks xpar_zoo,transformers]
 
 Peer: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=4, ep_size=2))``
 (needs ``accelerate``: ``pip install --target /tmp/accel --no-deps accelerate psutil pyyaml`` and run with
 ``PYTHONPATH=/tmp/accel``), trained with the same AdamW and saved with its own ``save_pretrained`` (model weights; ours saves the same,
 as an atomic DCP checkpoint). Ours:
 ``xpar_zoo.from_pretrained(dir, mesh=Mesh(ep=2))`` (FSDP2 over the 4 ranks, experts split in 2 and FSDP-sharded on
-dim 1), ``xpar_zoo.save_checkpoint``. The checkpoint is bench/load_memory.py's ≈ 400 MB qwen3_moe. The training rows
+dim 0: 16 local experts over 2 FSDP ranks), ``xpar_zoo.save_checkpoint``. The checkpoint is bench/load_memory.py's ≈ 400 MB qwen3_moe. The training rows
 are measured at each sequence length (2×128 tokens per rank, where FSDP's collectives dominate, and 2×1024, where
 activations and the loss do). The stacks run alternately, ``--rounds`` times each; every figure is the median over
-rounds of the worst rank's; ratios are xpar_zoo / transformers.
+rounds of the worst rank's; ratios are xpar_zoo / transformers. ``--stacks`` may add ``xpar_zoo_dim1``: ours with
+every planned slice forced onto FSDP dim 1, the placement before issue 23, to measure what dim 1 costs in the
+same run.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ import load_memory  # noqa: E402  (the shared checkpoint and RSS helpers)
 
 WORLD = 4
 MB = 1024 * 1024
+STACKS = {"xpar_zoo": "xpar_zoo `Mesh(ep=2)`",
+          "xpar_zoo_dim1": "xpar_zoo `Mesh(ep=2)`, planned slices forced to dim 1",
+          "transformers": "transformers `DistributedConfig(fsdp_size=4, ep_size=2)`"}
 LIVE_STEPS = 3  # profiled steps after the timed ones; each step's live peak, their median
 
 
@@ -72,6 +77,11 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
     from xpar_zoo.testing import parity
 
     rank = dist.get_rank()
+    if which == "xpar_zoo_dim1":  # the placement before issue 23, for comparison (this process only)
+        from xpar_zoo import fsdp_layout
+
+        fsdp_layout.planned_shard_dim = lambda rows, fsdp: 1
+    ours = which.startswith("xpar_zoo")
     gc.collect()
     row: dict = {}
     try:
@@ -79,7 +89,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
         before = load_memory._status("VmRSS")
         load_memory._reset_peak()
         t0 = time.perf_counter()
-        model = load_memory._load(which, directory)()
+        model = load_memory._load("xpar_zoo" if ours else which, directory)()
         dist.barrier()
         row["load_s"] = time.perf_counter() - t0
         row["load_peak_growth_MiB"] = (load_memory._status("VmHWM") - before) / MB
@@ -87,7 +97,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
         gc.collect()
         dist.barrier()
         t0 = time.perf_counter()
-        model = load_memory._load(which, directory)()
+        model = load_memory._load("xpar_zoo" if ours else which, directory)()
         dist.barrier()
         row["warm_load_s"] = time.perf_counter() - t0
         model.train()
@@ -117,7 +127,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
             row[f"step_live_peak_MiB@{seq}"] = statistics.median(peaks)
         dist.barrier()
         t0 = time.perf_counter()
-        if which == "xpar_zoo":
+        if ours:
             import xpar_zoo
 
             xpar_zoo.save_checkpoint(out, model, step=steps)  # model weights, like save_pretrained
@@ -153,7 +163,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2,
                     help="run the two stacks alternately this many times (a 2-core host's load drifts by tens of "
                          "percent over minutes); each figure is the median over rounds")
+    ap.add_argument("--stacks", default="xpar_zoo,transformers",
+                    help=f"comma-separated, run in this order each round: {', '.join(STACKS)}")
     args = ap.parse_args()
+    stacks = args.stacks.split(",")
+    if "transformers" not in stacks or set(stacks) - set(STACKS):
+        ap.error(f"--stacks: some of {', '.join(STACKS)}, transformers included")
     seqs = [int(x) for x in args.seq.split(",")]
     from xpar_zoo.testing import launch
 
@@ -163,19 +178,22 @@ def main() -> None:
         ckpt.mkdir(parents=True)
         load_memory.make_checkpoint(ckpt)
     nbytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-    results = {"xpar_zoo": [], "transformers": []}  # per stack, per round: every rank's row
+    results: dict[str, list] = {s: [] for s in stacks}  # per stack, per round: every rank's row
+    load = [os.getloadavg()]  # other work on the host distorts the timings: reported beside them
     for _ in range(args.rounds):
         for which in results:
             out = work / f"save-{which}"
             shutil.rmtree(out, ignore_errors=True)
             results[which].append(launch.run(_side, WORLD, which, str(ckpt), str(out), args.steps, args.batch,
                                              seqs, timeout_s=1800))
+            load.append(os.getloadavg())
     print(json.dumps(results, indent=1, default=str))
 
     import torch
     import transformers
 
-    ours, peer = results["xpar_zoo"], results["transformers"]
+    peer = results["transformers"]
+    mine = [s for s in stacks if s != "transformers"]
     lines = ["", "## CPU suite: xpar_zoo vs transformers DistributedConfig (issue 9)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: "
              f"{cpu_model()}, "
@@ -184,9 +202,12 @@ def main() -> None:
              f"- model: bench/load_memory.py's qwen3_moe fp32 ({nbytes / MB:.0f} MiB hub checkpoint); 4 gloo ranks; "
              f"AdamW; {args.batch}×seq tokens per rank per step (seq = {args.seq}); worst rank; median of "
              f"{args.steps} steps after one warm-up at each seq; the stacks run alternately, {args.rounds} rounds "
-             "each, and every figure is the median over rounds", "",
-             "| | xpar_zoo `Mesh(ep=2)` | transformers `DistributedConfig(fsdp_size=4, ep_size=2)` | ratio |",
-             "|---|---|---|---|"]
+             "each, and every figure is the median over rounds",
+             "- host load average (1 min) before the run and after each stack's turn: "
+             + ", ".join(f"{a[0]:.1f}" for a in load), "",
+             "| | " + " | ".join(STACKS[s] for s in mine + ["transformers"]) + " | "
+             + " | ".join("ratio" + (f" ({s})" if len(mine) > 1 else "") for s in mine) + " |",
+             "|---" * (2 * len(mine) + 2) + "|"]
     table = [("load_s", "load time, fresh process (s)"),
             ("warm_load_s", "load time, transformers imported and config read (s)"),
             ("load_peak_growth_MiB", "load peak RSS growth (MiB)")]
@@ -197,15 +218,18 @@ def main() -> None:
                  (f"step_live_peak_MiB@{seq}",
                   f"training step peak live tensors over its start, seq {seq} (MiB, median of {LIVE_STEPS} steps)")]
     table.append(("save_s", "save model weights (s)"))
+    fmt = (lambda v: "failed" if v is None else f"{v:.2f}")
     for key, label in table:
-        a, b = _figure(ours, key), _figure(peer, key)
-        ratio = f"{a / b:.2f}×" if a and b else "—"
-        fmt = (lambda v: "failed" if v is None else f"{v:.2f}")
-        lines.append(f"| {label} | {fmt(a)} | {fmt(b)} | {ratio} |")
-    for seq in seqs:
-        per_round = [(_worst(a, f"step_s@{seq}") or 0) / (_worst(b, f"step_s@{seq}") or float("inf"))
-                     for a, b in zip(ours, peer)]
-        lines.append(f"- training step ratio per round, seq {seq}: " + ", ".join(f"{r:.2f}×" for r in per_round))
+        values = [_figure(results[s], key) for s in mine]
+        b = _figure(peer, key)
+        ratios = [f"{a / b:.2f}×" if a and b else "—" for a in values]
+        lines.append(f"| {label} | " + " | ".join(fmt(v) for v in values + [b]) + " | " + " | ".join(ratios) + " |")
+    for s in mine:
+        for seq in seqs:
+            per_round = [(_worst(a, f"step_s@{seq}") or 0) / (_worst(b, f"step_s@{seq}") or float("inf"))
+                         for a, b in zip(results[s], peer)]
+            lines.append(f"- {s} / transformers, training step ratio per round, seq {seq}: "
+                         + ", ".join(f"{r:.2f}×" for r in per_round))
     for which, rounds in results.items():
         errors = {r["error"] for rows in rounds for r in rows if "error" in r}
         for e in errors:

@@ -13,7 +13,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from xpar_zoo.errors import XparError
+from xpar_zoo.checkpoint import (DCP_METADATA, META_FILE, MODEL_KEY, STEP_PREFIX, TMP_PREFIX, SafeReader,
+                                 incomplete_reason, read_dcp_metadata, scan_root, step_of, verify_checkpoint)
+from xpar_zoo.errors import ConvertError, XparError
 
 HUB_PER_EXPERT = "hub per-expert"
 HUB_FUSED = "hub fused"
@@ -23,10 +25,6 @@ PLAIN_DCP = "plain DCP"
 _EXPERT_KEY = re.compile(r"\.experts\.\d+\.")
 
 
-class InspectError(XparError, ValueError):
-    """A path that is no checkpoint xpar_zoo knows, or whose metadata cannot be read."""
-
-
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -34,12 +32,12 @@ def _dtype_name(dtype) -> str:
 def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
     """``(format, note)``: per-expert when transformers' conversion rules fuse any key, from a meta-device model."""
     try:
-        from xpar_zoo.converters.hub_layout import plan_hub_layout
+        from xpar_zoo.hub_layout import map_hub_layout
         from xpar_zoo.loader import build_meta
 
         import torch
 
-        layout = plan_hub_layout(build_meta(config, torch.float32), tensors)
+        layout = map_hub_layout(build_meta(config, torch.float32), tensors)
         fused = any(t.rule != "key" for t in layout.targets.values())
         return (HUB_PER_EXPERT if fused else HUB_FUSED), None
     except Exception as e:  # an architecture transformers lacks, or a checkpoint that does not fit: say so
@@ -50,7 +48,7 @@ def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
 def _inspect_hub(directory: Path) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from xpar_zoo.converters.hub_layout import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
+    from xpar_zoo.safetensors_files import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
 
     def _dtype_name(code: str) -> str:  # torch's names, so that hub and DCP reports read alike
         return str(SAFETENSORS_DTYPES[code]).removeprefix("torch.") if code in SAFETENSORS_DTYPES else code
@@ -58,7 +56,7 @@ def _inspect_hub(directory: Path) -> dict[str, Any]:
     try:
         config = AutoConfig.from_pretrained(directory)
     except Exception as e:
-        raise InspectError(f"{directory / 'config.json'}: unreadable config ({type(e).__name__}: {e})") from None
+        raise ConvertError(f"{directory / 'config.json'}: unreadable config ({type(e).__name__}: {e})") from None
     tensors = read_checkpoint_headers(directory)
     fmt, note = _hub_format(directory, config, tensors)
     files: dict[str, dict[str, int]] = {}
@@ -87,14 +85,12 @@ def _inspect_hub(directory: Path) -> dict[str, Any]:
 def _dcp_summary(directory: Path, model_only: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from xpar_zoo.checkpoint import MODEL_KEY, _read_dcp_metadata, _SafeReader
-
     try:
-        metadata = _read_dcp_metadata(_SafeReader(str(directory)), directory)
+        metadata = read_dcp_metadata(SafeReader(str(directory)), directory)
     except XparError:
         raise
     except Exception as e:
-        raise InspectError(f"{directory}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+        raise ConvertError(f"{directory}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
     tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     model = {k: v for k, v in tensors.items() if k.startswith(f"{MODEL_KEY}.")}
     counted = model if model_only else tensors
@@ -114,14 +110,11 @@ def _dcp_summary(directory: Path, model_only: bool) -> dict[str, Any]:
 
 
 def _inspect_step(directory: Path, verify: bool = False) -> dict[str, Any]:
-    from xpar_zoo.checkpoint import META_FILE, _incomplete_reason
-
     try:
         meta = json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise InspectError(f"{directory / META_FILE}: unreadable ({e})") from None
-    named = re.fullmatch(r"step-(\d+)", directory.name)
-    why = _incomplete_reason(directory, int(named[1]) if named else None)
+        raise ConvertError(f"{directory / META_FILE}: unreadable ({e})") from None
+    why = incomplete_reason(directory, step_of(directory))
     out = {"format": XPAR_CHECKPOINT, "path": str(directory), "model_type": meta.get("model_type"),
            "model_class": meta.get("model_class"), "step": meta.get("step"), "complete": why is None}
     if why:
@@ -138,16 +131,12 @@ def _inspect_step(directory: Path, verify: bool = False) -> dict[str, Any]:
 
 
 def _verify(directory: Path) -> dict[str, Any]:
-    from xpar_zoo.checkpoint import verify_checkpoint
-
     result = verify_checkpoint(directory)
     return {"checksum": result["checksum"], "files": result["files"], "problems": result["problems"]}
 
 
 def _inspect_root(directory: Path, verify: bool) -> dict[str, Any]:
-    from xpar_zoo.checkpoint import _scan
-
-    complete, broken = _scan(directory)
+    complete, broken = scan_root(directory)
     out: dict[str, Any] = {
         "format": XPAR_ROOT, "path": str(directory),
         "checkpoints": [{"dir": p.name, "step": s, **({"verify": _verify(p)} if verify else {})}
@@ -170,15 +159,14 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict
     ``verify=True`` also reads every file of an xpar_zoo checkpoint (of every complete one under a root) and checks
     it against the checksums recorded at save: ``verify`` ``{"checksum", "files", "problems"}`` (see
     :func:`damage`)."""
-    from xpar_zoo.checkpoint import DCP_METADATA, META_FILE, STEP_PREFIX, TMP_PREFIX
 
     directory = Path(path).expanduser()
     if not directory.is_dir():
-        raise InspectError(f"{directory}: not a directory")
+        raise ConvertError(f"{directory}: not a directory")
     if (directory / META_FILE).is_file():
         return _inspect_step(directory, verify)
     if verify and ((directory / DCP_METADATA).is_file() or (directory / "config.json").is_file()):
-        raise InspectError(f"{directory}: --verify checks xpar_zoo checkpoints (their COMPLETE marker records a "
+        raise ConvertError(f"{directory}: --verify checks xpar_zoo checkpoints (their COMPLETE marker records a "
                            "checksum per file); this is not one")
     if (directory / DCP_METADATA).is_file():
         return {"format": PLAIN_DCP, "path": str(directory), "model_type": None,
@@ -187,7 +175,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict
         return _inspect_hub(directory)
     if any(c.is_dir() and c.name.startswith((STEP_PREFIX, TMP_PREFIX)) for c in directory.iterdir()):
         return _inspect_root(directory, verify)
-    raise InspectError(f"{directory}: neither a hub checkpoint (no config.json), nor a DCP checkpoint (no "
+    raise ConvertError(f"{directory}: neither a hub checkpoint (no config.json), nor a DCP checkpoint (no "
                        f"{DCP_METADATA}), nor a root of xpar_zoo checkpoints (no {STEP_PREFIX}* directory)")
 
 

@@ -5,7 +5,7 @@ at global shapes, ``xpar_checkpoint.json``, ``extra_state.json``, ``COMPLETE``),
 :func:`xpar_zoo.save_checkpoint` writes minus optimizer and RNG state, so :func:`xpar_zoo.load_checkpoint` loads it
 on any mesh and world size, and a restart skips the per-expert fusion of ``from_pretrained``.
 
-Streaming: the tensors are planned from the safetensors headers (:func:`plan_hub_layout`, no data), then assembled a
+Streaming: the tensors are planned from the safetensors headers (:func:`map_hub_layout`, no data), then assembled a
 batch of at most ``max_bytes`` at a time (each hub piece read straight into its place in the fused tensor) and
 written as one DCP part per batch (``dcp.save(..., no_dist=True)``); the parts' ``.metadata`` are merged into one at
 the end. Peak memory stays near one and a half batches whatever the model size (tests: +48 MiB for a 197 MiB
@@ -22,19 +22,19 @@ from pathlib import Path
 
 import torch
 
+from xpar_zoo.atomic_dir import StagingDir, check_apart, check_output, durable_write
 from xpar_zoo.batching import byte_batches
-from xpar_zoo.errors import XparError
-
-from .hub_layout import SAFETENSORS_DTYPES
-from .output_dir import StagingDir, check_apart, check_output
+from xpar_zoo.checkpoint import (DCP_METADATA, EXTRA_FILE, META_FILE, MODEL_KEY, checkpoint_name, model_tensor_specs,
+                                 write_complete_marker)
+from xpar_zoo.checkpoint.dcp_io import MetadataUnpickler, quiet_single_process
+from xpar_zoo.checkpoint.state import metadata_record
+from xpar_zoo.errors import ConvertError
+from xpar_zoo.safetensors_files import SAFETENSORS_DTYPES
+from xpar_zoo.loader import open_hub_checkpoint
+from xpar_zoo.materialize import initialise_buffers
 
 DEFAULT_BATCH_BYTES = 1 << 30
 _PART_PREFIX = ".part-"
-
-
-class ConvertError(XparError, ValueError):
-    """A conversion that cannot be done as asked: an existing or unwritable output, a checkpoint whose pieces
-    disagree (mixed dtypes within one tensor)."""
 
 
 class _Files:
@@ -80,7 +80,7 @@ class _Files:
         self.st.clear()
 
 
-def _assemble(layout, name: str, files: _Files) -> torch.Tensor:
+def assemble(layout, name: str, files: _Files) -> torch.Tensor:
     """The full tensor ``name``, filled piece by piece from the hub files."""
     target = layout.targets[name]
     if target.conversion is not None:  # a rule without a slice-wise reading: transformers' own conversion
@@ -101,8 +101,6 @@ def _assemble(layout, name: str, files: _Files) -> torch.Tensor:
 def _init_buffers(model, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Values of persistent buffers the checkpoint may lack (the model's own ``_init_weights``), one module at a
     time on CPU."""
-    from xpar_zoo.loader import initialise_buffers
-
     out = {}
     for name in names:
         module = model.get_submodule(name.rpartition(".")[0])
@@ -120,12 +118,10 @@ def _merge_parts(tmp: Path, parts: list[Path]) -> None:
 
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    from xpar_zoo.checkpoint import DCP_METADATA, _MetadataUnpickler, _write_file
-
     merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={}, storage_meta=StorageMeta())
     for k, part in enumerate(parts):
         with open(part / DCP_METADATA, "rb") as f:
-            meta = _MetadataUnpickler(f).load()
+            meta = MetadataUnpickler(f).load()
         renames = {}
         for i, src in enumerate(sorted(p.name for p in part.iterdir() if p.name != DCP_METADATA)):
             renames[src] = f"__{k}_{i}.distcp"
@@ -141,7 +137,7 @@ def _merge_parts(tmp: Path, parts: list[Path]) -> None:
         if getattr(meta, "version", None) is not None:
             merged.version = meta.version
         shutil.rmtree(part)
-    _write_file(tmp / DCP_METADATA, pickle.dumps(merged))
+    durable_write(tmp / DCP_METADATA, pickle.dumps(merged))
 
 
 def convert_to_dcp(
@@ -160,29 +156,18 @@ def convert_to_dcp(
     ``max_bytes`` of tensors at a time. ``force`` replaces an existing ``out_dir``. Returns the step directory."""
     import torch.distributed.checkpoint as dcp
     from tqdm.auto import tqdm
-    from transformers import AutoConfig
-
-    from xpar_zoo import checkpoint as ck
-    from xpar_zoo.converters.hub_layout import plan_hub_layout, read_checkpoint_headers
-    from xpar_zoo.hub import resolve
-    from xpar_zoo.loader import build_meta
 
     out_dir = Path(out_dir).expanduser().absolute()
     check_output(out_dir, force, ConvertError, inputs=[Path(name).expanduser()])
-    resolved = resolve(name, revision, cache_dir=cache_dir, token=token)
-    directory = resolved.directory
+    hub = open_hub_checkpoint(name, revision, cache_dir=cache_dir, token=token)  # strict: raises before any data
+    directory, model, layout, resolved = hub.directory, hub.model, hub.layout, hub.resolved
     check_apart(out_dir, [directory], ConvertError)  # a hub id's snapshot (or a link to a local directory)
-    config = AutoConfig.from_pretrained(directory)
-    if getattr(config, "quantization_config", None):
-        raise ConvertError(f"{name}: quantized checkpoints ({config.quantization_config}) are not supported")
-    model = build_meta(config, getattr(config, "dtype", None) or torch.float32)
-    layout = plan_hub_layout(model, read_checkpoint_headers(directory))  # strict: raises before reading data
     state_names = list(model.state_dict(keep_vars=True))  # what get_model_state_dict / load_checkpoint expect
     aliases = layout.aliases
     buffers = _init_buffers(model, layout.init_buffers) if layout.init_buffers else {}
     sizes = {n: sum(p.source.nbytes for p in layout.targets[n].pieces) for n in state_names if n in layout.targets}
     unplaced = [n for n in state_names if n not in sizes and n not in aliases and n not in buffers]
-    if unplaced:  # pragma: no cover - plan_hub_layout has already checked coverage
+    if unplaced:  # pragma: no cover - map_hub_layout has already checked coverage
         raise ConvertError(f"no checkpoint data for {unplaced[:8]}")
     alias_of: dict[str, list[str]] = {}
     for alias, canonical in aliases.items():
@@ -191,7 +176,7 @@ def convert_to_dcp(
 
     step = 0
     with StagingDir(out_dir, ConvertError) as tmp:  # moved into place when complete, removed on any error
-        ckpt = tmp / ck.checkpoint_name(step)
+        ckpt = tmp / checkpoint_name(step)
         ckpt.mkdir(parents=True)
         with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="convert to DCP",
                   disable=not progress) as bar:  # closed (a line of its own) on errors too
@@ -201,7 +186,7 @@ def convert_to_dcp(
                 state = {}
                 try:
                     for n in batch:
-                        state[n] = _assemble(layout, n, files)
+                        state[n] = assemble(layout, n, files)
                         for alias in alias_of.get(n, ()):
                             state[alias] = state[n]
                 finally:
@@ -209,30 +194,28 @@ def convert_to_dcp(
                 if k == 0:
                     state.update(buffers)
                 part = ckpt / f"{_PART_PREFIX}{k:05d}"
-                with ck._quiet_single_process():
-                    dcp.save({ck.MODEL_KEY: state}, storage_writer=dcp.FileSystemWriter(str(part), sync_files=True),
+                with quiet_single_process():
+                    dcp.save({MODEL_KEY: state}, storage_writer=dcp.FileSystemWriter(str(part), sync_files=True),
                              no_dist=True)
                 parts.append(part)
                 bar.update(sum(sizes[n] for n in batch))
                 del state
         _merge_parts(ckpt, parts)
-        meta = ck._metadata(model, step, None, {}, None)
+        meta = metadata_record(model, step, None, {}, None)
         meta.update(world_size=None, converted_from={
             "source": str(name), "directory": str(directory), "origin": resolved.origin,
             "revision": resolved.revision, "commit": resolved.commit,
             "layout": "hub per-expert" if any(t.rule != "key" for t in layout.targets.values()) else "hub fused",
             "note": "converted from hub by xpar-zoo convert to-dcp: no optimizer or RNG state"})
-        ck._write_file(ckpt / ck.META_FILE, json.dumps(meta, indent=1).encode())
-        ck._write_file(ckpt / ck.EXTRA_FILE, json.dumps({}).encode())
-        ck.write_complete_marker(ckpt, step)
+        durable_write(ckpt / META_FILE, json.dumps(meta, indent=1).encode())
+        durable_write(ckpt / EXTRA_FILE, json.dumps({}).encode())
+        write_complete_marker(ckpt, step)
         _check_readable(ckpt, {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()})
-    return out_dir / ck.checkpoint_name(step)
+    return out_dir / checkpoint_name(step)
 
 
 def _check_readable(ckpt: Path, shapes: dict[str, tuple[int, ...]]) -> None:
     """The merged metadata indexes every model tensor at its shape (no data read)."""
-    from xpar_zoo.checkpoint import model_tensor_specs
-
     specs = model_tensor_specs(ckpt)
     if {n: s for n, (s, _) in specs.items()} != shapes:
         missing = sorted(set(shapes) - set(specs))

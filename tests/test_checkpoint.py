@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 import xpar_zoo
 from xpar_zoo import checkpoint
+from xpar_zoo.checkpoint.dcp_io import quiet_single_process
 from xpar_zoo.testing import launch, parity
 
 SAVE_WORLD, LOAD_WORLD = 4, 2
@@ -184,7 +185,7 @@ def _assert_same_state(got: dict, want: dict) -> None:
 def test_ep4_checkpoint_stores_experts_at_global_shape(runs):
     cfg = parity.tiny_config("qwen3_moe")
     assert runs["saved"]["local"][f"{EXPERTS}.gate_up_proj"] == (2, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
-    md = checkpoint._SafeReader(runs["saved"]["path"]).read_metadata().state_dict_metadata
+    md = checkpoint.SafeReader(runs["saved"]["path"]).read_metadata().state_dict_metadata
     E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     assert tuple(md[f"model.{EXPERTS}.gate_up_proj"].size) == (E, 2 * I, H)
     assert tuple(md[f"model.{EXPERTS}.down_proj"].size) == (E, H, I)
@@ -192,7 +193,7 @@ def test_ep4_checkpoint_stores_experts_at_global_shape(runs):
     assert tuple(md["model.lm_head.weight"].size) == (cfg.vocab_size, H)
     # global expert ids: row j of the stored tensor is expert j of the single-process layout
     full = {f"model.{EXPERTS}.down_proj": torch.empty(E, H, I)}
-    with checkpoint._quiet_single_process():
+    with quiet_single_process():
         dcp.load(full, checkpoint_id=runs["saved"]["path"], no_dist=True)
     assert torch.equal(full[f"model.{EXPERTS}.down_proj"], runs["saved"]["at_save"]["params"][f"{EXPERTS}.down_proj"])
 
@@ -232,7 +233,7 @@ def test_resume_on_other_mesh_reproduces_training(runs, target):
 
 def test_async_save_snapshots_state_at_call_and_commits(runs):
     path = Path(runs["saved"]["async_path"])
-    assert path.name == "step-00000004" and checkpoint._incomplete_reason(path) is None
+    assert path.name == "step-00000004" and checkpoint.incomplete_reason(path) is None
     assert xpar_zoo.latest_checkpoint(runs["root"]) == path
     _assert_same_state(runs["loaded"]["ep2"]["latest"], runs["saved"]["at_async"])
 
@@ -379,7 +380,7 @@ def test_dcp_metadata_is_never_unpickled_beyond_dcp_classes(tmp_path, tiny):
 
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(xpar_zoo.CheckpointError, match="refusing to unpickle"):
-        checkpoint._SafeReader(str(path)).read_metadata()
+        checkpoint.SafeReader(str(path)).read_metadata()
 
 
 # ---- SIGKILL during a save ---------------------------------------------------------------------------------------
@@ -399,8 +400,21 @@ _KILLED_SAVE = textwrap.dedent("""
                 kill()
             return write(*args, **kwargs)
         fs._write_item = _write_item
-    else:
-        checkpoint._reached = lambda p: kill() if p == phase else None
+    else:  # each phase: the process dies when the save reaches the step that follows it
+        from xpar_zoo.checkpoint import layout, save
+        dying = lambda *args, **kwargs: kill()
+        if phase == "begin":
+            save.save_rng = dying  # the first write into the new .tmp- directory
+        elif phase == "rng_written":
+            save.metadata_record = dying  # rank 0 writes the metadata files after the RNG
+        elif phase == "dcp_written":
+            save._finish_save = dying  # checksums and commit, once every tensor is written
+        elif phase == "before_rename":
+            save.commit = dying
+        elif phase == "before_marker":
+            layout.write_complete_marker = dying
+        elif phase == "pruning":
+            layout.remove_aside = lambda path, name: (path.rename(path.with_name(name)), kill())
     model = parity.build_model(parity.tiny_config("qwen3_moe"), seed=1)
     checkpoint.save_checkpoint(sys.argv[1], model, extra_state={"step": 2}, keep_last=1)
 """)

@@ -44,7 +44,7 @@ def test_plan_names_the_model_it_sized(capsys):
 
     assert cli.main(["plan", "qwen3_moe", "--world", "8", "--ep", "2"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    config = cli._load_config("qwen3_moe")
+    config = cli.load_model_config("qwen3_moe")
     params = sum(p.numel() for p in planner.meta_model(config).parameters())
     assert first == (f"model: qwen3_moe (transformers' default qwen3_moe config): {config.num_hidden_layers} layers, "
                      f"{params / 1e9:.2f}B parameters, {config.num_experts} experts, top-{config.num_experts_per_tok}")

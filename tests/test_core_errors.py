@@ -7,35 +7,37 @@ import xpar_zoo
 from xpar_zoo.testing import launch, parity
 
 
-def _attempt(kind: str) -> str:
-    """Run one bad setup on this rank; return the error text (or "no error")."""
+def _other_model_on_rank_1(model):
     import torch.distributed as dist
 
+    return parity.build_model(parity.tiny_config(num_hidden_layers=3)) if dist.get_rank() == 1 else model
+
+
+def _ep_of_rank(rank: int) -> int:
+    return 2 if rank != 2 else 4
+
+
+# Each case: the bad setup, given the (tiny, real) model; it must raise before the model is touched.
+ATTEMPTS = {
+    "ep3_world4": lambda model: xpar_zoo.Mesh(ep=3),
+    "ep8_world4": lambda model: xpar_zoo.Mesh(ep=8),
+    "unknown_plan": lambda model: xpar_zoo.parallelize(model, xpar_zoo.Mesh(foo=2)),
+    "experts_6_ep4": lambda model: xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=4)),
+    "replicate3": lambda model: xpar_zoo.Mesh(replicate=3),
+    "ep4_replicate2": lambda model: xpar_zoo.Mesh(ep=4, replicate=2),
+    "ranks_disagree_on_mesh": lambda model: xpar_zoo.Mesh(ep=_ep_of_rank(torch.distributed.get_rank())),
+    "ranks_disagree_on_model": lambda model: xpar_zoo.parallelize(_other_model_on_rank_1(model), xpar_zoo.Mesh(ep=2)),
+    "from_lists_mismatch": lambda model: xpar_zoo.Mesh.from_lists(sizes=[2, 2], names=["ep"]),
+}
+
+
+def _attempt(kind: str) -> str:
+    """Run one bad setup on this rank; return the error text (or "no error")."""
     cfg = parity.tiny_config("qwen3_moe", num_experts=6) if kind == "experts_6_ep4" else parity.tiny_config()
     model = parity.build_model(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        if kind == "ep3_world4":
-            xpar_zoo.Mesh(ep=3)
-        elif kind == "ep8_world4":
-            xpar_zoo.Mesh(ep=8)
-        elif kind == "unknown_plan":
-            xpar_zoo.parallelize(model, xpar_zoo.Mesh(foo=2))
-        elif kind == "experts_6_ep4":
-            xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=4))
-        elif kind == "replicate3":
-            xpar_zoo.Mesh(replicate=3)
-        elif kind == "ep4_replicate2":
-            xpar_zoo.Mesh(ep=4, replicate=2)
-        elif kind == "ranks_disagree_on_mesh":
-            xpar_zoo.Mesh(ep=2 if dist.get_rank() != 2 else 4)
-        elif kind == "ranks_disagree_on_model":
-            other = parity.build_model(parity.tiny_config(num_hidden_layers=3)) if dist.get_rank() == 1 else model
-            xpar_zoo.parallelize(other, xpar_zoo.Mesh(ep=2))
-        elif kind == "from_lists_mismatch":
-            xpar_zoo.Mesh.from_lists(sizes=[2, 2], names=["ep"])
-        else:
-            raise AssertionError(kind)
+        ATTEMPTS[kind](model)
         return "no error"
     except xpar_zoo.XparError as e:
         untouched = all(not isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()) and all(

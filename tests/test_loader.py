@@ -13,7 +13,9 @@ from safetensors.torch import load_file, save_file
 
 import xpar_zoo
 from xpar_zoo.testing import launch, parity
-from xpar_zoo.converters.hub_layout import (CheckpointMismatchError, plan_hub_layout, read_checkpoint_headers)
+from xpar_zoo.errors import CheckpointMismatchError
+from xpar_zoo.hub_layout import map_hub_layout
+from xpar_zoo.safetensors_files import read_checkpoint_headers
 from xpar_zoo.loader import build_meta
 
 WORLD = 4
@@ -289,13 +291,13 @@ def test_ep4_ranks_read_only_their_own_experts(results):
         assert _experts_read(read) == {2 * rank, 2 * rank + 1}
 
 
-def test_ep2_ranks_read_their_experts_and_their_half_of_gate_up(results):
-    # ranks [[0, 1], [2, 3]] = [ep_fsdp, ep]: rank r owns experts 4·(r % 2) … +3 and rows r // 2 of [2I] = gate | up
+def test_ep2_ranks_read_only_their_quarter_of_the_experts(results):
+    # ranks [[0, 1], [2, 3]] = [ep_fsdp, ep]: ep rank r % 2 holds experts 4·(r % 2) … +3, which FSDP splits on dim 0
+    # over the ep_fsdp ranks: rank r keeps 2 of them, gate and up (tests/test_fsdp_placement.py reads dim-1 shards)
     for rank, read in enumerate(results["hub_ep2"]["read"]):
-        own = set(range(4 * (rank % 2), 4 * (rank % 2) + 4))
-        assert _experts_read(read) == own
-        assert _experts_read(read, "gate_proj") == (own if rank < 2 else set())
-        assert _experts_read(read, "up_proj") == (own if rank >= 2 else set())
+        first = 4 * (rank % 2) + 2 * (rank // 2)
+        own = {first, first + 1}
+        assert _experts_read(read) == _experts_read(read, "gate_proj") == _experts_read(read, "up_proj") == own
 
 
 def test_uneven_fsdp_shards_read_only_their_rows(results, checkpoints):
@@ -362,7 +364,7 @@ def test_mixtral_w1_w3_fuse_into_gate_up_by_transformers_rules(tmp_path):
                                num_experts_per_tok=2, tie_word_embeddings=False)
     model = parity.build_model(cfg)
     model.save_pretrained(tmp_path)
-    layout = plan_hub_layout(build_meta(cfg, torch.float32), read_checkpoint_headers(tmp_path))
+    layout = map_hub_layout(build_meta(cfg, torch.float32), read_checkpoint_headers(tmp_path))
     target = layout.targets["model.layers.0.mlp.experts.gate_up_proj"]
     assert [p.source.key for p in target.pieces[:1]] == ["model.layers.0.block_sparse_moe.experts.0.w1.weight"]
     assert target.pieces[4].source.key == "model.layers.0.block_sparse_moe.experts.0.w3.weight"
@@ -381,14 +383,15 @@ def test_layout_errors_list_every_problem_at_once(checkpoints):
     tensors.update(read_checkpoint_headers(checkpoints["unexpected_key"]))
     tensors.pop("model.norm.weight")
     with pytest.raises(CheckpointMismatchError) as err:
-        plan_hub_layout(build_meta(parity.tiny_config("qwen3_moe"), torch.float32), tensors)
+        map_hub_layout(build_meta(parity.tiny_config("qwen3_moe"), torch.float32), tensors)
     message = str(err.value)
     assert "model.norm.weight [32]" in message and "extra_proj" in message
     assert isinstance(err.value, xpar_zoo.XparError)
 
 
 def test_unread_buffers_come_from_the_models_own_init_or_fail_loudly():
-    from xpar_zoo.loader import LoadError, initialise_buffers
+    from xpar_zoo.errors import LoadError
+    from xpar_zoo.materialize import initialise_buffers
 
     model = parity.build_model(parity.tiny_config("qwen3_moe"))
     expected = model.model.rotary_emb.inv_freq.clone()

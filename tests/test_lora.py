@@ -6,7 +6,6 @@ PEFT loads in one process (and ``adapter=PATH`` loads back, trainable); a DCP ch
 (ep4 → ep2, optimizer state included) and exports merged hub weights; a bf16 base with fp32 adapters trains."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """Every mesh trains qwen3_moe exactly like single-process transformers (4 gloo ranks, fp32): one SGD(lr=1) step on
 each mesh and three clipped AdamW steps on some, on labels whose valid targets differ per rank (one rank has none in
-the first step); the planned shards hold E/ep experts or V/size vocab rows on dim 0 and FSDP's share on dim 1.
+the first step); the planned shards hold E/ep experts or V/size vocab rows on dim 0, which FSDP splits again on dim 0.
 
 Meshes: FSDP, EP (consecutive and strided groups, HSDP), vocab plans (emb, head, both, with EP, mixed placements)
 and user-named ``gathered`` plans. One spawned 4-rank job runs them all."""
@@ -71,20 +71,20 @@ def test_three_clipped_adamw_steps_match_single_process(results, mesh):
     parity.assert_params_match(row["adamw_errors"], what=f"{mesh}, 3 AdamW steps:")
 
 
-@pytest.mark.parametrize("mesh,experts_dim0,fsdp_dim1", [
-    ("ep2", 4, 2), ("ep4", 2, 1), ("ep2_strided", 4, 2), ("ep2_replicate2", 4, 1)])
-def test_expert_shards_hold_E_over_ep_on_dim0_and_fsdp_on_dim1(results, mesh, experts_dim0, fsdp_dim1):
+@pytest.mark.parametrize("mesh,experts", [("ep2", 2), ("ep4", 2), ("ep2_strided", 2), ("ep2_replicate2", 4)])
+def test_expert_shards_hold_E_over_ep_split_again_on_dim0_by_fsdp(results, mesh, experts):
+    """8 experts: ep=2 keeps 4 per rank, which FSDP splits over its 2 ranks on dim 0 (1 rank with ep=4 or HSDP);
+    tests/test_fsdp_placement.py proves dim 1 where they do not divide."""
     cfg = parity.tiny_config("qwen3_moe")
     local = results[mesh]["local"]
-    assert local[f"{EXPERTS}.gate_up_proj"] == (experts_dim0, 2 * cfg.moe_intermediate_size // fsdp_dim1,
-                                                cfg.hidden_size)
-    assert local[f"{EXPERTS}.down_proj"] == (experts_dim0, cfg.hidden_size // fsdp_dim1, cfg.moe_intermediate_size)
+    assert local[f"{EXPERTS}.gate_up_proj"] == (experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    assert local[f"{EXPERTS}.down_proj"] == (experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
 
-@pytest.mark.parametrize("mesh,param,dim0,fsdp", [
-    ("emb2", EMB, 64, 2), ("emb4", EMB, 32, 1), ("ep2_emb2", EMB, 64, 2), ("head2", HEAD, 64, 2),
-    ("ep2_emb2_head2", HEAD, 64, 2), ("emb4_head4", HEAD, 32, 1), ("mixed_placement", EMB, 64, 2),
-    ("user_plans", O_PROJ, 16, 2), ("user_plans", Q_PROJ, 8, 1)])
-def test_planned_vocab_and_user_shards_hold_rows_over_size_on_dim0_and_fsdp_on_dim1(results, mesh, param, dim0, fsdp):
+@pytest.mark.parametrize("mesh,param,rows", [
+    ("emb2", EMB, 32), ("emb4", EMB, 32), ("ep2_emb2", EMB, 32), ("head2", HEAD, 32),
+    ("ep2_emb2_head2", HEAD, 32), ("emb4_head4", HEAD, 32), ("mixed_placement", EMB, 32),
+    ("user_plans", O_PROJ, 8), ("user_plans", Q_PROJ, 8)])
+def test_planned_vocab_and_user_shards_hold_rows_over_size_split_again_on_dim0_by_fsdp(results, mesh, param, rows):
     cfg = parity.tiny_config("qwen3_moe")
-    assert results[mesh]["local"][param] == (dim0, cfg.hidden_size // fsdp)
+    assert results[mesh]["local"][param] == (rows, cfg.hidden_size)

@@ -17,7 +17,15 @@ from xpar_zoo.testing import launch, parity
 WORLD, BATCH, SEQ = 4, 4, 64
 VOCAB = 1024
 MESHES = {"fsdp": ({}, 1), "ep2": ({"ep": 2}, 1), "ep4": ({"ep": 4}, 1), "ep2_replicate2": ({"ep": 2}, 2),
-          "emb2": ({"emb": 2}, 1), "head2": ({"head": 2}, 1), "ep2_emb2_head2": ({"ep": 2, "emb": 2, "head": 2}, 1)}
+          "emb2": ({"emb": 2}, 1), "head2": ({"head": 2}, 1), "ep2_emb2_head2": ({"ep": 2, "emb": 2, "head": 2}, 1),
+          "ep2_emb2_head2_dim1": ({"ep": 2, "emb": 2, "head": 2}, 1)}
+# Config overrides per mesh: 8 experts and 1024 vocab rows make every planned slice divide by its 2 FSDP ranks
+# (FSDP2 shards them on dim 0); 6 experts and 1026 rows make slices of 3 and 513 (dim 1).
+CONFIGS = {"ep2_emb2_head2_dim1": dict(num_experts=6, vocab_size=VOCAB + 2)}
+
+
+def _config(mesh: str):
+    return parity.tiny_config("qwen3_moe", **{"vocab_size": VOCAB, **CONFIGS.get(mesh, {})})
 
 
 @contextlib.contextmanager
@@ -80,21 +88,21 @@ def count_sent_bytes(totals: dict):
             setattr(dist, name, fn)
 
 
-def _distinct_ids(rank: int) -> torch.Tensor:
+def _distinct_ids(rank: int, vocab: int) -> torch.Tensor:
     """``BATCH × SEQ`` distinct ids, half from each half of the vocab (so each emb2 owner gets half)."""
     g = torch.Generator().manual_seed(rank)
     half = BATCH * SEQ // 2
-    ids = torch.cat([torch.randperm(VOCAB // 2, generator=g)[:half],
-                     VOCAB // 2 + torch.randperm(VOCAB // 2, generator=g)[:half]])
+    ids = torch.cat([torch.randperm(vocab // 2, generator=g)[:half],
+                     vocab // 2 + torch.randperm(vocab // 2, generator=g)[:half]])
     return ids[torch.randperm(ids.numel(), generator=g)].view(BATCH, SEQ)
 
 
 def _job(meshes):
-    cfg = parity.tiny_config("qwen3_moe", vocab_size=VOCAB)
     out = {}
     for name, (sizes, replicate) in meshes.items():
+        cfg = _config(name)
         model = xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(**sizes, replicate=replicate))
-        ids = _distinct_ids(dist.get_rank())
+        ids = _distinct_ids(dist.get_rank(), cfg.vocab_size)
         totals = {}
         with count_sent_bytes(totals):
             model(input_ids=ids, labels=ids).loss.backward()
@@ -119,8 +127,7 @@ def measured():
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_planner_predicts_collective_bytes_within_5_percent(measured, mesh):
     sizes, replicate = MESHES[mesh]
-    cfg = parity.tiny_config("qwen3_moe", vocab_size=VOCAB)
-    est = planner.estimate(cfg, WORLD, sizes, replicate, micro_batch=BATCH, seq=SEQ, param_dtype="fp32",
+    est = planner.estimate(_config(mesh), WORLD, sizes, replicate, micro_batch=BATCH, seq=SEQ, param_dtype="fp32",
                            reduce_dtype="fp32")
     c = est.comm
     predicted = {"all_gather": c["all_gather (FSDP params)"] + c["all_gather (head loss statistics)"],
@@ -144,13 +151,30 @@ def test_planner_predicts_parameter_gradient_and_optimizer_memory_within_5_perce
     """The exact memory terms against the bytes each rank really holds after one AdamW step (averaged over ranks;
     the planner counts FSDP's padding, the local shards do not)."""
     sizes, replicate = MESHES[mesh]
-    cfg = parity.tiny_config("qwen3_moe", vocab_size=VOCAB)
-    est = planner.estimate(cfg, WORLD, sizes, replicate, optimizer="adamw")
+    est = planner.estimate(_config(mesh), WORLD, sizes, replicate, optimizer="adamw")
     predicted = {"params": est.memory["parameters (fp32 shards)"], "grads": est.memory["gradients (fp32 shards)"],
                  "optimizer": est.memory["optimizer states (adamw)"]}
     for kind, want in predicted.items():
         got = sum(memory[kind] for _, memory in measured[mesh]) / WORLD
         assert abs(got - want) <= 0.05 * want, f"{kind}: measured {got:.0f} B/rank, predicted {want:.0f}"
+
+
+@pytest.mark.parametrize("overrides,dim", [({}, 0), (dict(num_experts=6, vocab_size=126), 1)])
+def test_planner_reports_the_fsdp_placement_and_the_dim1_chunk_cat_temporary(overrides, dim):
+    """8 experts / 128 rows split by 2 leave slices that divide by the 2 FSDP ranks (dim 0: no chunk-cat copy);
+    6 / 126 do not (dim 1): one unit's dim-1 tensors at their unsharded size, once, in the parameter dtype."""
+    cfg = parity.tiny_config("qwen3_moe", **overrides)
+    est = planner.estimate(cfg, WORLD, {"ep": 2, "emb": 2, "head": 2}, micro_batch=1, seq=64)
+    layers = cfg.num_hidden_layers
+    assert est.placement == {"ep": {f"dim {dim}": 2 * layers}, "emb": {f"dim {dim}": 1}, "head": {f"dim {dim}": 1}}
+    assert f"ep: {2 * layers} tensors on dim {dim}; emb: 1 tensor on dim {dim}" in planner.format_estimate(est)
+    temporary = est.memory.get("FSDP chunk-cat temporary (dim-1 shards)", 0)
+    if dim == 0:
+        assert temporary == 0
+    else:
+        experts = cfg.num_experts // 2 * 3 * cfg.moe_intermediate_size * cfg.hidden_size  # gate_up + down, 3 local
+        vocab = cfg.vocab_size // 2 * cfg.hidden_size
+        assert temporary == max(experts, vocab) * 2  # bf16
 
 
 def test_suggestions_fit_the_world_and_the_shapes():

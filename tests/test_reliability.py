@@ -18,7 +18,7 @@ missing / unexpected / wrong-shape hub tensors     CheckpointMismatchError    te
 hub id not in the offline cache                    HubResolutionError         test_loader (offline_unknown_repo)
 DCP checkpoint of other shapes / architecture      CheckpointError            test_checkpoint (test_other_*)
 DCP .metadata with a foreign pickle global         CheckpointError            test_checkpoint (…never_unpickled…)
-convert to-hf into an existing output / int3       ExportError (exit 2)       test_export (…refuses_an_existing…)
+convert to-hf into an existing output / int3       ConvertError (exit 2)      test_export (…refuses_an_existing…)
 SIGKILL at every phase of a save / of one rank     last checkpoint intact     test_checkpoint (test_sigkill_*,
                                                                               test_a_rank_killed_mid_save_*)
 SIGKILL during convert to-hf                       earlier output intact      test_export (test_a_killed_export_*)
@@ -110,73 +110,124 @@ def _two_of_a_size(path: Path) -> tuple[str, str]:
     return next(tuple(keys[:2]) for keys in by_size.values() if len(keys) > 1)
 
 
+# ---- ways to break a hub checkpoint: one small function a case ----------------------------------------------------
+def _config_absent(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    (out / "config.json").unlink()
+
+
+def _config_invalid_json(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    (out / "config.json").write_text('{"model_type": "qwen3_moe",')
+
+
+def _config_no_model_type(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    (out / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "model_type"}))
+
+
+def _config_unknown_model_type(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    (out / "config.json").write_text(json.dumps(config | {"model_type": "nope_moe"}))
+
+
+def _config_no_plan(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    """transformers knows gpt2, xpar_zoo has no plan for it"""
+    (out / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4,
+                                                 "vocab_size": 128}))
+
+
+def _other_architecture(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    """dense qwen3 weights under a qwen3_moe config"""
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def _shard_absent(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    (out / files[1]).unlink()
+    facts["file"] = files[1]
+
+
+def _header_truncated(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    os.truncate(out / files[0], 40)
+    facts["file"] = files[0]
+
+
+def _data_truncated(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    os.truncate(out / files[0], (out / files[0]).stat().st_size - 100)
+    facts["file"] = files[0]
+
+
+def _header_corrupt(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    with open(out / files[0], "r+b") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        f.write(b"\x00{]" + b"x" * (size - 3))
+    facts["file"] = files[0]
+
+
+def _quantization_config(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    (out / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "mxfp4"}}))
+
+
+def _mxfp4_blocks(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    key = "model.layers.0.mlp.experts.0.down_proj.weight"
+    facts["file"] = _edit_file(out, key, lambda t: t.update({
+        "model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(8, 32, 2, 16, dtype=torch.uint8),
+        "model.layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(8, 32, 2, dtype=torch.uint8)}))
+
+
+def _int8_weights(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    key = "model.layers.1.self_attn.q_proj.weight"
+    facts["file"] = _edit_file(out, key, lambda t: t.update({key: t[key].to(torch.int8)}))
+
+
+def _index_not_json(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    (out / INDEX).write_text('{"weight_map": {')
+
+
+def _index_no_weight_map(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": 1}}))
+
+
+def _unknown_dtype(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    facts["file"], facts["key"] = files[0], _two_of_a_size(out / files[0])[0]
+    _rewrite_header(out / files[0], lambda h: h[facts["key"]].update(dtype="F12"))
+
+
+def _offsets_overlap(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    """a tensor pointing at another's bytes: to-dcp once copied them silently"""
+    facts["file"] = files[0]
+    facts["first"], facts["key"] = _two_of_a_size(out / files[0])
+    _rewrite_header(out / files[0], lambda h: h[facts["key"]].update(
+        data_offsets=h[facts["first"]]["data_offsets"]))
+
+
+def _offsets_wrong_size(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    facts["file"], facts["key"] = files[0], _two_of_a_size(out / files[0])[0]
+    _rewrite_header(out / files[0], lambda h: h[facts["key"]]["data_offsets"].__setitem__(
+        1, h[facts["key"]]["data_offsets"][1] - 4))
+
+
+def _pickle_only(out: Path, config: dict, files: list[str], facts: dict) -> None:
+    for f in files:
+        (out / f).unlink()
+    (out / INDEX).unlink()
+    torch.save({"x": torch.zeros(2)}, out / "pytorch_model.bin")
+
+
+BREAKERS = {
+    "config_absent": _config_absent, "config_invalid_json": _config_invalid_json,
+    "config_no_model_type": _config_no_model_type, "config_unknown_model_type": _config_unknown_model_type,
+    "config_no_plan": _config_no_plan, "other_architecture": _other_architecture, "shard_absent": _shard_absent,
+    "header_truncated": _header_truncated, "data_truncated": _data_truncated, "header_corrupt": _header_corrupt,
+    "quantization_config": _quantization_config, "mxfp4_blocks": _mxfp4_blocks, "int8_weights": _int8_weights,
+    "index_not_json": _index_not_json, "index_no_weight_map": _index_no_weight_map, "unknown_dtype": _unknown_dtype,
+    "offsets_overlap": _offsets_overlap, "offsets_wrong_size": _offsets_wrong_size, "pickle_only": _pickle_only
+}
+
+
 def _make_bad(root: Path, hub: Path, dense: Path, kind: str) -> tuple[Path, dict]:
-    """A copy of the tiny hub checkpoint broken as ``kind``; returns it and facts the messages must name."""
+    """A copy of the tiny hub checkpoint broken as ``kind`` (:data:`BREAKERS`); returns it and facts the messages
+    must name."""
     out = root / kind
     shutil.copytree(dense if kind == "other_architecture" else hub, out)
-    config = json.loads((hub / "config.json").read_text())
-    files = sorted(set(_index(hub).values()))
     facts: dict = {}
-    if kind == "config_absent":
-        (out / "config.json").unlink()
-    elif kind == "config_invalid_json":
-        (out / "config.json").write_text('{"model_type": "qwen3_moe",')
-    elif kind == "config_no_model_type":
-        (out / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "model_type"}))
-    elif kind == "config_unknown_model_type":
-        (out / "config.json").write_text(json.dumps(config | {"model_type": "nope_moe"}))
-    elif kind == "config_no_plan":  # transformers knows gpt2, xpar_zoo has no plan for it
-        (out / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4,
-                                                     "vocab_size": 128}))
-    elif kind == "other_architecture":  # dense qwen3 weights under a qwen3_moe config
-        (out / "config.json").write_text(json.dumps(config))
-    elif kind == "shard_absent":
-        (out / files[1]).unlink()
-        facts["file"] = files[1]
-    elif kind == "header_truncated":
-        os.truncate(out / files[0], 40)
-        facts["file"] = files[0]
-    elif kind == "data_truncated":
-        os.truncate(out / files[0], (out / files[0]).stat().st_size - 100)
-        facts["file"] = files[0]
-    elif kind == "header_corrupt":
-        with open(out / files[0], "r+b") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            f.write(b"\x00{]" + b"x" * (size - 3))
-        facts["file"] = files[0]
-    elif kind == "quantization_config":
-        (out / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "mxfp4"}}))
-    elif kind == "mxfp4_blocks":
-        key = "model.layers.0.mlp.experts.0.down_proj.weight"
-        facts["file"] = _edit_file(out, key, lambda t: t.update({
-            "model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(8, 32, 2, 16, dtype=torch.uint8),
-            "model.layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(8, 32, 2, dtype=torch.uint8)}))
-    elif kind == "int8_weights":
-        key = "model.layers.1.self_attn.q_proj.weight"
-        facts["file"] = _edit_file(out, key, lambda t: t.update({key: t[key].to(torch.int8)}))
-    elif kind == "index_not_json":
-        (out / INDEX).write_text('{"weight_map": {')
-    elif kind == "index_no_weight_map":
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": 1}}))
-    elif kind == "unknown_dtype":
-        facts["file"], facts["key"] = files[0], _two_of_a_size(out / files[0])[0]
-        _rewrite_header(out / files[0], lambda h: h[facts["key"]].update(dtype="F12"))
-    elif kind == "offsets_overlap":  # a tensor pointing at another's bytes: to-dcp once copied them silently
-        facts["file"] = files[0]
-        facts["first"], facts["key"] = _two_of_a_size(out / files[0])
-        _rewrite_header(out / files[0], lambda h: h[facts["key"]].update(
-            data_offsets=h[facts["first"]]["data_offsets"]))
-    elif kind == "offsets_wrong_size":
-        facts["file"], facts["key"] = files[0], _two_of_a_size(out / files[0])[0]
-        _rewrite_header(out / files[0], lambda h: h[facts["key"]]["data_offsets"].__setitem__(
-            1, h[facts["key"]]["data_offsets"][1] - 4))
-    elif kind == "pickle_only":
-        for f in files:
-            (out / f).unlink()
-        (out / INDEX).unlink()
-        torch.save({"x": torch.zeros(2)}, out / "pytorch_model.bin")
-    else:
-        raise AssertionError(kind)
+    BREAKERS[kind](out, json.loads((hub / "config.json").read_text()), sorted(set(_index(hub).values())), facts)
     return out, facts
 
 
@@ -420,11 +471,12 @@ def test_save_checkpoint_under_a_regular_file_is_a_clear_error(tmp_path):
 
 
 def test_export_dtype_int3_and_bad_shard_size_are_refused_before_work(dcp_checkpoint, tmp_path):
-    from xpar_zoo.converters.export import ExportError, export_to_hf
+    from xpar_zoo import ConvertError
+    from xpar_zoo.converters.export import export_to_hf
 
-    with pytest.raises(ExportError, match="unknown dtype 'int3'; use one of bf16, "):
+    with pytest.raises(ConvertError, match="unknown dtype 'int3'; use one of bf16, "):
         export_to_hf(dcp_checkpoint, tmp_path / "out", dtype="int3")
-    with pytest.raises(ExportError, match="cannot parse shard size '5 parsecs'"):
+    with pytest.raises(ConvertError, match="cannot parse shard size '5 parsecs'"):
         export_to_hf(dcp_checkpoint, tmp_path / "out", max_shard_size="5 parsecs")
     assert os.listdir(tmp_path) == []
 
@@ -678,7 +730,7 @@ def test_a_rank_dying_after_the_job_finished_keeps_the_result_but_one_dying_duri
 # ---- nothing untrusted is unpickled ----------------------------------------------------------------------------------
 ALLOWED_PICKLE = {
     # DCP .metadata through an unpickler that admits only DCP's own classes
-    ("xpar_zoo/checkpoint.py", "_MetadataUnpickler"),
+    ("xpar_zoo/checkpoint/dcp_io.py", "MetadataUnpickler"),
     # launch.run: rank 0's result, pickled by our own child process
     ("xpar_zoo/testing/launch.py", "pickle.loads(payload)"),
 }
@@ -709,4 +761,4 @@ def test_the_pickle_check_sees_the_allowed_uses():
     found = {(str(p.relative_to(REPO_ROOT)), tok) for p in _package_sources() for f, tok in ALLOWED_PICKLE
              if str(p.relative_to(REPO_ROOT)) == f and tok in p.read_text()}
     assert found == ALLOWED_PICKLE
-    assert "weights_only=True" in (REPO_ROOT / "xpar_zoo/checkpoint.py").read_text()
+    assert "weights_only=True" in (REPO_ROOT / "xpar_zoo/checkpoint/dcp_io.py").read_text()

@@ -125,10 +125,10 @@ def _killed_conversion(hub, out, force: bool) -> None:
         import time
         from xpar_zoo import cli
         import xpar_zoo.converters.to_dcp as td
-        real = td._assemble
+        real = td.assemble
         def slow(*a, **k):
             time.sleep(0.1); return real(*a, **k)
-        td._assemble = slow
+        td.assemble = slow
         cli.main(["convert", "to-dcp", {str(hub)!r}, {str(out)!r}, "--batch-size", "10KB"{force_flag}])
     """)
     log = open(out.parent / f"{out.name}.log", "w+b")  # a file, not a pipe: the child never blocks on its output
@@ -157,7 +157,7 @@ def test_sigkill_during_to_dcp_leaves_no_output_and_the_earlier_one_intact(tiny,
     left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".fresh.tmp-")]  # the interrupted temp dir
     assert left
     # A staging directory whose writer is alive (here: this process holds its lock) is only warned about.
-    from xpar_zoo.converters.output_dir import LeftoverWarning, StagingDir
+    from xpar_zoo.atomic_dir import LeftoverWarning, StagingDir
 
     running = StagingDir(fresh)
     with pytest.warns(LeftoverWarning) as warned:
@@ -198,9 +198,9 @@ def test_inspect_step_dir_reports_step_mesh_and_incomplete_checkpoints(tiny, tmp
     plain = tmp_path / "plain"
     import torch.distributed.checkpoint as dcp
 
-    from xpar_zoo.checkpoint import _quiet_single_process
+    from xpar_zoo.checkpoint.dcp_io import quiet_single_process
 
-    with _quiet_single_process():
+    with quiet_single_process():
         dcp.save({"w": torch.ones(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},
                  storage_writer=dcp.FileSystemWriter(str(plain)), no_dist=True)
     assert cli.main(["convert", "inspect", str(plain), "--json"]) == 0

@@ -1,10 +1,12 @@
 """xpar_zoo: train Hugging Face transformers models with extra parallelism (EP, vocab, any named plan) + FSDP2."""
 
 from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
-                         save_checkpoint)
+                         save_checkpoint, verify_checkpoint)
 from .clip import clip_grad_norm_
-from .errors import (AdapterError, BatchError, CheckpointError, KernelError, LoadError, MeshError, ModelStateError,
-                     PlanError, RefusedArchitectureError, UnknownArchitectureError, XparError)
+from .errors import (AdapterError, BatchError, CheckpointError, CheckpointMismatchError, CheckpointWarning, ConvertError, DataError,
+                     HubResolutionError, KernelError, LeftoverWarning, LoadError, MeshError, ModelStateError,
+                     NonFiniteError, PlanError, PublishError, RefusedArchitectureError, TrainConfigError,
+                     UnknownArchitectureError, XparError)
 from .integrations.peft import save_adapter
 from .loader import from_pretrained
 from .materialize import materialize
@@ -18,9 +20,13 @@ from .vocab import full_logits
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdapterError", "BatchError", "CheckpointError", "CheckpointFuture", "ExtraPlan", "KernelError", "LoadError", "Mesh",
-    "MeshError", "ModelStateError", "Plan", "PlanError", "RefusedArchitectureError", "UnknownArchitectureError",
-    "XparError", "clip_grad_norm_", "from_pretrained", "full_logits", "full_state_dict", "get_plan",
-    "latest_checkpoint", "load_checkpoint", "materialize", "parallelize", "read_checkpoint_metadata", "save_adapter",
-    "save_checkpoint", "supported_architectures",
+    # errors and warnings
+    "AdapterError", "BatchError", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "ConvertError", "DataError",
+    "HubResolutionError", "KernelError", "LeftoverWarning", "LoadError", "MeshError", "ModelStateError",
+    "NonFiniteError", "PlanError", "PublishError", "RefusedArchitectureError", "TrainConfigError",
+    "UnknownArchitectureError", "XparError",
+    # the API
+    "CheckpointFuture", "ExtraPlan", "Mesh", "Plan", "clip_grad_norm_", "from_pretrained", "full_logits",
+    "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
+    "read_checkpoint_metadata", "save_adapter", "save_checkpoint", "supported_architectures", "verify_checkpoint",
 ]

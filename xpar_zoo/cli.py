@@ -32,7 +32,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(world=args.world, ep=args.ep, steps=args.steps) else 1
 
 
-def _load_config(name: str):
+def load_model_config(name: str):
     """A model_type (transformers' default config of that architecture), or a local dir / hub id with config.json."""
     from transformers import AutoConfig
 
@@ -69,7 +69,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from . import planner
 
-    config = _load_config(args.model)
+    config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
                   recompute=args.recompute)
     if args.lora_rank is not None:
@@ -84,7 +84,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         budget = args.memory_gib * 2**30 if args.memory_gib else None
         estimates = planner.suggest(config, args.world, memory_budget=budget, **common)
     if args.json:
-        print(json.dumps([{"mesh": e.mesh, "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
+        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "memory": e.memory, "comm": e.comm}
+                          for e in estimates], indent=2))
     else:
         print(_describe_model(config, args.model))
         print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "

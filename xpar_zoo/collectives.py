@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
@@ -26,11 +25,27 @@ def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.T
     return out
 
 
+class _AllToAll(torch.autograd.Function):
+    # Ours: torch.distributed.nn.functional.all_to_all_single (the same, with autograd) is deprecated in torch 2.13
+    # in favour of the private _functional_collectives module.
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return back, None, None, None
+
+
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """Rows ``x[sum(in_splits[:i]) : …+in_splits[i]]`` go to rank ``i``; returns the rows received, by source rank.
-    Differentiable (torch's autograd ``all_to_all_single``): the backward sends gradients back along the same routes."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+    Differentiable: the backward sends gradients back along the same routes."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
 # ---- over a plan group whose ranks hold different numbers of rows (the vocab-parallel head) --------------------

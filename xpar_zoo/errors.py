@@ -63,3 +63,32 @@ class NonFiniteError(XparError, RuntimeError):
 class AdapterError(XparError, ValueError):
     """A PEFT adapter xpar_zoo cannot train or save as asked: a tuner or option it does not run exactly, an adapter
     file that does not fit the model (names the keys and shapes), PEFT missing."""
+
+
+class ConvertError(XparError, ValueError):
+    """A conversion or export that cannot be done as asked (``xpar-zoo convert``, ``save_pretrained``): an argument
+    that does not parse, an output that exists, contains its input or cannot be written, a checkpoint whose pieces
+    disagree or that the format cannot hold."""
+
+
+class HubResolutionError(XparError, FileNotFoundError):
+    """A name that is neither a usable local directory nor a hub repository reachable (or cached) now."""
+
+
+class CheckpointMismatchError(XparError, ValueError):
+    """A hub checkpoint that does not fit the model: missing, unexpected or wrong-shape keys (each named with its
+    file), bad safetensors headers, or a layout xpar_zoo cannot read slice-wise. Raised before any tensor data is
+    read."""
+
+
+class PublishError(XparError, ValueError):
+    """A folder that cannot be published as it is (not the hub's format, or naming the local file system), or an
+    upload the hub refused."""
+
+
+class CheckpointWarning(UserWarning):
+    """An incomplete or broken checkpoint directory was found and skipped (or, left by an interrupted save, removed)."""
+
+
+class LeftoverWarning(UserWarning):
+    """Staging directories of earlier, interrupted conversions sit beside the output."""

@@ -5,6 +5,7 @@ No process group is needed (the planner runs it on a meta model)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -12,8 +13,13 @@ from torch import nn
 from .plan import Plan
 from .vocab import embedding_weight_read
 
-# Where FSDP2 shards a planned tensor's local slice (the slice is already split on dim 0 by its plan).
-PLANNED_SHARD_DIM = 1
+
+def planned_shard_dim(rows: int, fsdp: int) -> int:
+    """The dim on which FSDP2 shards a planned tensor's local slice of ``rows`` rows (its plan already split dim 0)
+    over the plan's ``fsdp`` ranks: dim 0 where ``rows`` divides by ``fsdp``, else dim 1. FSDP2 gathers and
+    reduce-scatters flat dim-0 chunks, so dim 0 needs no copy; dim 1 costs a chunk-cat copy through a temporary of
+    the unsharded size after each all-gather and before each reduce-scatter, but lets any mesh shape compose."""
+    return 0 if rows % fsdp == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -30,16 +36,21 @@ class PlannedModule:
 class FSDPUnit:
     """One ``fully_shard`` call: the module at ``fqn`` (``""``: the root) over the dense mesh, or over the plan
     ``plan_name``'s ``[<plan>_fsdp, <plan>]`` mesh; ``params``: the parameter FQNs it manages (not those of units
-    inside it); ``shard_dim``: the dim FSDP2 shards them on (of the local slice, for planned units)."""
+    inside it); ``shard_dims``: per parameter, the dim FSDP2 shards it on (of the local slice, for planned units:
+    :func:`planned_shard_dim`); empty: FSDP2's default, dim 0."""
 
     fqn: str
     kind: str  # "planned" | "inner" (dense weights inside a planned module) | "layer" | "edge" | "root"
     params: tuple[str, ...]
     plan_name: str | None = None
-    shard_dim: int = 0
+    shard_dims: tuple[int, ...] = ()
     reshard_after_forward: bool = True
     forward_prefetch: tuple[str, ...] = ()
     backward_prefetch: tuple[str, ...] = ()
+
+    def shard_dim(self, param: str) -> int:
+        """The dim FSDP2 shards parameter ``param`` (one of ``params``) on."""
+        return self.shard_dims[self.params.index(param)] if self.shard_dims else 0
 
 
 def _qualified(module_fqn: str, name: str) -> str:
@@ -73,13 +84,15 @@ def _inside(fqn: str, parent: str) -> bool:
     return fqn.startswith(parent + ".")
 
 
-def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, reshard_after_forward: bool = True,
-                prefetch: bool = True) -> list[FSDPUnit]:
+def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, sizes: Mapping[str, int],
+                shard_size: int, reshard_after_forward: bool = True, prefetch: bool = True) -> list[FSDPUnit]:
     """The FSDP units of ``model`` in the order ``fully_shard`` must be applied (planned modules deepest first, each
     after the dense weights inside it, e.g. a norm after every expert; the decoder layers, a unit inside another
-    first, e.g. a vision block inside its encoder; the embedding and the head; the root last), with their reshard and
-    prefetch decisions:
+    first, e.g. a vision block inside its encoder; the embedding and the head; the root last), with their shard dims,
+    reshard and prefetch decisions. ``sizes``: the active plans' sizes, ``shard_size``: the FSDP ranks of the dense
+    mesh (world ÷ replicate), so a plan of size ``s`` shards its slices over ``shard_size ÷ s`` ranks:
 
+    - each planned tensor (at its global shape on ``model``) on :func:`planned_shard_dim` of its local slice;
     - reshard after forward everywhere (``reshard_after_forward``), except the last decoder layer with its planned
       modules and the units after it (the head): backward starts with them, so resharding would only gather them
       again at once (as torchtitan does for its last layer); the root never reshards (FSDP2's own rule);
@@ -88,7 +101,8 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, r
     - backward: layer i prefetches its planned modules, the last of those layer i-1 (layer 0's: the embedding); the
       head prefetches the last layer."""
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    params = [n for n, _ in model.named_parameters()]
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    params = list(shapes)
     claimed: set[str] = set()
     planned_units = []
     planned_fqns = {pm.fqn for pm in planned}
@@ -102,7 +116,9 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, r
                 claimed.update(dense)
                 planned_units.append(FSDPUnit(inner, "inner", dense))
         claimed.update(own)
-        planned_units.append(FSDPUnit(pm.fqn, "planned", own, pm.plan_name, PLANNED_SHARD_DIM))
+        size = sizes[pm.plan_name]
+        dims = tuple(planned_shard_dim(shapes[f][0] // size, shard_size // size) for f in own)
+        planned_units.append(FSDPUnit(pm.fqn, "planned", own, pm.plan_name, dims))
     classes = set(plan.unit_classes(model))
     layer_fqns = [n for n, m in model.named_modules() if type(m).__name__ in classes and n not in planned_fqns]
     layers = []
@@ -152,7 +168,7 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, r
             backward[after[0]] = [layer_fqns[-1]]
 
     def decided(u: FSDPUnit) -> FSDPUnit:
-        return FSDPUnit(u.fqn, u.kind, u.params, u.plan_name, u.shard_dim,
+        return FSDPUnit(u.fqn, u.kind, u.params, u.plan_name, u.shard_dims,
                         reshard_after_forward=reshard_after_forward and u.kind != "root" and u.fqn not in keep,
                         forward_prefetch=tuple(forward.get(u.fqn, ())), backward_prefetch=tuple(backward.get(u.fqn, ())))
 

@@ -1,6 +1,6 @@
 """The ``gathered`` style: a storage-only dim-0 split for any module (the generic forward of user-named plans).
 
-Each rank stores its ``rows`` of the planned parameters (FSDP2 shards them further on dim 1); the module's own
+Each rank stores its ``rows`` of the planned parameters (FSDP2 shards them further, on dim 0 or 1); the module's own
 forward sees the full parameters, all-gathered over the plan group, and the gradients are summed back onto the owners'
 rows. The memory of a dim-0 split, the compute of the original module.
 """

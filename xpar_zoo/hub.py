@@ -13,21 +13,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import XparError
+from .errors import HubResolutionError
+from .safetensors_files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 
-CONFIG_FILE = "config.json"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # Small files beside the weights that a model needs to generate or tokenize.
 SIDE_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken",
     "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
 )
-
-
-class HubResolutionError(XparError, FileNotFoundError):
-    """A name that is neither a usable local directory nor a hub repository reachable (or cached) now."""
 
 
 @dataclass(frozen=True)

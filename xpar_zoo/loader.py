@@ -2,9 +2,10 @@
 
 1. ``resolve``            the name → a local directory (hub id, HF cache, or a directory), once per node;
 2. ``build_meta``         the transformers model from its config, on the meta device (no memory, no init);
-3. ``plan_hub_layout``    checkpoint headers × transformers' conversion rules → every tensor's pieces, checked
+3. ``map_hub_layout``    checkpoint headers × transformers' conversion rules → every tensor's pieces, checked
                           strictly (missing / unexpected / wrong shape) before any tensor data is read;
-4. ``parallelize``        extra plans on dim 0 and FSDP2 (dim 1 for planned tensors), still on meta;
+4. ``parallelize``        extra plans on dim 0 and FSDP2 (planned slices on dim 0 where it divides, else dim 1),
+                          still on meta;
 5. ``materialize``        allocate only the local shards; non-persistent buffers (rotary ``inv_freq``) initialised
                           by the model's own ``_init_weights``, as transformers does;
 6. ``fill_local_shards``  per file, per local shard: read exactly the slice this rank keeps (``safe_open(…)
@@ -25,18 +26,20 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from xpar_zoo.converters.hub_layout import Box, HubLayout, Read, plan_hub_layout, read_checkpoint_headers
-
-from .errors import LoadError, XparError
-from .hub import HubResolutionError, ResolvedModel, resolve
+from . import distributed
+from .errors import LoadError
+from .hub import ResolvedModel, resolve
+from .hub_layout import Box, HubLayout, Read, map_hub_layout
+from .safetensors_files import read_checkpoint_headers
+from .materialize import materialize
 from .mesh import Mesh, check_same_on_all_ranks
 from .parallelize import parallelize
 from .plan import Plan
 from .registry import check_supported, plan_for
-from .materialize import initialise_buffers, materialize  # noqa: F401 (initialise_buffers: re-exported)
 
 
 @dataclass(frozen=True)
@@ -52,31 +55,15 @@ class LoadStats:
     directory: str
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def resolve_on_each_node(name: str | os.PathLike, revision: str | None = None, **kwargs) -> ResolvedModel:
     """:func:`xpar_zoo.hub.resolve` on every rank, local rank 0 first (it downloads; the others then find the files
     in the cache). A failure on any rank raises on every rank, so no rank is left waiting in a collective."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or Path(name).is_dir():
+    if distributed.world_size() == 1 or Path(name).is_dir():
         return resolve(name, revision, **kwargs)  # nothing to download: every rank on its own
-    first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-    result, error = None, None
-    for turn in (True, False):
-        if first == turn:
-            try:
-                result = resolve(name, revision, **kwargs)
-            except XparError as e:
-                error = e
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else str(error))
-        if error is not None:
-            raise error
-        failed = [e for e in errors if e is not None]
-        if failed:  # the same error text on every rank
-            raise HubResolutionError(failed[0])
-    return result
+    first = int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0
+    result = distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=first)
+    later = distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=not first)
+    return result if first else later
 
 
 def _torch_dtype(dtype, config) -> torch.dtype:
@@ -124,6 +111,44 @@ def load_config(directory: str | Path):
         raise LoadError(f"{path}: cannot read the model config ({type(e).__name__}: {first})") from None
 
 
+@dataclass(frozen=True)
+class HubCheckpoint:
+    """A hub checkpoint opened for reading: where its files are, its config, the model on the meta device and where
+    every model tensor lives in the files (no tensor data read yet)."""
+
+    resolved: ResolvedModel
+    config: object
+    model: nn.Module
+    layout: HubLayout
+    plan: Plan | None = None  # with ``for_training``: the plan the model trains under
+
+    @property
+    def directory(self) -> Path:
+        return self.resolved.directory
+
+
+def open_hub_checkpoint(name: str | os.PathLike, revision: str | None = None, dtype: torch.dtype | str | None = None,
+                        *, cache_dir: str | os.PathLike | None = None, token: str | bool | None = None,
+                        on_each_node: bool = False, for_training: bool = False, plan: Plan | None = None
+                        ) -> HubCheckpoint:
+    """Resolve ``name`` (hub id or directory; on every rank, local rank 0 first, with ``on_each_node``), read its
+    config, build the model on meta in ``dtype`` (default: the config's) and map every model tensor to its
+    checkpoint pieces, strictly: every error (quantized weights; with ``for_training`` a refused architecture or one
+    without a plan, unless ``plan`` is given; missing / unexpected / wrong-shape keys, bad headers) is raised here,
+    before any tensor data is read. The first step of ``from_pretrained`` and ``xpar-zoo convert to-dcp``."""
+    resolved = (resolve_on_each_node if on_each_node else resolve)(name, revision, cache_dir=cache_dir, token=token)
+    config = load_config(resolved.directory)
+    if getattr(config, "quantization_config", None):
+        raise LoadError(f"{name}: quantized checkpoints ({config.quantization_config}) are not supported")
+    if for_training:
+        check_supported(config.model_type)  # a refused architecture: refused before any work
+    model = build_meta(config, _torch_dtype(dtype, config))
+    if for_training:
+        plan = plan or plan_for(model)  # curated, or derived from transformers' declarations on the model
+    layout = map_hub_layout(model, read_checkpoint_headers(resolved.directory))
+    return HubCheckpoint(resolved, config, model, layout, plan)
+
+
 def build_meta(config, dtype: torch.dtype) -> nn.Module:
     """The transformers language model for ``config`` (:func:`~xpar_zoo.registry.model_class`: the causal LM, or
     the config's own multimodal class) with every parameter and buffer on the meta device."""
@@ -133,16 +158,40 @@ def build_meta(config, dtype: torch.dtype) -> nn.Module:
         return model_class(config)._from_config(config, dtype=dtype)
 
 
+def _held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """This rank's local shape of ``tensor`` and, per sharded dim, the global indices it holds in order: torch's own
+    per-placement rule (``compute_local_shape_and_global_offset`` keeps only the first), so that a
+    ``_StridedShard`` (what FSDP2 makes of a dim-0 shard of a slice already split on dim 0) can be checked."""
+    mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
+    shape, held = list(tensor.shape), {}
+    for i, placement in enumerate(tensor.placements):
+        if isinstance(placement, (Shard, _StridedShard)):
+            d = placement.dim
+            shape[d], held[d] = _get_shard_size_and_offsets(shape[d], mesh.size(i), coordinate[i], placement,
+                                                            held.get(d), tensor.shape[d], False)
+    return shape, held
+
+
 def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
-    """This rank's local tensor of ``tensor`` and the global ``[start, stop)`` it holds on each dim."""
+    """This rank's local tensor of ``tensor`` and the global ``[start, stop)`` it holds on each dim; a layout whose
+    local indices on some dim are not one block of the global tensor raises :class:`LoadError`."""
     if not isinstance(tensor, DTensor):
         return tensor, tuple((0, n) for n in tensor.shape)
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    shape, held = _held_indices(tensor)
     local = tensor.to_local()
     if tuple(local.shape) != tuple(shape):
         raise LoadError(f"local shard of shape {tuple(local.shape)} where the placements {tensor.placements} give "
                         f"{tuple(shape)}: a layout the loader does not understand")
-    return local, tuple((o, o + n) for o, n in zip(offset, shape))
+    region = []
+    for d, n in enumerate(shape):
+        index = held.get(d)
+        start = int(index[0]) if index is not None else 0
+        if n and index is not None and not torch.equal(index, torch.arange(start, start + n)):
+            raise LoadError(f"the placements {tensor.placements} give this rank the global indices "
+                            f"{index.tolist()[:8]}… on dim {d} of {tuple(tensor.shape)}, not one block: a layout the "
+                            "loader does not understand")
+        region.append((start, start + n))
+    return local, tuple(region)
 
 
 def _live_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -171,7 +220,7 @@ def fill_local_shards(model: nn.Module, layout: HubLayout, directory: str | Path
         for read in layout.reads(name, region):
             work[read.source.file].append((read, local))
     total = sum(r.nbytes for reads in work.values() for r, _ in reads)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading shards", disable=not progress or _rank() != 0)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading shards", disable=not progress or distributed.rank() != 0)
     nbytes = nreads = 0
     directory = Path(directory)
     with torch.no_grad(), bar:
@@ -242,31 +291,25 @@ def from_pretrained(
                                 LoadError)
         check_same_on_all_ranks({"peft_config": lora, "adapter": None if adapter is None else str(adapter)},
                                 "from_pretrained arguments", LoadError)
-    resolved = resolve_on_each_node(name, revision, cache_dir=cache_dir, token=token)
-    config = load_config(resolved.directory)
-    if getattr(config, "quantization_config", None):
-        raise LoadError(f"{name}: quantized checkpoints ({config.quantization_config}) are not supported")
-    torch_dtype = _torch_dtype(dtype, config)
-    check_supported(config.model_type)  # a refused architecture: refused before any work
-    model = build_meta(config, torch_dtype)
-    plan = plan or plan_for(model)  # curated, or derived from transformers' declarations on the model
-    layout = plan_hub_layout(model, read_checkpoint_headers(resolved.directory))
+    hub = open_hub_checkpoint(name, revision, dtype, cache_dir=cache_dir, token=token, on_each_node=True,
+                              for_training=True, plan=plan)
+    model, layout = hub.model, hub.layout
     outer, initial = model, None
     if peft_config is not None or adapter is not None:
         from .integrations.peft import attach_adapter, unwrapped_name
 
         outer, initial = attach_adapter(model, peft_config=peft_config, adapter=adapter, name_or_path=str(name))
-    parallelize(outer, mesh, plan=plan, **parallelize_kwargs)
+    parallelize(outer, mesh, plan=hub.plan, **parallelize_kwargs)
     model._xpar.unset_buffers = tuple(sorted(set(model._xpar.unset_buffers) | set(layout.init_buffers)))
     materialize(model, device)
     names = {unwrapped_name(n): n for n in _live_tensors(model)} if initial is not None else None
-    stats = fill_local_shards(model, layout, resolved.directory, progress=progress, names=names)
+    stats = fill_local_shards(model, layout, hub.directory, progress=progress, names=names)
     if initial is not None:
         from .integrations.peft import fill_adapter
 
         fill_adapter(outer, initial)
-    if (resolved.directory / "generation_config.json").is_file() and model.can_generate():
-        model.generation_config = GenerationConfig.from_pretrained(resolved.directory)
+    if (hub.directory / "generation_config.json").is_file() and model.can_generate():
+        model.generation_config = GenerationConfig.from_pretrained(hub.directory)
     model.config.name_or_path = str(name)
     model._xpar_load = stats
     return outer.eval()

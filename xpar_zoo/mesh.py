@@ -2,8 +2,9 @@
 named extra plan ``p`` (``ep``, ``emb``, ``head``, or any user name).
 
 A plan of size ``s`` groups ``s`` ranks that split planned tensors on dim 0; the ``p_fsdp = world / (replicate·s)``
-ranks that hold the same slice shard it on dim 1 with FSDP2. ``innermost=True`` puts the ``s`` ranks of a group on
-consecutive global ranks (the all-to-all stays inside a node); ``False`` strides them by ``p_fsdp``.
+ranks that hold the same slice shard it with FSDP2 (on dim 0 where it divides, else on dim 1). ``innermost=True``
+puts the ``s`` ranks of a group on consecutive global ranks (the all-to-all stays inside a node); ``False`` strides
+them by ``p_fsdp``.
 With ``replicate > 1`` (HSDP) every mesh gets an outermost ``replicate`` dimension.
 
 There is no global state: build a :class:`Mesh` after ``torch.distributed.init_process_group`` and pass it (in a

@@ -5,7 +5,8 @@
 3. ``install_styles``      planned modules get their forward style (EP dispatch, vocab-parallel lookup, …);
 4. ``fsdp_layout``         which modules become FSDP units, over which mesh, resharding and prefetching what
                            (:mod:`xpar_zoo.fsdp_layout`: pure data, the planner sizes the same units);
-5. ``apply_fsdp``          ``fully_shard`` planned modules on dim 1 over ``<plan>_fsdp`` (deepest first), decoder
+5. ``apply_fsdp``          ``fully_shard`` planned modules over ``<plan>_fsdp`` (deepest first; each tensor on dim 0
+                           of its slice where that divides, else dim 1), decoder
                            layers, the input embedding and the output head, then the root over all ranks (HSDP
                            with replicate); then the reshard and prefetch decisions;
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and, with labels, makes
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -25,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import ModelStateError, PlanError
 from .mesh import Mesh, check_same_on_all_ranks
-from .fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout
+from .fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout, planned_shard_dim
 from .gathered import install_gathered
 from .hub_save import install_save_pretrained
 from .loss import install_global_loss
@@ -35,6 +37,8 @@ from .plan import Plan, match_parameters, owner_module
 from .registry import plan_for
 from .vocab import (check_embedding, check_head, fusable_head, install_fused_loss, install_vocab_embedding,
                     install_vocab_lm_head)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,10 +106,11 @@ def match_plan(model: nn.Module, plan: Plan, active: dict[str, int], shard_size:
                     f"plan {name!r}: {fqn} has {shape[0]} {extra.dim0 or 'rows'} on dim 0 "
                     f"(shape {list(shape)}), not divisible by {name}={size}"
                 )
-            if shape[1] % fsdp:
+            if planned_shard_dim(shape[0] // size, fsdp) == 1 and shape[1] % fsdp:
                 raise PlanError(
                     f"plan {name!r}: {fqn} has {shape[1]} on dim 1 (shape {list(shape)}), not divisible by "
-                    f"{name}_fsdp={fsdp} (FSDP2 shards planned tensors evenly on dim 1)"
+                    f"{name}_fsdp={fsdp} (FSDP2 shards a planned slice evenly on dim 1 where its "
+                    f"{shape[0] // size} rows on dim 0 do not divide by {fsdp})"
                 )
             module_fqn = owner_module(model, fqn)
             by_module[(module_fqn, name)].append(fqn[len(module_fqn) + 1:] if module_fqn else fqn)
@@ -181,13 +186,17 @@ def whole_vocab_head_fusable(model: nn.Module, plan: Plan) -> bool:
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwargs) -> None:
     """``fully_shard`` every unit of :func:`~xpar_zoo.fsdp_layout.fsdp_layout` in its order, then set its reshard
-    and prefetch decisions. Planned units go over their plan's mesh on their ``shard_dim``, with the gradient divide
-    factor of the whole world."""
+    and prefetch decisions. Planned units go over their plan's mesh, each parameter on its ``shard_dim``, with the
+    gradient divide factor of the whole world."""
     for unit in units:
         module = model.get_submodule(unit.fqn)
         if unit.kind == "planned":
+            dims = {id(model.get_parameter(f)): unit.shard_dim(f) for f in unit.params}
+            logger.debug("FSDP %s over %s_fsdp=%d: %s", unit.fqn, unit.plan_name,
+                         mesh.shard_size // mesh.size(unit.plan_name),
+                         ", ".join(f"{f.rpartition('.')[2]} on dim {unit.shard_dim(f)}" for f in unit.params))
             fully_shard(module, mesh=mesh.plan_mesh(unit.plan_name), dp_mesh_dims=mesh.fsdp_dims(unit.plan_name),
-                        shard_placement_fn=lambda p, dim=unit.shard_dim: Shard(dim), **fsdp_kwargs)
+                        shard_placement_fn=lambda p, dims=dims: Shard(dims[id(p)]), **fsdp_kwargs)
             # FSDP averages over the ranks it reduces across (world / size); every rank saw its own micro-batch, so
             # the data-parallel average is over the whole world: without this, gradients are `size` times too large.
             module.set_gradient_divide_factor(float(mesh.world_size))
@@ -263,10 +272,10 @@ def parallelize(
     prefetch: bool = True,
     fused_loss: bool = True,
 ) -> nn.Module:
-    """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (dim 1 for planned
-    tensors) to a transformers model in place; returns it. ``plan`` defaults to the registry's plan for the model
-    (:func:`~xpar_zoo.registry.plan_for`: curated, else derived from transformers' declarations);
-    ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction.
+    """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (planned slices on
+    dim 0 where it divides, else dim 1) to a transformers model in place; returns it. ``plan`` defaults to the
+    registry's plan for the model (:func:`~xpar_zoo.registry.plan_for`: curated, else derived from transformers'
+    declarations); ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction.
 
     ``fused_loss`` (default): where the mesh has no ``head`` plan but the plan defines one (so the architecture's
     head is proved to take it), the whole-vocab head gets the fused linear + cross-entropy of
@@ -298,8 +307,8 @@ def parallelize(
     install_styles(model, mesh, planned)
     if fused_loss and not any(pm.style == "lm_head" for pm in planned) and whole_vocab_head_fusable(model, plan):
         install_fused_loss(model)
-    apply_fsdp(model, mesh, fsdp_layout(model, plan, planned, reshard_after_forward=reshard_after_forward,
-                                        prefetch=prefetch), **fsdp_kwargs)
+    apply_fsdp(model, mesh, fsdp_layout(model, plan, planned, sizes=mesh.active, shard_size=mesh.shard_size,
+                                        reshard_after_forward=reshard_after_forward, prefetch=prefetch), **fsdp_kwargs)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
     install_global_loss(model, mesh.world_size)
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused

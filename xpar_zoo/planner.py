@@ -18,7 +18,10 @@ Communication is counted as the bytes each rank *sends* per training step (forwa
   gradients gathered (all-to-all), and the per-token log-sum-exp / target-logit statistics (all-gather); exact.
 
 Memory per rank: sharded parameters, gradients and optimizer states (exact), the largest unsharded unit twice
-(current + prefetched), and an activation estimate (documented in :func:`activation_bytes`).
+(current + prefetched), FSDP2's chunk-cat temporary where planned tensors are sharded on dim 1 (one unit's dim-1
+tensors at their unsharded size, made after each all-gather and before each reduce-scatter; none on dim 0), and an
+activation estimate (documented in :func:`activation_bytes`). Each estimate names the dim FSDP2 shards each plan's
+tensors on (:func:`~xpar_zoo.fsdp_layout.planned_shard_dim`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class Unit:
     root: bool = False
     gathers: int = 2  # per step: forward and backward; 1 where parameters stay unsharded after forward
     trainable_padded: int | None = None  # of numel_padded, what requires grad (None: all of it)
+    dim1_numel: int = 0  # elements of its tensors FSDP2 shards on dim 1 (a chunk-cat copy per gather / reduce)
+    plan_name: str | None = None
+    shard_dims: dict[str, int] = field(default_factory=dict)  # planned units: {parameter FQN: FSDP shard dim}
 
     @property
     def trainable(self) -> int:
@@ -67,6 +73,7 @@ class Estimate:
     memory: dict[str, float] = field(default_factory=dict)
     comm: dict[str, float] = field(default_factory=dict)
     lora: dict | None = None  # with LoRA: its rank and the adapter's parameter count
+    placement: dict[str, dict[str, int]] = field(default_factory=dict)  # plan -> {"dim 0": tensors, "dim 1": …}
 
     @property
     def memory_total(self) -> float:
@@ -97,17 +104,17 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     active = {n: s for n, s in sizes.items() if s > 1}
     params = dict(model.named_parameters())
     units = []
-    for u in fsdp_layout(model, plan, match_plan(model, plan, active, shard)):
+    for u in fsdp_layout(model, plan, match_plan(model, plan, active, shard), sizes=active, shard_size=shard):
         if u.kind == "planned":
             s = active[u.plan_name]
-            numel = sum(params[f].numel() // s for f in u.params)
+            local = {f: torch.Size([params[f].shape[0] // s, *params[f].shape[1:]]) for f in u.params}
 
-            def padded(names, s=s, u=u):  # dim-1 shards are even (checked); dim 0 pads the local slice
-                return (sum(params[f].numel() // s for f in names) if u.shard_dim else
-                        sum(_padded(torch.Size([params[f].shape[0] // s, *params[f].shape[1:]]), shard // s)
-                            for f in names))
-            units.append(Unit(u.fqn, numel, padded(u.params), shard // s, replicate,
-                              gathers=1 + u.reshard_after_forward,
+            def padded(names, u=u, local=local, s=s):  # dim-1 shards are even (checked); dim 0 pads the local slice
+                return sum(local[f].numel() if u.shard_dim(f) else _padded(local[f], shard // s) for f in names)
+            units.append(Unit(u.fqn, sum(n.numel() for n in local.values()), padded(u.params), shard // s, replicate,
+                              gathers=1 + u.reshard_after_forward, plan_name=u.plan_name,
+                              dim1_numel=sum(n.numel() for f, n in local.items() if u.shard_dim(f)),
+                              shard_dims={f: u.shard_dim(f) for f in u.params},
                               trainable_padded=padded([f for f in u.params if params[f].requires_grad])))
         else:
             units.append(Unit(u.fqn or "<root>", sum(params[f].numel() for f in u.params),
@@ -266,6 +273,13 @@ def estimate(
     biggest = max((u.numel_padded for u in units if not u.root), default=0)
     root = next(u for u in units if u.root)
     est.memory["unsharded parameters (2 units + root)"] = (2 * biggest + root.numel_padded) * pbytes
+    chunk_cat = max((u.dim1_numel for u in units), default=0)
+    if chunk_cat:
+        est.memory["FSDP chunk-cat temporary (dim-1 shards)"] = chunk_cat * pbytes
+    for u in units:
+        for dim in u.shard_dims.values():
+            counts = est.placement.setdefault(u.plan_name, {})
+            counts[f"dim {dim}"] = counts.get(f"dim {dim}", 0) + 1
     tokens = micro_batch * seq
     head = sizes.get("head", 1)
     fused = head > 1 or (fused_loss and whole_vocab_head_fusable(model, plan))
@@ -352,7 +366,13 @@ def format_bytes(n: float) -> str:
 def format_estimate(est: Estimate) -> str:
     """A human-readable table of one estimate."""
     lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({est.lora['adapter parameters'] / 1e6:.1f}M "
-                                   "adapter parameters)" if est.lora else ""), "  memory per rank:"]
+                                   "adapter parameters)" if est.lora else "")]
+    if est.placement:
+        shown = "; ".join(f"{name}: " + ", ".join(f"{n} tensor{'s' * (n != 1)} on {dim}"
+                                                for dim, n in sorted(dims.items()))
+                          for name, dims in est.placement.items())
+        lines.append(f"  FSDP shards planned tensors (of their local slice): {shown}")
+    lines.append("  memory per rank:")
     lines += [f"    {k:<40} {format_bytes(v):>12}" for k, v in est.memory.items()]
     lines.append(f"    {'total':<40} {format_bytes(est.memory_total):>12}")
     lines.append("  communication per step (bytes sent per rank):")

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .errors import XparError
+from .errors import PublishError, XparError
 
 CARD_FILE = "README.md"
 CONFIG_FILE = "config.json"
@@ -24,16 +24,12 @@ EXPORT_INFO_FILE = "xpar_export.json"  # written by converters/export.py
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class PublishError(XparError, ValueError):
-    """A folder that is not a complete hub-format checkpoint, or publish arguments that cannot work."""
-
-
 def validate_folder(directory: str | os.PathLike) -> dict[str, Any]:
     """Check that ``directory`` is a hub-format checkpoint: a parseable ``config.json`` with a ``model_type``,
     safetensors files whose headers parse and whose data sections are complete, and (when present) an index whose
     every file exists and holds the keys it lists. Returns ``{"config", "files", "tensors", "bytes"}``; raises
     :class:`PublishError` naming the file or key."""
-    from xpar_zoo.converters.hub_layout import INDEX_FILE, SINGLE_FILE, read_header
+    from xpar_zoo.safetensors_files import INDEX_FILE, SINGLE_FILE, read_header
 
     directory = Path(directory)
     if not directory.is_dir():

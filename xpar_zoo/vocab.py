@@ -46,7 +46,7 @@ from .mesh import PlanShard
 def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     """Vocab-parallel lookup: distinct ids go to their owners (all-to-all), vectors come back (all-to-all)."""
     shard: PlanShard = self._xpar_vocab
-    weight = to_local(self.weight)  # [V/s, H]: this rank's rows (FSDP has gathered dim 1)
+    weight = to_local(self.weight)  # [V/s, H]: this rank's rows (FSDP has gathered them)
     vocab = shard.rows * shard.size
     flat = input.reshape(-1)
     ids, inverse = torch.unique(flat, return_inverse=True)  # sorted, hence grouped by owner

@@ -308,6 +308,34 @@ def proof_meshes(model_type: str) -> dict[str, dict]:
     return {_mesh_name(m): m for m in meshes}
 
 
+# The meshes above leave every planned slice divisible by its FSDP ranks (8 experts, 128 vocab rows), so FSDP2 shards
+# it on dim 0. Each type is also proved with FSDP2 on dim 1 (tests/test_zoo_placement.py): its tiny config with 6
+# experts and 130 vocab rows (slices of 3 experts and 65 rows over 2 FSDP ranks) on its plans of size 2.
+DIM1_VOCAB = 130
+DIM1_EXPERTS = 6
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _with_experts(tiny: dict, count: int) -> dict:
+    return {k: count if k in EXPERT_COUNT_KEYS and v == 8 else _with_experts(v, count) if isinstance(v, dict) else v
+            for k, v in tiny.items()}
+
+
+def dim1_proof(model_type: str) -> tuple[dict, dict]:
+    """``(Mesh kwargs, tiny config overrides)`` under which FSDP2 shards every planned tensor of ``model_type`` on
+    dim 1: each plan of its proof meshes at size 2, over 6 experts and 130 vocab rows (in the text config of a
+    composite one), whose slices do not divide by the 2 FSDP ranks."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    tiny = _with_experts(tiny_overrides(model_type), DIM1_EXPERTS)
+    if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {}):
+        tiny["text_config"] = {**tiny.get("text_config", {}), "vocab_size": DIM1_VOCAB}
+    else:
+        tiny["vocab_size"] = DIM1_VOCAB
+    used = {k for mesh in proof_meshes(model_type).values() for k in mesh if k not in ("innermost", "replicate")}
+    return {name: 2 for name in ("ep", "emb", "head") if name in used}, tiny
+
+
 def proved_architectures() -> list[str]:
     """Every ``model_type`` with a parity proof: the curated plans, then the automatic ones, each sorted."""
     from ..registry import supported_architectures

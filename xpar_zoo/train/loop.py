@@ -19,10 +19,9 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,8 @@ from torch import nn
 
 from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from ..clip import clip_grad_norm_
-from ..errors import DataError, TrainConfigError, XparError
+from ..distributed import run_everywhere
+from ..errors import DataError, TrainConfigError
 from ..loss import count_targets, global_count
 from .balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
 from .config import DTYPES, TrainConfig
@@ -44,7 +44,6 @@ SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant
 # mask, no cache); its flash-attention kernels run packed rows as varlen from position_ids in a batch of one row.
 DOCUMENT_MASKING = ("eager", "sdpa", "flex_attention")
 AUX_CHECK_RTOL = 1e-4
-T = TypeVar("T")
 
 
 @dataclass
@@ -70,30 +69,6 @@ def init_distributed(timeout_minutes: float = 30.0) -> bool:
     else:
         dist.init_process_group("gloo", timeout=timeout)
     return True
-
-
-def _everywhere(fn: Callable[[], T], rank0_only: bool = False) -> T:
-    """``fn()`` on every rank (or rank 0 only, its result broadcast); an :class:`XparError` on any rank is raised
-    on every rank (the first one's message), so no rank is left waiting in a collective."""
-    result, error = None, None
-    if not rank0_only or dist.get_rank() == 0:
-        try:
-            result = fn()
-        except XparError as e:
-            error = (type(e), str(e))
-    if rank0_only:
-        box = [(result, error)]
-        dist.broadcast_object_list(box, src=0)
-        result, error = box[0]
-        failed = [error] if error else []
-    else:
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        failed = [e for e in errors if e]
-    if failed:
-        kind, message = failed[0]
-        raise kind(message)
-    return result
 
 
 def _checkpoint_to_resume(cfg: TrainConfig) -> Path | None:
@@ -334,11 +309,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     output = Path(cfg.output)
-    ckpt = _everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
-    model_config = _everywhere(lambda: _model_config(cfg.model))
-    corpus, tokenizer = _everywhere(lambda: _load_corpus(cfg, model_config.vocab_size))
+    ckpt = run_everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
+    model_config = run_everywhere(lambda: _model_config(cfg.model))
+    corpus, tokenizer = run_everywhere(lambda: _load_corpus(cfg, model_config.vocab_size))
     if ckpt is not None:
-        _everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
+        run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
     sizes = dict(cfg.mesh)
     mesh = xpar_zoo.Mesh(replicate=sizes.pop("replicate", 1), **sizes)
 

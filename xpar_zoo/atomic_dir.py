@@ -1,41 +1,67 @@
-"""Atomic output directories for the converters: check the output before any work, write into a hidden staging
-directory beside it, and move it into place only once complete (an existing output, with ``force``, is renamed aside
-first and removed after). A process killed at any point leaves either the old output or none — never a half-written
-one.
+"""Writing directories atomically: a reader sees the old output or the complete new one, never a half-written one.
 
-What a killed conversion leaves beside the output is dealt with by the next conversion to the same output:
-
-- its staging directory ``.OUT.tmp-…`` is removed when it is provably abandoned: the writer holds an exclusive
-  ``flock`` on a lock file inside it for as long as it writes, the kernel drops the lock when the process dies, and
-  only a directory whose lock can be taken (on any host that shares the filesystem, in any PID namespace) is
-  removed; one without a lock file, or on a filesystem without ``flock``, is only warned about;
-- an old output renamed aside (``.OUT.deleting-…``) is never removed automatically: if the process died between
-  the two renames it is the only copy of the previous output, and the warning says how to restore it.
+- :class:`StagingDir` (the converters, ``save_pretrained``): write into a hidden staging directory beside the
+  output, move it into place once complete (an existing output, with ``force``, is renamed aside first and removed
+  after). A killed writer's staging directory ``.OUT.tmp-…`` is removed by the next writer to the same output when
+  it is provably abandoned: the writer holds an exclusive ``flock`` on a lock file inside it while it writes, and
+  only a directory whose lock can be taken (any host sharing the filesystem, any PID namespace) is removed. An old
+  output renamed aside (``.OUT.deleting-…``) is never removed automatically: it may be the only copy left.
+- :func:`durable_write`, :func:`fsync_dir`, :func:`remove_aside`: the primitives the checkpoint directory protocol
+  (:mod:`xpar_zoo.checkpoint.layout`, several ranks writing one directory) is built on.
 """
 
 from __future__ import annotations
 
-import fcntl
+import fcntl  # not filelock: _remove_if_abandoned must compare the lock file's inode with the held descriptor's
 import glob
 import os
 import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from xpar_zoo.errors import XparError
+from .errors import ConvertError, LeftoverWarning, XparError
 
 LOCK_FILE = ".xpar-writing.lock"
 
 
-class OutputError(XparError, ValueError):
-    """An output directory that exists (without ``force``) or cannot be written."""
+def durable_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` durably: a temporary name beside it, fsync, rename over ``path``."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
-class LeftoverWarning(UserWarning):
-    """Staging directories of earlier, interrupted conversions sit beside the output."""
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in directory ``path`` durable (best effort: some filesystems refuse)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_aside(path: Path, name: str) -> None:
+    """Remove the directory ``path`` so that no half-removed copy is ever visible under its name: rename it to
+    ``name`` beside it first (when possible), then delete it."""
+    try:
+        target = path.with_name(name)
+        os.rename(path, target)
+        fsync_dir(path.parent)
+        path = target
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _leftovers(out_dir: Path) -> list[Path]:
@@ -88,7 +114,7 @@ def clear_leftovers(out_dir: Path) -> None:
         warnings.warn(f"{', '.join(aside)} in {out_dir.parent}: {hint}", LeftoverWarning, stacklevel=4)
 
 
-def check_apart(out_dir: Path, inputs: Iterable[str | os.PathLike], error: type[Exception] = OutputError) -> None:
+def check_apart(out_dir: Path, inputs: Iterable[str | os.PathLike], error: type[Exception] = ConvertError) -> None:
     """Raise ``error`` when ``out_dir`` is one of the ``inputs`` (paths that exist are compared; links resolved),
     contains one, or lies inside one: replacing it (``--force``) would delete the input, writing into it would
     change it."""
@@ -109,7 +135,7 @@ def check_apart(out_dir: Path, inputs: Iterable[str | os.PathLike], error: type[
                     "--force would delete the input)")
 
 
-def check_output(out_dir: Path, force: bool, error: type[Exception] = OutputError,
+def check_output(out_dir: Path, force: bool, error: type[Exception] = ConvertError,
                  inputs: Iterable[str | os.PathLike] = ()) -> None:
     """Raise ``error`` when ``out_dir`` is, contains or lies inside one of the ``inputs`` (:func:`check_apart`),
     exists without ``force``, is not a directory, or its parent is unwritable; then clear what interrupted
@@ -134,9 +160,11 @@ class StagingDir:
     as tmp:``) it commits when the block completes and discards on any exception, the commit's own included; a
     full disk (or quota) becomes one ``error`` saying so."""
 
-    def __init__(self, out_dir: Path, error: type[Exception] = OutputError) -> None:
+    def __init__(self, out_dir: Path, error: type[Exception] = ConvertError,
+                 merge: Callable[[str], bool] | None = None) -> None:
         self.out_dir = out_dir
         self.error = error
+        self.merge = merge
         self.path = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
         self.path.mkdir()
         self._lock: int | None = os.open(self.path / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
@@ -161,7 +189,7 @@ class StagingDir:
             self._raise_if_disk_full(exc)
 
     def _raise_if_disk_full(self, exc: BaseException) -> None:
-        from xpar_zoo.integrity import disk_full
+        from .integrity import disk_full
 
         if isinstance(exc, (KeyboardInterrupt, SystemExit, XparError)):
             return
@@ -176,9 +204,13 @@ class StagingDir:
             self._lock = None
 
     def commit(self) -> None:
-        """Move the staged output into place (:func:`move_into_place`)."""
+        """Move the staged output into place (:func:`move_into_place`); with ``merge`` into an existing directory,
+        file by file (:func:`merge_into_place`)."""
         self._unlock()
-        move_into_place(self.path, self.out_dir)
+        if self.merge is not None and self.out_dir.is_dir():
+            merge_into_place(self.path, self.out_dir, self.merge)
+        else:
+            move_into_place(self.path, self.out_dir)
 
     def discard(self) -> None:
         """Remove the staged output."""
@@ -201,3 +233,16 @@ def move_into_place(tmp: Path, out_dir: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def merge_into_place(tmp: Path, out_dir: Path, stale: Callable[[str], bool]) -> None:
+    """Move every file of ``tmp`` into the existing ``out_dir`` (index files last, so that an index never names a
+    file not yet there), remove the files of ``out_dir`` that ``stale`` names and the new output lacks (weight
+    shards of an earlier save), then ``tmp``. The other files of ``out_dir`` stay (a tokenizer, a trainer's state)."""
+    new = sorted(p.name for p in tmp.iterdir() if p.name != LOCK_FILE)
+    for name in sorted(new, key=lambda n: n.endswith(".index.json")):
+        os.replace(tmp / name, out_dir / name)
+    for old in out_dir.iterdir():
+        if old.is_file() and stale(old.name) and old.name not in new:
+            old.unlink()
+    shutil.rmtree(tmp, ignore_errors=True)
