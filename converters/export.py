@@ -51,10 +51,13 @@ def export_to_hf(
     max_shard_size: str | int = "5GB",
     force: bool = False,
     progress: bool = True,
+    merge_adapter: bool = False,
 ) -> Path:
     """Write the model tensors of an xpar_zoo checkpoint (a ``step-N`` directory, or the newest complete one under a
     root) to ``out_dir`` in the hub's own format. ``model`` (hub id or directory) supplies generation / tokenizer
-    files (and the config if the checkpoint lacks one); ``dtype`` casts floating tensors. Returns ``out_dir``."""
+    files (and the config if the checkpoint lacks one); ``dtype`` casts floating tensors. A checkpoint of a PEFT
+    model needs ``merge_adapter=True``: its adapter is merged into the weights
+    (:class:`xpar_zoo.integrations.peft.AdapterMerge`). Returns ``out_dir``."""
     from tqdm.auto import tqdm
 
     cast = parse_dtype(dtype)
@@ -70,8 +73,19 @@ def export_to_hf(
     meta = read_checkpoint_metadata(checkpoint)
     source_dir = resolve(model, weights=False).directory if model is not None else None  # config, side files
     config = _config_from(meta, source_dir)
-    hub = HubWriter(build_meta(config, torch.float32), config, model_tensor_specs(checkpoint), cast=cast,
-                    max_shard_bytes=shard_bytes)
+    specs = model_tensor_specs(checkpoint)
+    if meta.get("peft") and not merge_adapter:
+        raise ConvertError(f"{checkpoint} holds a PEFT adapter ({', '.join(meta['peft'])}): pass --merge-adapter for "
+                           "merged hub weights, or save the adapter itself with xpar_zoo.save_adapter")
+    if merge_adapter and not meta.get("peft"):
+        raise ConvertError(f"--merge-adapter: {checkpoint} holds no PEFT adapter")
+    merge = None
+    if merge_adapter:
+        from xpar_zoo.integrations.peft import AdapterMerge
+
+        merge = AdapterMerge(config, meta["peft"], specs)
+        specs = {name: (shape, dt) for name, shape, dt in merge.outputs}
+    hub = HubWriter(build_meta(config, torch.float32), config, specs, cast=cast, max_shard_bytes=shard_bytes)
 
     with StagingDir(out_dir, ConvertError) as tmp:  # moved into place when complete, removed on any error
         hub.start(tmp)
@@ -79,7 +93,10 @@ def export_to_hf(
             with tqdm(total=hub.total_bytes, unit="B", unit_scale=True, desc="export to hub format",
                       disable=not progress) as bar:  # closed (a line of its own) on errors too
                 # A quarter shard read at a time: memory stays a fraction of a shard above the baseline.
-                for name, tensor in iter_model_tensors(checkpoint, hub.names, max_bytes=max(1, shard_bytes // 4)):
+                budget = max(1, shard_bytes // 4)
+                stream = (merge.merged(iter_model_tensors(checkpoint, merge.reads(hub.names), max_bytes=budget))
+                          if merge else iter_model_tensors(checkpoint, hub.names, max_bytes=budget))
+                for name, tensor in stream:
                     bar.update(hub.add(name, tensor))
                     del tensor
             hub.finish()
@@ -94,6 +111,7 @@ def export_to_hf(
         info = {"source_checkpoint": checkpoint.name, "step": meta.get("step"),
                 "model_type": config.model_type, "mesh": meta.get("mesh"), "plans": sorted(meta.get("plans") or {}),
                 "xpar_zoo_version": meta.get("xpar_zoo_version"), "dtype": str(cast or "as saved"),
-                "base_model": str(model) if model is not None and not local_model else None}
+                "base_model": str(model) if model is not None and not local_model else None,
+                "merged_adapter": bool(merge)}
         (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out_dir

@@ -3,10 +3,11 @@
 from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
                          save_checkpoint, verify_checkpoint)
 from .clip import clip_grad_norm_
-from .errors import (BatchError, CheckpointError, CheckpointMismatchError, CheckpointWarning, ConvertError, DataError,
-                     HubResolutionError, IntegrationError, KernelError, LeftoverWarning, LoadError, MeshError,
-                     ModelStateError, NonFiniteError, PlanError, PublishError, RefusedArchitectureError,
-                     TrainConfigError, UnknownArchitectureError, XparError)
+from .errors import (AdapterError, BatchError, CheckpointError, CheckpointMismatchError, CheckpointWarning,
+                     ConvertError, DataError, HubResolutionError, IntegrationError, KernelError, LeftoverWarning,
+                     LoadError, MeshError, ModelStateError, NonFiniteError, PlanError, PublishError,
+                     RefusedArchitectureError, TrainConfigError, UnknownArchitectureError, XparError)
+from .integrations.peft import save_adapter
 from .loader import from_pretrained
 from .materialize import materialize
 from .mesh import Mesh
@@ -20,12 +21,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     # errors and warnings
-    "BatchError", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "ConvertError", "DataError",
-    "HubResolutionError", "IntegrationError", "KernelError", "LeftoverWarning", "LoadError", "MeshError",
+    "AdapterError", "BatchError", "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "ConvertError",
+    "DataError", "HubResolutionError", "IntegrationError", "KernelError", "LeftoverWarning", "LoadError", "MeshError",
     "ModelStateError", "NonFiniteError", "PlanError", "PublishError", "RefusedArchitectureError", "TrainConfigError",
     "UnknownArchitectureError", "XparError",
     # the API
     "CheckpointFuture", "ExtraPlan", "Mesh", "Plan", "clip_grad_norm_", "from_pretrained", "full_logits",
     "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
-    "read_checkpoint_metadata", "save_checkpoint", "supported_architectures", "verify_checkpoint",
+    "read_checkpoint_metadata", "save_adapter", "save_checkpoint", "supported_architectures", "verify_checkpoint",
 ]

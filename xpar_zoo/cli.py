@@ -72,6 +72,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
                   recompute=args.recompute)
+    if args.lora_rank is not None:
+        parameters = args.lora_parameters
+        modules = args.lora_modules.split(",") if args.lora_modules else None
+        common.update(lora_rank=args.lora_rank, lora_modules=modules,
+                      lora_parameters=None if parameters is None else [p for p in parameters.split(",") if p != "none"])
     if args.ep is not None or args.emb or args.head or args.replicate != 1 or not args.suggest:
         sizes = {k: v for k, v in (("ep", args.ep), ("emb", args.emb), ("head", args.head)) if v and v > 1}
         estimates = [planner.estimate(config, args.world, sizes, args.replicate, **common)]
@@ -84,7 +89,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(_describe_model(config, args.model))
         print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "
-              f"{args.dtype} compute, {args.optimizer}" + (", activation checkpointing" if args.recompute else ""))
+              f"{args.dtype} compute, {args.optimizer}" + (", activation checkpointing" if args.recompute else "")
+              + (f", LoRA rank {args.lora_rank} (frozen base)" if args.lora_rank else ""))
         for e in estimates:
             print(planner.format_estimate(e))
             if args.memory_gib and e.memory_total > args.memory_gib * 2**30:
@@ -96,7 +102,7 @@ def _cmd_to_hf(args: argparse.Namespace) -> int:
     from xpar_zoo.converters.export import export_to_hf
 
     out = export_to_hf(args.dcp_dir, args.out_dir, model=args.model, dtype=args.dtype,
-                       max_shard_size=args.max_shard_size, force=args.force)
+                       max_shard_size=args.max_shard_size, force=args.force, merge_adapter=args.merge_adapter)
     print(f"wrote {out}")
     return 0
 
@@ -191,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", help="cast floating tensors: bf16, fp16, fp32")
     c.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     c.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    c.add_argument("--merge-adapter", action="store_true",
+                   help="a checkpoint of a PEFT LoRA model: merge the adapter into the weights (W + s·BA)")
     c.set_defaults(func=_cmd_to_hf)
     c = convert.add_parser("to-dcp", help="a hub checkpoint (per-expert or fused) -> xpar_zoo DCP, global fused layout")
     c.add_argument("name_or_dir", help="hub id or local directory with config.json and safetensors")
@@ -232,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
     p.add_argument("--recompute", action="store_true",
                    help="activation checkpointing of every decoder layer (model.activation_checkpointing_enable())")
+    p.add_argument("--lora-rank", type=_positive_int, help="PEFT LoRA of this rank: count the frozen base, the "
+                   "adapters, their gradients and optimizer states")
+    p.add_argument("--lora-modules", help="LoRA target_modules, comma-separated (default: every linear but the head)")
+    p.add_argument("--lora-parameters", help="LoRA target_parameters, comma-separated, or none (default: the fused "
+                   "experts tensors)")
     p.add_argument("--suggest", action="store_true", help="rank the meshes that fit --world")
     p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -66,6 +66,11 @@ class NonFiniteError(XparError, RuntimeError):
     """NaN or inf where training needs finite numbers (gradients to clip); names the tensors and ranks."""
 
 
+class AdapterError(XparError, ValueError):
+    """A PEFT adapter xpar_zoo cannot train or save as asked: a tuner or option it does not run exactly, an adapter
+    file that does not fit the model (names the keys and shapes), PEFT missing."""
+
+
 class ConvertError(XparError, ValueError):
     """A conversion or export that cannot be done as asked (``xpar-zoo convert``, ``save_pretrained``): an argument
     that does not parse, an output that exists, contains its input or cannot be written, a checkpoint whose pieces

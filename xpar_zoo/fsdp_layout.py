@@ -107,14 +107,14 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, s
     planned_units = []
     planned_fqns = {pm.fqn for pm in planned}
     for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
+        own = tuple(_qualified(pm.fqn, p) for p in pm.params)  # also inside its children (an adapter wrapper's)
         # a planned module's fully_shard takes every weight inside it on its plan's mesh: dense ones go first
         for child, module in model.get_submodule(pm.fqn).named_children():
             inner = _qualified(pm.fqn, child)
-            own = tuple(p for p in params if _inside(p, inner) and p not in claimed)
-            if own and inner not in planned_fqns:
-                claimed.update(own)
-                planned_units.append(FSDPUnit(inner, "inner", own))
-        own = tuple(_qualified(pm.fqn, p) for p in pm.params)
+            dense = tuple(p for p in params if _inside(p, inner) and p not in claimed and p not in own)
+            if dense and inner not in planned_fqns:
+                claimed.update(dense)
+                planned_units.append(FSDPUnit(inner, "inner", dense))
         claimed.update(own)
         size = sizes[pm.plan_name]
         dims = tuple(planned_shard_dim(shapes[f][0] // size, shard_size // size) for f in own)

@@ -94,8 +94,8 @@ def _check_parallelize_kwargs(kwargs: dict) -> None:
     unknown = sorted(set(kwargs) - set(accepted) - {"plan"})
     if unknown:
         raise TypeError(f"from_pretrained() got unexpected keyword argument(s) {unknown}; besides its own (name, mesh, "
-                        f"dtype, revision, plan, device, cache_dir, token, progress) it takes parallelize's "
-                        f"{accepted}")
+                        f"dtype, revision, plan, device, cache_dir, token, progress, peft_config, adapter) it takes "
+                        f"parallelize's {accepted}")
 
 
 def load_config(directory: str | Path):
@@ -199,14 +199,17 @@ def _live_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             **dict(model.named_parameters(remove_duplicate=False))}
 
 
-def fill_local_shards(model: nn.Module, layout: HubLayout, directory: str | Path, *, progress: bool = True
-                      ) -> LoadStats:
+def fill_local_shards(model: nn.Module, layout: HubLayout, directory: str | Path, *, progress: bool = True,
+                      names: dict[str, str] | None = None) -> LoadStats:
     """Read into every local shard of ``model`` (parallelized, allocated) the slices of the checkpoint in
-    ``directory`` that ``layout`` assigns to it, one file at a time; return what was read."""
+    ``directory`` that ``layout`` assigns to it, one file at a time; return what was read. ``names`` maps the
+    layout's names to the model's where they differ (``{transformers name: name in model}``, e.g. under PEFT)."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
     live = _live_tensors(model)
+    if names:
+        live = {n: live[names.get(n, n)] for n in layout.targets if names.get(n, n) in live}
     work: dict[str, list[tuple[Read, torch.Tensor]]] = defaultdict(list)
     for name, target in layout.targets.items():
         if name not in live:
@@ -256,6 +259,8 @@ def from_pretrained(
     token: str | bool | None = None,
     progress: bool = True,
     torch_dtype: torch.dtype | str | None = None,
+    peft_config=None,
+    adapter: str | os.PathLike | None = None,
     **parallelize_kwargs,
 ) -> nn.Module:
     """Load hub id / cached repo / local directory ``name`` (safetensors) as the real transformers class,
@@ -265,24 +270,46 @@ def from_pretrained(
     has no place for, raises a :class:`~xpar_zoo.XparError` naming the keys and files before tensor data is read.
     A collective: every rank calls it. Returns the model in eval mode, like transformers. Other keyword arguments
     go to :func:`~xpar_zoo.parallelize`; ``torch_dtype`` is accepted as transformers accepts it (deprecated, use
-    ``dtype``). Without a process group it runs as a single process (world 1)."""
+    ``dtype``). Without a process group it runs as a single process (world 1).
+
+    Fine-tuning with PEFT LoRA: ``peft_config=LoraConfig(...)`` (a new adapter) or ``adapter=PATH`` (a saved PEFT
+    adapter, loaded trainable) returns a ``peft.PeftModel`` whose frozen base is loaded shard-on-read as above and
+    whose adapters (on dense linears, and on fused experts via ``target_parameters``, split by ``ep`` with their
+    experts) are the only trainable parameters; see :mod:`xpar_zoo.integrations.peft`."""
     from transformers import GenerationConfig
 
     dtype = _dtype_argument(dtype, torch_dtype)
     _check_parallelize_kwargs(parallelize_kwargs)
     mesh = mesh or Mesh()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        lora = None
+        if peft_config is not None:
+            from .integrations.peft import config_fingerprint
+
+            lora = config_fingerprint(peft_config)
         check_same_on_all_ranks((str(name), revision, str(dtype)), "from_pretrained arguments (name, revision, dtype)",
                                 LoadError)
+        check_same_on_all_ranks({"peft_config": lora, "adapter": None if adapter is None else str(adapter)},
+                                "from_pretrained arguments", LoadError)
     hub = open_hub_checkpoint(name, revision, dtype, cache_dir=cache_dir, token=token, on_each_node=True,
                               for_training=True, plan=plan)
     model, layout = hub.model, hub.layout
-    parallelize(model, mesh, plan=hub.plan, **parallelize_kwargs)
+    outer, initial = model, None
+    if peft_config is not None or adapter is not None:
+        from .integrations.peft import attach_adapter, unwrapped_name
+
+        outer, initial = attach_adapter(model, peft_config=peft_config, adapter=adapter, name_or_path=str(name))
+    parallelize(outer, mesh, plan=hub.plan, **parallelize_kwargs)
     model._xpar.unset_buffers = tuple(sorted(set(model._xpar.unset_buffers) | set(layout.init_buffers)))
     materialize(model, device)
-    stats = fill_local_shards(model, layout, hub.directory, progress=progress)
+    names = {unwrapped_name(n): n for n in _live_tensors(model)} if initial is not None else None
+    stats = fill_local_shards(model, layout, hub.directory, progress=progress, names=names)
+    if initial is not None:
+        from .integrations.peft import fill_adapter
+
+        fill_adapter(outer, initial)
     if (hub.directory / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(hub.directory)
     model.config.name_or_path = str(name)
     model._xpar_load = stats
-    return model.eval()
+    return outer.eval()

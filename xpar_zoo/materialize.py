@@ -88,7 +88,8 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if state.mesh.device_type == "cuda" else "cpu"
         model.to_empty(device=device)
-    initialise_buffers(model, set(state.unset_buffers))
+    owner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel: its base's names
+    initialise_buffers(owner, set(state.unset_buffers))
     state.unset_buffers = ()
     return model
 

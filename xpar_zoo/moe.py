@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,6 +71,9 @@ def _triton_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
     device are checked here (the module's layout and Triton itself when the kernels were chosen)."""
     if getattr(module, "_xpar_kernels", "torch") != "triton":
         return None
+    if getattr(module, "_xpar_adapters", None):
+        raise KernelError(f"{type(module).__name__}: the Triton experts kernels do not run expert adapters (LoRA); "
+                          "keep kernels='torch' for this model")
     if x.dtype != weight.dtype:
         raise KernelError(f"{type(module).__name__}: the Triton experts kernels need matching dtypes (got {x.dtype} "
                           f"rows, {weight.dtype} weights)")
@@ -100,11 +104,12 @@ def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = No
         if _triton_module() is None:
             raise KernelError("the Triton experts kernels need Triton (pip install xpar_zoo[triton]; CUDA builds of "
                               "torch bring it)")
-        odd = sorted({type(m).__name__ for m in experts if not _standard_swiglu(m)})
+        odd = sorted({type(m).__name__ for m in experts
+                      if not _standard_swiglu(m) or getattr(m, "_xpar_adapters", None)})
         if odd:
             raise KernelError(f"the Triton experts kernels run plain SwiGLU experts in transformers' standard layout "
                               f"(gate_up_proj [E, 2I, H], down_proj [E, H, I], no biases, the default gate); {odd} "
-                              "are not: keep kernels='torch' for this model")
+                              "are not, or carry expert adapters (LoRA): keep kernels='torch' for this model")
     for module in experts:
         module._xpar_kernels = kernels
         module._xpar_tiles = tiles
@@ -229,6 +234,13 @@ class GatedDown(torch.autograd.Function):
         return _silu_gate_backward(grad_act, gate, up, silu), grad_w, None
 
 
+def _adapted(out: torch.Tensor, adapter, x: torch.Tensor, counts: torch.Tensor, first: int, num: int) -> torch.Tensor:
+    """``out`` plus an expert adapter's contribution for rows ``x`` grouped by local expert (see
+    :func:`install_expert_adapter`); the adapter returns ``None`` while it is disabled."""
+    delta = adapter(x, counts, first, num) if adapter is not None else None
+    return out if delta is None else out + delta.to(out.dtype)
+
+
 def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first: int, num: int,
                  triton_path=None, tiles=None, perm: torch.Tensor | None = None) -> torch.Tensor:
     """The expert MLPs for rows grouped by local expert (``counts`` rows each), experts ``first … first+num-1``;
@@ -248,8 +260,15 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
         down_b = down_b[first:first + num] if down_b is not None else None
     if triton_path is not None:
         return triton_path.grouped_swiglu(x, up_w, down_w, counts, tiles, perm=perm)
-    h = grouped_linear(x, up_w, counts, transposed=transposed, bias=up_b)
-    if _default_silu_gate(module) and h.requires_grad:
+    adapters = getattr(module, "_xpar_adapters", None) or {}
+    h = _adapted(grouped_linear(x, up_w, counts, transposed=transposed, bias=up_b), adapters.get(up_name),
+                 x, counts, first, num)
+    if "down_proj" in adapters:  # the adapter needs the activation itself
+        act = (SiluGate.apply(h) if _default_silu_gate(module) and h.requires_grad
+               else module._apply_gate(h) if has_gate else module.act_fn(h))
+        y = _adapted(grouped_linear(act, down_w, counts, transposed=transposed, bias=down_b), adapters["down_proj"],
+                     act, counts, first, num)
+    elif _default_silu_gate(module) and h.requires_grad:
         # keep only h for backward (the activation is recomputed); under autocast autograd's own graph keeps the
         # dtypes autocast chose, so GatedDown (whose backward recomputes in h's dtype) stays out of it
         if _use_grouped_mm(h, down_w) and not torch.is_autocast_enabled(h.device.type):
@@ -336,5 +355,25 @@ ExpertsInterface.register(EXPERTS_IMPLEMENTATION, experts_forward)
 
 
 def install_expert_parallel(module: nn.Module, ep: PlanShard | None) -> None:
-    """Give an experts module its EP group (``None``: all experts local); ``ep.rows`` experts live here."""
-    module._xpar_ep = ep
+    """Give an experts module its EP group (``None``: all experts local); ``ep.rows`` experts live here. ``module``
+    may be an adapter wrapper around the experts module (PEFT's ``ParamWrapper``): the group goes to every module of
+    the chain."""
+    from .plan import WRAPPED_ATTR
+
+    while isinstance(module, nn.Module):
+        module._xpar_ep = ep
+        module = getattr(module, WRAPPED_ATTR, None)
+
+
+ExpertAdapter = Callable[[torch.Tensor, torch.Tensor, int, int], "torch.Tensor | None"]
+
+
+def install_expert_adapter(module: nn.Module, param: str, adapter: ExpertAdapter) -> None:
+    """Add an adapter to the projection ``param`` (``gate_up_proj``, ``up_proj`` or ``down_proj``) of an experts
+    module: ``adapter(rows, counts, first, num)`` gets the projection's input rows grouped by local expert
+    (``counts[g]`` rows for expert ``first + g``, ``num`` experts) and returns what to add to its output (or
+    ``None``, e.g. while disabled). It runs inside the same EP dispatch, after the grouped GEMM
+    (:func:`grouped_linear` serves it as well). The Triton kernels refuse such modules."""
+    adapters = dict(getattr(module, "_xpar_adapters", None) or {})
+    adapters[param] = adapter
+    module._xpar_adapters = adapters

@@ -33,7 +33,7 @@ from .hub_save import install_save_pretrained
 from .loss import install_global_loss
 from .materialize import check_materialized, meta_tensors, unread_buffers
 from .moe import EXPERTS_IMPLEMENTATION, install_expert_parallel
-from .plan import Plan, match_parameters
+from .plan import Plan, match_parameters, owner_module
 from .registry import plan_for
 from .vocab import (check_embedding, check_head, fusable_head, install_fused_loss, install_vocab_embedding,
                     install_vocab_lm_head)
@@ -53,11 +53,6 @@ class ParallelState:
     def planned_params(self) -> dict[str, str]:
         """``{parameter FQN: plan name}`` for every planned parameter."""
         return {f"{m.fqn}.{p}" if m.fqn else p: m.plan_name for m in self.planned for p in m.params}
-
-
-def _split(fqn: str) -> tuple[str, str]:
-    mod, _, name = fqn.rpartition(".")
-    return mod, name
 
 
 def check_plan_names(names, plan: Plan) -> None:
@@ -117,11 +112,13 @@ def match_plan(model: nn.Module, plan: Plan, active: dict[str, int], shard_size:
                     f"{name}_fsdp={fsdp} (FSDP2 shards a planned slice evenly on dim 1 where its "
                     f"{shape[0] // size} rows on dim 0 do not divide by {fsdp})"
                 )
-            by_module[(_split(fqn)[0], name)].append(_split(fqn)[1])
+            module_fqn = owner_module(model, fqn)
+            by_module[(module_fqn, name)].append(fqn[len(module_fqn) + 1:] if module_fqn else fqn)
     planned = []
     for (mod_fqn, name), names in by_module.items():
         module = model.get_submodule(mod_fqn)
-        others = [n for n, _ in module.named_parameters(recurse=False) if n not in names]
+        wrapped = any("." in n for n in names)  # an adapter wrapper: everything inside it computes with the slice
+        others = [n for n, _ in module.named_parameters(recurse=wrapped) if n not in names]
         if others:
             raise PlanError(
                 f"plan {name!r} splits {mod_fqn}.{names} but not {others} of the same module; "
@@ -149,21 +146,23 @@ def split_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) ->
         size, rank = mesh.size(pm.plan_name), mesh.plan_rank(pm.plan_name)
         placements = [Replicate()] * (device_mesh.ndim - 1) + [Shard(0)]
         for name in pm.params:
-            full = getattr(module, name)
+            holder_fqn, _, name = name.rpartition(".")
+            holder = module.get_submodule(holder_fqn)
+            full = getattr(holder, name)
             rows = full.shape[0] // size
             local = full.detach().narrow(0, rank * rows, rows)
             if not local.is_meta:
                 local = local.clone()
             dt = DTensor.from_local(local, device_mesh, placements, run_check=False,
                                     shape=full.shape, stride=full.stride())
-            setattr(module, name, nn.Parameter(dt, requires_grad=full.requires_grad))
+            setattr(holder, name, nn.Parameter(dt, requires_grad=full.requires_grad))
 
 
 def install_styles(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -> None:
     """Give each planned module the forward of its style; experts modules use xpar_zoo's experts path."""
     for pm in planned:
         module = model.get_submodule(pm.fqn)
-        shard = mesh.plan_shard(pm.plan_name, getattr(module, pm.params[0]).shape[0])
+        shard = mesh.plan_shard(pm.plan_name, module.get_parameter(pm.params[0]).shape[0])
         if pm.style == "experts":
             install_expert_parallel(module, shard)
         elif pm.style == "embedding":
@@ -219,6 +218,11 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwarg
             module.set_modules_to_forward_prefetch([model.get_submodule(f) for f in unit.forward_prefetch])
         if unit.backward_prefetch:
             module.set_modules_to_backward_prefetch([model.get_submodule(f) for f in unit.backward_prefetch])
+
+
+def uses_peft(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model or holds PEFT tuner layers (PEFT is imported only then)."""
+    return any(type(m).__module__.startswith("peft.") for m in model.modules())
 
 
 def _fingerprint(model: nn.Module, plan: Plan) -> str:
@@ -283,6 +287,11 @@ def parallelize(
     micro-batch (the mean of ``out.loss`` over the ranks is that global mean, and the gradients are exactly its
     gradients); ``num_items_in_batch`` sets the global count explicitly (gradient accumulation): see
     :mod:`xpar_zoo.loss`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint."""
+    outer = model
+    if uses_peft(model):  # LoRA applied before parallelize: the transformers model inside, its plan under PEFT's names
+        from .integrations.peft import base_of, prepare
+
+        model, plan = prepare(outer, plan or plan_for(base_of(outer)))
     plan = plan or plan_for(model)
     check_same_on_all_ranks({"model and plan": _fingerprint(model, plan), "mixed_precision": repr(mixed_precision),
                              "reshard_after_forward": reshard_after_forward, "prefetch": prefetch,
@@ -307,4 +316,8 @@ def parallelize(
     model._is_fsdp_managed_module = True  # transformers' generate then keeps the ranks in step (synced_gpus)
     model._is_accelerate_prepared = True  # accelerate's prepare hands it back as is: no DDP wrap over FSDP2
     install_save_pretrained(model)
+    if outer is not model or uses_peft(model):
+        from .integrations.peft import finish
+
+        return finish(outer, model)
     return model

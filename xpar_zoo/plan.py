@@ -105,6 +105,23 @@ def matches(pattern: str, fqn: str) -> bool:
     return _pattern_regex(pattern).match(fqn) is not None
 
 
+# Adapter wrappers (PEFT's tuner layers: LoRA's ``Linear``, ``ParamWrapper``, …) hold the module they wrap under this
+# attribute; a wrapped module, its wrappers and their adapters compute and shard as one planned module.
+WRAPPED_ATTR = "base_layer"
+
+
+def owner_module(model: nn.Module, param_fqn: str) -> str:
+    """The FQN of the module that computes with parameter ``param_fqn`` and becomes its planned module: the
+    parameter's own module, or the outermost adapter wrapper around it (see :data:`WRAPPED_ATTR`)."""
+    parts = param_fqn.split(".")[:-1]
+    module = model
+    for i, part in enumerate(parts):
+        if i and isinstance(getattr(module, WRAPPED_ATTR, None), nn.Module):
+            return ".".join(parts[:i])
+        module = getattr(module, part)
+    return ".".join(parts)
+
+
 def match_parameters(model: nn.Module, patterns: Iterable[str]) -> list[str]:
     """FQNs of ``model``'s parameters that match any of ``patterns``, in ``named_parameters`` order."""
     patterns = tuple(patterns)

@@ -55,9 +55,14 @@ class Unit:
     replicate: int
     root: bool = False
     gathers: int = 2  # per step: forward and backward; 1 where parameters stay unsharded after forward
+    trainable_padded: int | None = None  # of numel_padded, what requires grad (None: all of it)
     dim1_numel: int = 0  # elements of its tensors FSDP2 shards on dim 1 (a chunk-cat copy per gather / reduce)
     plan_name: str | None = None
     shard_dims: dict[str, int] = field(default_factory=dict)  # planned units: {parameter FQN: FSDP shard dim}
+
+    @property
+    def trainable(self) -> int:
+        return self.numel_padded if self.trainable_padded is None else self.trainable_padded
 
 
 @dataclass
@@ -67,6 +72,7 @@ class Estimate:
     mesh: dict
     memory: dict[str, float] = field(default_factory=dict)
     comm: dict[str, float] = field(default_factory=dict)
+    lora: dict | None = None  # with LoRA: its rank and the adapter's parameter count
     placement: dict[str, dict[str, int]] = field(default_factory=dict)  # plan -> {"dim 0": tensors, "dim 1": …}
 
     @property
@@ -102,16 +108,20 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
         if u.kind == "planned":
             s = active[u.plan_name]
             local = {f: torch.Size([params[f].shape[0] // s, *params[f].shape[1:]]) for f in u.params}
-            # dim-1 shards are even (checked); dim 0 pads the local slice (it divides where it is chosen)
-            padded = sum(n.numel() if u.shard_dim(f) else _padded(n, shard // s) for f, n in local.items())
-            units.append(Unit(u.fqn, sum(n.numel() for n in local.values()), padded, shard // s, replicate,
+
+            def padded(names, u=u, local=local, s=s):  # dim-1 shards are even (checked); dim 0 pads the local slice
+                return sum(local[f].numel() if u.shard_dim(f) else _padded(local[f], shard // s) for f in names)
+            units.append(Unit(u.fqn, sum(n.numel() for n in local.values()), padded(u.params), shard // s, replicate,
                               gathers=1 + u.reshard_after_forward, plan_name=u.plan_name,
                               dim1_numel=sum(n.numel() for f, n in local.items() if u.shard_dim(f)),
-                              shard_dims={f: u.shard_dim(f) for f in u.params}))
+                              shard_dims={f: u.shard_dim(f) for f in u.params},
+                              trainable_padded=padded([f for f in u.params if params[f].requires_grad])))
         else:
             units.append(Unit(u.fqn or "<root>", sum(params[f].numel() for f in u.params),
                               sum(_padded(params[f].shape, shard) for f in u.params), shard, replicate,
-                              root=u.kind == "root", gathers=1 + u.reshard_after_forward))
+                              root=u.kind == "root", gathers=1 + u.reshard_after_forward,
+                              trainable_padded=sum(_padded(params[f].shape, shard) for f in u.params
+                                                   if params[f].requires_grad)))
     return units
 
 
@@ -157,6 +167,31 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     return tokens * values * dtype_bytes + loss
 
 
+def lora_activation_bytes(model: nn.Module, config, tokens: int, dtype_bytes: int, recompute: bool = False
+                          ) -> float:
+    """What LoRA adds to :func:`activation_bytes` for a model with PEFT layers: per token and adapted dense linear,
+    its ``r`` fp32 low-rank values and, where the base computes in another dtype, the fp32 copy of its input that
+    PEFT makes; per routed row and adapted experts tensor, its ``r`` low-rank values, and the activation
+    ``act(gate)·up`` (``I``) that the down projection's adapter needs (without one it is recomputed). With
+    ``recompute``: one layer's worth. The sum with :func:`activation_bytes` (a full fine-tune's) is an upper bound:
+    a frozen weight's input is not kept for its gradient (measured 1.2–1.6× of what autograd keeps, fp32 and bf16
+    bases, tests/test_lora.py)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0
+    values = 0.0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        rank = sum(module.r.values())
+        if isinstance(module, ParamWrapper):
+            down = module.parameter_name == "down_proj"
+            values += top_k * (rank + (module.in_features if down else 0)) * dtype_bytes
+        else:
+            values += (rank + (module.in_features if dtype_bytes != 4 else 0)) * 4
+    return tokens * values / (config.num_hidden_layers if recompute else 1)
+
+
 def fused_loss_temporaries(config, tokens: int, group: int, dtype_bytes: int) -> float:
     """What the fused head holds only while it runs (at the activation peak, on top of what autograd keeps): the
     fp32 ``[V/s, H]`` weight-gradient accumulator, each chunk's ``[V/s, H]`` partial product (not in fp32, where it
@@ -175,7 +210,9 @@ def _moe_layers(model: nn.Module, plan: Plan) -> list[tuple[str, int, int]]:
     for fqn in match_parameters(model, plan.extra["ep"].params):
         mod = fqn.rpartition(".")[0]
         module = model.get_submodule(mod)
-        down = module.down_proj
+        down = getattr(module, "down_proj", None)
+        if not isinstance(down, torch.Tensor):  # an adapter's factor (planned with its experts)
+            continue
         hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None) or down.shape[1]
         out[mod] = (mod, down.shape[0], hidden)
     return list(out.values())
@@ -196,23 +233,43 @@ def estimate(
     fused_loss: bool = True,
     plan: Plan | None = None,
     model: nn.Module | None = None,
+    lora_rank: int | None = None,
+    lora_modules: list[str] | str | None = None,
+    lora_parameters: list[str] | None = None,
 ) -> Estimate:
     """Per-rank memory and per-step communication of ``config`` on a mesh of ``world`` ranks with extra-plan
     ``sizes`` and ``replicate`` (HSDP). Master weights, gradients and optimizer states are fp32; ``recompute``:
     activation checkpointing of every decoder layer (see :func:`activation_bytes`); ``fused_loss`` as
-    :func:`~xpar_zoo.parallelize` takes it."""
+    :func:`~xpar_zoo.parallelize` takes it.
+
+    ``lora_rank``: PEFT LoRA of that rank on ``lora_modules`` (default: every linear but the head) and on the fused
+    expert tensors ``lora_parameters`` (default: every tensor of the plan's experts plans; ``[]``: none), as
+    :func:`xpar_zoo.from_pretrained` (``peft_config=``) builds it: the frozen base is held in ``param_dtype``, the
+    adapters in fp32 with their gradients and optimizer states; only the adapters are reduce-scattered."""
     sizes = dict(sizes or {})
     validate_sizes(world, sizes, replicate)
     plan = plan or get_plan(config.model_type)
     check_plan_names([n for n, s in sizes.items() if s > 1], plan)
+    if lora_rank is not None:
+        from .integrations.peft import lora_meta_model
+
+        model, plan = lora_meta_model(meta_model(config), plan, lora_rank, lora_modules, lora_parameters)
     model = model if model is not None else meta_model(config)
     pbytes, rbytes = DTYPE_BYTES[param_dtype], DTYPE_BYTES[reduce_dtype]
     units = fsdp_units(model, plan, world, sizes, replicate)
     est = Estimate(mesh={"world": world, "replicate": replicate, **sizes})
     shard_numel = sum(u.numel_padded / u.group for u in units)
-    est.memory["parameters (fp32 shards)"] = shard_numel * 4
-    est.memory["gradients (fp32 shards)"] = shard_numel * 4
-    est.memory[f"optimizer states ({optimizer})"] = shard_numel * 4 * OPTIMIZER_STATES[optimizer]
+    trainable = sum(u.trainable / u.group for u in units)
+    if lora_rank:
+        est.lora = {"rank": lora_rank, "adapter parameters": sum(p.numel() for p in model.parameters()
+                                                                 if p.requires_grad)}
+        est.memory[f"frozen base ({param_dtype} shards)"] = (shard_numel - trainable) * pbytes
+        est.memory["adapters (fp32 shards)"] = trainable * 4
+    else:
+        est.memory["parameters (fp32 shards)"] = shard_numel * 4
+    est.memory["gradients (fp32 shards)"] = trainable * 4
+    states = f"optimizer states ({optimizer}, adapters)" if lora_rank else f"optimizer states ({optimizer})"
+    est.memory[states] = trainable * 4 * OPTIMIZER_STATES[optimizer]
     biggest = max((u.numel_padded for u in units if not u.root), default=0)
     root = next(u for u in units if u.root)
     est.memory["unsharded parameters (2 units + root)"] = (2 * biggest + root.numel_padded) * pbytes
@@ -230,15 +287,17 @@ def estimate(
     qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
     est.memory["activations (estimate)"] = activation_bytes(config, tokens, pbytes, fused_head, qk_norm,
                                                             recompute)
+    if lora_rank:
+        est.memory["activations (estimate)"] += lora_activation_bytes(model, config, tokens, pbytes, recompute)
     if fused_head:
         est.memory["fused loss temporaries"] = fused_loss_temporaries(config, tokens, fused_head, pbytes)
     gather = reduce = allreduce = 0.0
     for u in units:
         frac = (u.group - 1) / u.group
         gather += (1 if u.root else u.gathers) * frac * u.numel_padded * pbytes
-        reduce += frac * u.numel_padded * rbytes
+        reduce += frac * u.trainable * rbytes
         if u.replicate > 1:
-            allreduce += 2 * (u.replicate - 1) / u.replicate * (u.numel_padded / u.group) * rbytes
+            allreduce += 2 * (u.replicate - 1) / u.replicate * (u.trainable / u.group) * rbytes
     est.comm["all_gather (FSDP params)"] = gather
     est.comm["reduce_scatter (FSDP grads)"] = reduce
     est.comm["all_reduce (HSDP grads)"] = allreduce
@@ -306,7 +365,8 @@ def format_bytes(n: float) -> str:
 
 def format_estimate(est: Estimate) -> str:
     """A human-readable table of one estimate."""
-    lines = [f"mesh {est.mesh}"]
+    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({est.lora['adapter parameters'] / 1e6:.1f}M "
+                                   "adapter parameters)" if est.lora else "")]
     if est.placement:
         shown = "; ".join(f"{name}: " + ", ".join(f"{n} tensor{'s' * (n != 1)} on {dim}"
                                                 for dim, n in sorted(dims.items()))

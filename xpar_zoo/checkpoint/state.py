@@ -149,6 +149,7 @@ def metadata_record(model: nn.Module, step: int, optimizer, scalars: dict, param
         "mesh": xpar.mesh.describe() if xpar is not None else None,
         "plan_model_type": xpar.plan.model_type if xpar is not None else None,
         "plans": plans,
+        "peft": _adapter_metadata(model),
         "tensors": "DCP at global shapes; planned tensors hold every expert / vocab row in global order",
         "rng": "per rank: rng/rank-NNNNN.safetensors (torch CPU, CUDA when initialised, Python random)",
         "optimizer": None if optimizer is None else {
@@ -159,6 +160,15 @@ def metadata_record(model: nn.Module, step: int, optimizer, scalars: dict, param
     }
 
 
+def _adapter_metadata(model: nn.Module) -> dict | None:
+    """The PEFT adapter configs of a model that carries one (``xpar-zoo convert to-hf --merge-adapter`` reads them)."""
+    from ..parallelize import uses_peft
+
+    if not uses_peft(model):
+        return None
+    from ..integrations.peft import adapter_metadata
+
+    return adapter_metadata(model)
 
 
 def nonfinite_message(msd: dict, osd: dict | None) -> str | None:

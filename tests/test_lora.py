@@ -1,0 +1,574 @@
+"""PEFT LoRA under xpar_zoo (issue 21): ``from_pretrained(peft_config=…)`` on 4 gloo ranks trains LoRA on attention
+and on the fused experts exactly like single-process PEFT (loss, clipped norm and every adapter after 3 AdamW steps)
+on FSDP, ep2 and ep2+emb2+head2; expert adapters live with their experts (a rank holds its own experts' adapters),
+the frozen base gets no gradient and is never reduce-scattered; ``save_adapter`` writes PEFT's own files that plain
+PEFT loads in one process (and ``adapter=PATH`` loads back, trainable); a DCP checkpoint of a LoRA run reshards
+(ep4 → ep2, optimizer state included) and exports merged hub weights; a bf16 base with fp32 adapters trains."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import xpar_zoo
+from xpar_zoo import planner
+from xpar_zoo.errors import AdapterError, KernelError
+from xpar_zoo.testing import launch, parity
+
+peft = pytest.importorskip("peft")  # an optional extra: requirements-test.txt installs it
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft.utils import get_peft_model_state_dict  # noqa: E402
+
+from xpar_zoo.integrations.peft import (adapter_state, attach_adapter, prepare, to_expert_major,  # noqa: E402
+                                        to_peft_layout)
+
+WORLD, STEPS, SEED, MAX_NORM = 4, 3, 123, 0.5
+MESHES = {"fsdp": {}, "ep2": {"ep": 2}, "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2}}
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def lora_config(**overrides) -> LoraConfig:
+    """LoRA on attention and on both fused expert tensors; ``init_lora_weights=False`` draws ``B`` too, so that
+    the adapters change the forward from the first step."""
+    kwargs = dict(r=4, lora_alpha=8, init_lora_weights=False, target_modules=ATTENTION, target_parameters=EXPERTS)
+    return LoraConfig(**{**kwargs, **overrides})
+
+
+def _config():
+    return parity.tiny_config("qwen3_moe")
+
+
+def _data():
+    data = parity.make_batches(_config().vocab_size, STEPS + 1, WORLD, seed=2)  # the last step: evaluation only
+    return data, parity.make_labels(data)
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _global_mean(loss: torch.Tensor) -> float:
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    """A tiny qwen3_moe saved in the hub's own (per-expert) format."""
+    directory = tmp_path_factory.mktemp("lora") / "base"
+    parity.build_model(_config()).save_pretrained(directory)
+    return str(directory)
+
+
+# ---- single-process PEFT ------------------------------------------------------------------------------------------
+def _plain(base: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base, dtype=dtype, experts_implementation="eager")
+
+
+def _batch(data, labels, step):
+    return data[step].reshape(-1, data.shape[-1]), labels[step].reshape(-1, data.shape[-1])
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    """Single-process PEFT on every rank's data at once: initial adapter, per-step losses and clipped norms, the
+    adapter after each step, and the evaluation loss of the trained and of the base model."""
+    torch.manual_seed(SEED)
+    model = get_peft_model(_plain(base), lora_config()).train()
+    data, labels = _data()
+    opt = parity.adamw(_trainable(model))
+    record = {"init": {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}, "losses": [], "norms": [],
+              "adapters": []}
+    for step in range(STEPS):
+        ids, lab = _batch(data, labels, step)
+        loss = model(input_ids=ids, labels=lab).loss
+        loss.backward()
+        record["norms"].append(torch.nn.utils.clip_grad_norm_(_trainable(model), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        record["losses"].append(loss.item())
+        record["adapters"].append({k: v.clone() for k, v in get_peft_model_state_dict(model).items()})
+    ids, lab = _batch(data, labels, STEPS)
+    with torch.no_grad():
+        record["eval"] = model(input_ids=ids, labels=lab).loss.item()
+        with model.disable_adapter():
+            record["eval_base"] = model(input_ids=ids, labels=lab).loss.item()
+    return record
+
+
+# ---- the 4-rank jobs -----------------------------------------------------------------------------------------------
+class _SentBytes:
+    """Bytes this rank sends per FSDP collective (ring model, as tests/test_planner.py counts them)."""
+
+    KINDS = {"all_gather_single": ("all_gather", "output_tensor"),
+             "all_gather_into_tensor": ("all_gather", "output_tensor"),
+             "reduce_scatter_single": ("reduce_scatter", "input"), "reduce_scatter_tensor": ("reduce_scatter", "input")}
+
+    def __init__(self):
+        self.totals = {"all_gather": 0.0, "reduce_scatter": 0.0}
+        self._saved = {}
+
+    def __enter__(self):
+        import inspect
+
+        for name, (kind, arg) in self.KINDS.items():
+            original = getattr(dist, name)
+            self._saved[name] = original
+            signature = inspect.signature(original)
+
+            def counted(*args, _original=original, _kind=kind, _arg=arg, _sig=signature, **kwargs):
+                bound = _sig.bind(*args, **kwargs).arguments
+                tensor, n = bound[_arg], dist.get_world_size(bound.get("group"))
+                self.totals[_kind] += (n - 1) / n * tensor.numel() * tensor.element_size()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self.totals
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def _expert_regions(model) -> dict[str, tuple[int, int]]:
+    """``{expert adapter: [first, last+1) experts this rank holds}``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = {}
+    for name, p in model.named_parameters():
+        if "experts" in name and "lora_" in name:
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            out[name] = (offset[0], offset[0] + shape[0])
+    return out
+
+
+def _train(model, data, labels, steps, rank, measure=None):
+    opt = parity.adamw(_trainable(model))
+    losses, norms, frozen_grads = [], [], []
+    for step in steps:
+        with _SentBytes() if step == steps[0] and measure is not None else _nothing() as sent:
+            loss = model(input_ids=data[step, rank], labels=labels[step, rank]).loss
+            loss.backward()
+        if sent is not None:
+            measure.update(sent)
+        frozen_grads += [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+        norms.append(xpar_zoo.clip_grad_norm_(model, MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(_global_mean(loss))
+    return opt, losses, norms, frozen_grads
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _memory(model, opt) -> dict[str, int]:
+    local = {n: p.to_local() for n, p in model.named_parameters()}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    return {"frozen": sum(t.numel() * t.element_size() for n, t in local.items() if n in frozen),
+            "adapters": sum(t.numel() * t.element_size() for n, t in local.items() if n not in frozen),
+            "optimizer": sum(v.to_local().numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                             if v.dim())}
+
+
+def _parity_job(base: str, out: str) -> dict:
+    rank = dist.get_rank()
+    data, labels = _data()
+    result = {}
+    for name, sizes in MESHES.items():
+        torch.manual_seed(SEED + rank)  # the adapter is drawn from rank 0's RNG whatever the others hold
+        model = xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(**sizes), peft_config=lora_config(), progress=False)
+        model.train()
+        row = {"type": type(model).__name__, "init": adapter_state(model), "regions": _expert_regions(model),
+               "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
+        sent: dict = {}
+        opt, row["losses"], row["norms"], row["frozen_grads"] = _train(model, data, labels, range(STEPS), rank, sent)
+        row["sent"], row["memory"] = sent, _memory(model, opt)
+        row["adapter"] = adapter_state(model)
+        if name == "ep2_emb2_head2":
+            with torch.no_grad():
+                row["eval"] = _global_mean(model(input_ids=data[STEPS, rank], labels=labels[STEPS, rank]).loss)
+                with model.disable_adapter():
+                    row["eval_base"] = _global_mean(
+                        model(input_ids=data[STEPS, rank], labels=labels[STEPS, rank]).loss)
+            xpar_zoo.save_adapter(model, f"{out}/adapter")
+            model.save_pretrained(f"{out}/adapter_via_save_pretrained")  # PeftModel.save_pretrained: the same
+            reloaded = xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=4), adapter=f"{out}/adapter", progress=False)
+            with torch.no_grad():
+                row["reloaded_eval"] = _global_mean(
+                    reloaded(input_ids=data[STEPS, rank], labels=labels[STEPS, rank]).loss)
+            row["reloaded_trainable"] = sorted(n for n, p in reloaded.named_parameters() if p.requires_grad)
+        gathered = [None] * WORLD
+        dist.all_gather_object(gathered, {k: row.pop(k) for k in ("regions", "sent", "memory", "frozen_grads")})
+        row["ranks"] = gathered
+        result[name] = row
+    return result
+
+
+@pytest.fixture(scope="module")
+def parity_runs(base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_out")
+    return launch.run(_parity_job, WORLD, base, str(out)), out
+
+
+def _reshard_job(base: str, root: str) -> dict:
+    """ep4: 2 steps, checkpoint (model + AdamW) and the adapter; ep2: load, the 3rd step. A bf16 base with fp32
+    adapters on ep2."""
+    rank = dist.get_rank()
+    data, labels = _data()
+    torch.manual_seed(SEED)
+    model = xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=4), peft_config=lora_config(), progress=False).train()
+    opt, losses, _, _ = _train(model, data, labels, range(2), rank)
+    xpar_zoo.save_checkpoint(root, model, optimizer=opt, step=2)
+    xpar_zoo.save_adapter(model, f"{root}/adapter-step2")
+    del model, opt
+    # ep2, built as the README's recipe for models built on meta: PEFT applied before parallelize, then materialize
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(_config()), lora_config())
+    xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=2))
+    xpar_zoo.materialize(model).train()
+    opt = parity.adamw(_trainable(model))
+    xpar_zoo.load_checkpoint(root, model, optimizer=opt)
+    loss = model(input_ids=data[2, rank], labels=labels[2, rank]).loss
+    loss.backward()
+    xpar_zoo.clip_grad_norm_(model, MAX_NORM)
+    opt.step()
+    losses.append(_global_mean(loss))
+    result = {"losses": losses, "adapter": adapter_state(model)}
+
+    torch.manual_seed(SEED)  # transformers' activation checkpointing of every layer, adapters trained the same
+    model = xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=2), peft_config=lora_config(), progress=False).train()
+    model.activation_checkpointing_enable()
+    _, result["recompute_losses"], _, _ = _train(model, data, labels, range(STEPS), rank)
+    result["recompute_adapter"] = adapter_state(model)
+
+    try:  # ranks that disagree on the adapter: one clear error on every rank, before any work
+        xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=2), peft_config=lora_config(r=4 + 4 * (rank == 1)),
+                                 progress=False)
+    except xpar_zoo.LoadError as e:
+        result["disagree"] = str(e)
+
+    torch.manual_seed(SEED)
+    model = xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=2), dtype=torch.bfloat16, peft_config=lora_config(),
+                                     progress=False).train()
+    result["bf16_dtypes"] = sorted({(p.requires_grad, str(p.dtype)) for p in model.parameters()})
+    _, result["bf16_losses"], _, frozen = _train(model, data, labels, range(STEPS), rank)
+    result["bf16_frozen_grads"] = frozen
+    return result
+
+
+@pytest.fixture(scope="module")
+def reshard_run(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_ckpt")
+    return launch.run(_reshard_job, WORLD, base, str(root)), root
+
+
+# ---- parity -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_lora_on_attention_and_experts_matches_single_process_peft(parity_runs, reference, mesh):
+    run = parity_runs[0][mesh]
+    assert run["type"] == "PeftModel"
+    # the adapter is PEFT's own draw from the same seed (rank 0's RNG; the other ranks held other states)
+    assert run["init"].keys() == reference["init"].keys()
+    assert all(torch.equal(run["init"][k], reference["init"][k]) for k in reference["init"])
+    parity.assert_losses_match(run["losses"], reference["losses"], f"lora {mesh}")
+    parity.assert_norms_match(run["norms"], reference["norms"], f"lora {mesh}")
+    parity.assert_params_match(parity.param_errors(run["adapter"], reference["adapters"][-1], reference["init"]),
+                               f"lora {mesh}")
+    assert all(n.split(".")[-3] in ("lora_A", "lora_B") for n in run["trainable"])
+    assert len(run["trainable"]) == len(reference["init"])
+
+
+@pytest.mark.parametrize("mesh", ["ep2", "ep2_emb2_head2"])
+def test_expert_adapters_are_split_with_their_experts(parity_runs, mesh):
+    """A rank holds the adapters of its own experts only (8 experts, ep=2: 4 each, the ep rank's own)."""
+    experts = _config().num_experts
+    for rank, row in enumerate(parity_runs[0][mesh]["ranks"]):
+        assert row["regions"], "no expert adapter found"
+        ep_rank = rank % 2  # innermost: consecutive ranks form an ep group
+        for name, (first, stop) in row["regions"].items():
+            lo, hi = ep_rank * experts // 2, (ep_rank + 1) * experts // 2
+            assert lo <= first <= stop <= hi, f"rank {rank} {name}: experts [{first}, {stop}) outside [{lo}, {hi})"
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_frozen_base_gets_no_gradient_and_no_reduce_scatter(parity_runs, mesh):
+    """Frozen parameters have no gradient; the bytes reduce-scattered are the planner's for the adapters alone,
+    far below a full fine-tune's (and the optimizer holds state for the adapters only)."""
+    run = parity_runs[0][mesh]
+    cfg, sizes = _config(), MESHES[mesh]
+    common = dict(param_dtype="fp32", reduce_dtype="fp32", micro_batch=2, seq=8)  # parity.make_batches' rows
+    lora = planner.estimate(cfg, WORLD, sizes, lora_rank=4, lora_modules=ATTENTION, lora_parameters=EXPERTS, **common)
+    full = planner.estimate(cfg, WORLD, sizes, **common)
+    got = sum(r["sent"]["reduce_scatter"] for r in run["ranks"]) / WORLD
+    want = lora.comm["reduce_scatter (FSDP grads)"]
+    assert all(not r["frozen_grads"] for r in run["ranks"])
+    assert abs(got - want) <= 0.01 * want, f"reduce-scatter {got:.0f} B/rank, planner (adapters only) {want:.0f}"
+    assert want < 0.5 * full.comm["reduce_scatter (FSDP grads)"]
+    gathered = sum(r["sent"]["all_gather"] for r in run["ranks"]) / WORLD
+    want_gather = lora.comm["all_gather (FSDP params)"] + lora.comm["all_gather (head loss statistics)"]
+    assert abs(gathered - want_gather) <= 0.05 * want_gather, f"all-gather {gathered:.0f}, planner {want_gather:.0f}"
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_planner_counts_adapters_optimizer_states_and_the_frozen_base(parity_runs, mesh):
+    run = parity_runs[0][mesh]
+    est = planner.estimate(_config(), WORLD, MESHES[mesh], param_dtype="fp32", optimizer="adamw", lora_rank=4,
+                           lora_modules=ATTENTION, lora_parameters=EXPERTS)
+    predicted = {"frozen": est.memory["frozen base (fp32 shards)"], "adapters": est.memory["adapters (fp32 shards)"],
+                 "optimizer": est.memory["optimizer states (adamw, adapters)"]}
+    assert est.memory["gradients (fp32 shards)"] == predicted["adapters"]
+    for kind, want in predicted.items():
+        got = sum(r["memory"][kind] for r in run["ranks"]) / WORLD
+        assert abs(got - want) <= 0.05 * want, f"{kind}: measured {got:.0f} B/rank, predicted {want:.0f}"
+
+
+# ---- adapter files ----------------------------------------------------------------------------------------------
+def test_saved_adapter_is_peft_format_and_loads_into_plain_peft(parity_runs, base, reference):
+    """save_adapter on ep2+emb2+head2 → PEFT's files (its key names, expert adapters at their global shape);
+    ``PeftModel.from_pretrained`` in one process gives the parallel model's loss; the PeftModel's own
+    ``save_pretrained`` writes the same."""
+    from safetensors.torch import load_file
+
+    runs, out = parity_runs
+    run = runs["ep2_emb2_head2"]
+    directory = out / "adapter"
+    assert sorted(p.name for p in directory.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    saved = load_file(directory / "adapter_model.safetensors")
+    assert saved.keys() == reference["init"].keys()
+    assert all(saved[k].shape == reference["init"][k].shape and torch.equal(saved[k], run["adapter"][k])
+               for k in saved)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == sorted(EXPERTS) and config["r"] == 4
+    assert config["base_model_name_or_path"] == base and config["inference_mode"]
+    again = load_file(out / "adapter_via_save_pretrained" / "adapter_model.safetensors")
+    assert all(torch.equal(again[k], saved[k]) for k in saved)
+
+    plain = PeftModel.from_pretrained(_plain(base), str(directory))
+    data, labels = _data()
+    ids, lab = _batch(data, labels, STEPS)
+    with torch.no_grad():
+        loss = plain(input_ids=ids, labels=lab).loss.item()
+    assert abs(loss - run["eval"]) < parity.LOSS_TOL
+    assert abs(run["eval"] - reference["eval"]) < parity.LOSS_TOL
+    assert abs(run["eval_base"] - reference["eval_base"]) < parity.LOSS_TOL  # disable_adapter() turns experts' off too
+
+
+def test_adapter_path_loads_the_saved_adapter_trainable(parity_runs):
+    run = parity_runs[0]["ep2_emb2_head2"]
+    assert abs(run["reloaded_eval"] - run["eval"]) < parity.LOSS_TOL
+    assert run["reloaded_trainable"] == run["trainable"]
+
+
+def test_expert_layout_round_trips():
+    a, b = torch.randn(8 * 4, 16), torch.randn(32, 4 * 8)
+    a3, b3 = to_expert_major(a, b, 8)
+    assert a3.shape == (8, 16, 4) and b3.shape == (8, 32, 4)
+    # expert e's update is B_e @ A_e, as PEFT's einsum "o r e, e r i -> e o i" computes it
+    delta = torch.einsum("ore,eri->eoi", b.reshape(32, 4, 8), a.reshape(8, 4, 16))
+    assert torch.allclose(b3 @ a3.transpose(1, 2), delta, atol=1e-6)
+    back_a, back_b = to_peft_layout(a3, b3)
+    assert torch.equal(back_a, a) and torch.equal(back_b, b)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "granitemoe"])
+def test_expert_adapters_in_the_experts_path_equal_peft_folding_them_into_the_weights(arch):
+    """One process: xpar_zoo's experts path with the adapters as grouped GEMMs gives PEFT's loss and gradients
+    (PEFT folds ``W + s·BA`` into the weights and runs transformers' eager experts): gate/up concatenated or
+    transposed with biases (gpt_oss), shared experts (deepseek_v3), other module names (granitemoe)."""
+    import copy
+
+    from xpar_zoo.moe import EXPERTS_IMPLEMENTATION
+
+    cfg, plan = parity.tiny_config(arch), xpar_zoo.get_plan(arch)
+    targets = sorted({p.rpartition("*.")[2] for e in plan.extra.values() if e.style == "experts" for p in e.params
+                      if p.endswith("_proj")})
+    config = lora_config(target_modules=["q_proj", "v_proj"], target_parameters=targets)
+    ref = get_peft_model(parity.build_model(cfg, experts_implementation="eager"), config)
+    ours = get_peft_model(parity.build_model(cfg, experts_implementation="eager"), copy.deepcopy(config))
+    ours.load_state_dict(ref.state_dict())
+    hf, _ = prepare(ours, plan)
+    hf.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    want, got = ref(input_ids=ids, labels=ids).loss, ours(input_ids=ids, labels=ids).loss
+    want.backward()
+    got.backward()
+    assert abs(got.item() - want.item()) < parity.LOSS_TOL
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    for name, p in ref.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = grads[name]
+        if g.dim() == 3:  # an expert factor, stored per expert: compare in PEFT's layout
+            a, b = (name, name.replace(".lora_A.", ".lora_B.")) if ".lora_A." in name else (
+                name.replace(".lora_B.", ".lora_A."), name)
+            g = to_peft_layout(grads[a], grads[b])[0 if name == a else 1]
+        assert (g - p.grad).norm() <= 1e-5 * p.grad.norm(), name
+
+
+# ---- checkpoints, export, bf16 ------------------------------------------------------------------------------------
+def test_lora_checkpoint_reshards_ep4_to_ep2_with_optimizer_state(reshard_run, reference):
+    run, root = reshard_run
+    parity.assert_losses_match(run["losses"], reference["losses"], "ep4 → checkpoint → ep2")
+    parity.assert_params_match(parity.param_errors(run["adapter"], reference["adapters"][-1], reference["init"]),
+                               "ep4 → checkpoint → ep2")
+    from xpar_zoo.checkpoint import model_tensor_specs, read_checkpoint_metadata
+
+    specs = model_tensor_specs(root)
+    experts = _config().num_experts
+    adapter = "base_model.model.model.layers.0.mlp.experts.lora_A.default.weight"
+    assert specs[adapter][0] == (experts, _config().moe_intermediate_size, 4)  # global: every expert
+    assert sorted(read_checkpoint_metadata(root)["peft"]["default"]["target_parameters"]) == sorted(EXPERTS)
+
+
+def test_merged_export_equals_peft_merge_and_unload(reshard_run, base, tmp_path):
+    """``xpar-zoo convert to-hf CKPT OUT --model BASE --merge-adapter`` writes the hub format whose tensors are
+    PEFT's own ``merge_and_unload`` of the same adapter; without the flag the export says what to do."""
+    from transformers import AutoModelForCausalLM
+
+    from xpar_zoo import cli
+
+    run, root = reshard_run
+    assert cli.main(["convert", "to-hf", str(root), str(tmp_path / "merged"), "--model", base, "--merge-adapter"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", experts_implementation="eager")
+    peft_merged = PeftModel.from_pretrained(_plain(base), str(root / "adapter-step2")).merge_and_unload()
+    want = peft_merged.state_dict()
+    got = merged.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-6, rtol=1e-6), k
+    changed = [k for k in want if not torch.equal(want[k], _plain(base).state_dict()[k])]
+    assert any("experts" in k for k in changed) and any("q_proj" in k for k in changed)
+    with pytest.raises(xpar_zoo.XparError, match="holds a PEFT adapter.*--merge-adapter"):
+        from xpar_zoo.converters.export import export_to_hf
+        export_to_hf(root, tmp_path / "unmerged", model=base)
+    assert not (tmp_path / "unmerged").exists()
+
+
+def test_lora_with_activation_checkpointing_matches_single_process_peft(reshard_run, reference):
+    run, _ = reshard_run
+    parity.assert_losses_match(run["recompute_losses"], reference["losses"], "lora ep2 recompute")
+    parity.assert_params_match(parity.param_errors(run["recompute_adapter"], reference["adapters"][-1],
+                                                   reference["init"]), "lora ep2 recompute")
+
+
+def test_ranks_that_disagree_on_the_adapter_are_refused(reshard_run):
+    assert "ranks were given different from_pretrained arguments: peft_config" in reshard_run[0]["disagree"]
+
+
+def test_bf16_base_with_fp32_adapters_trains(reshard_run, reference):
+    run, _ = reshard_run
+    assert run["bf16_dtypes"] == [(False, "torch.bfloat16"), (True, "torch.float32")]
+    assert not run["bf16_frozen_grads"]
+    for got, want in zip(run["bf16_losses"], reference["losses"], strict=True):
+        assert abs(got - want) < 0.03 * want, (run["bf16_losses"], reference["losses"])
+
+
+# ---- what is refused ----------------------------------------------------------------------------------------------
+def _meta():
+    from xpar_zoo.loader import build_meta
+
+    return build_meta(_config(), torch.float32)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    (dict(target_modules=["q_proj", "lm_head"]), "output head"),
+    (dict(use_dora=True, target_parameters=[]), "DoRA"),
+    (dict(init_lora_weights="pissa", target_parameters=[]), "reads the base weights"),
+    (dict(target_modules=[], target_parameters=["self_attn.q_proj.weight"]), "fused expert weights"),
+])
+def test_unsupported_adapters_are_refused_before_any_work(overrides, message):
+    with pytest.raises(AdapterError, match=message):
+        attach_adapter(_meta(), peft_config=lora_config(**overrides))
+
+
+def test_other_tuners_are_refused():
+    with pytest.raises(AdapterError, match="LoraConfig"):
+        attach_adapter(_meta(), peft_config=peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]))
+
+
+def test_adapter_files_that_do_not_fit_are_named(tmp_path, base):
+    plain = get_peft_model(_plain(base), lora_config(r=2, target_parameters=[]))
+    plain.save_pretrained(tmp_path / "r2")
+    with pytest.raises(AdapterError, match=r"wrong shapes.*lora_A.weight \[2, 32\] vs \[4, 32\]"):
+        cfg = json.loads((tmp_path / "r2" / "adapter_config.json").read_text())
+        cfg["r"] = 4
+        (tmp_path / "r2" / "adapter_config.json").write_text(json.dumps(cfg))
+        attach_adapter(_meta(), adapter=tmp_path / "r2")
+    other = get_peft_model(_plain(base), lora_config(target_modules=["q_proj"], target_parameters=[]))
+    other.save_pretrained(tmp_path / "q_only")
+    cfg = json.loads((tmp_path / "q_only" / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "v_proj"]
+    (tmp_path / "q_only" / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AdapterError, match=r"missing \(4\): .*v_proj\.lora_A\.weight"):
+        attach_adapter(_meta(), adapter=tmp_path / "q_only")
+    (tmp_path / "q_only" / "adapter_model.safetensors").rename(tmp_path / "q_only" / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="never unpickles"):
+        attach_adapter(_meta(), adapter=tmp_path / "q_only")
+    with pytest.raises(AdapterError, match="not a PEFT adapter directory"):
+        attach_adapter(_meta(), adapter=tmp_path)
+
+
+def test_triton_experts_kernels_refuse_expert_adapters():
+    from xpar_zoo.moe import set_experts_kernels
+
+    model, _ = attach_adapter(_meta(), peft_config=lora_config())
+    hf, _ = prepare(model, xpar_zoo.get_plan("qwen3_moe"))
+    with pytest.raises(KernelError, match="expert adapters"):
+        set_experts_kernels(hf, "triton")
+
+
+def test_plan_cli_counts_lora(capsys):
+    from xpar_zoo import cli
+
+    assert cli.main(["plan", "qwen3_moe", "--world", "8", "--ep", "4", "--lora-rank", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA rank 16" in out and "frozen base (bf16 shards)" in out and "adapters (fp32 shards)" in out
+
+
+def test_planner_lora_holds_the_base_in_its_dtype_and_trains_the_adapters_in_fp32():
+    cfg = _config()
+    lora = planner.estimate(cfg, 4, {"ep": 2}, param_dtype="bf16", lora_rank=4, lora_modules=ATTENTION,
+                            lora_parameters=EXPERTS)
+    base_numel = sum(p.numel() for p in planner.meta_model(cfg).parameters())
+    ref = get_peft_model(parity.build_model(cfg), lora_config())
+    adapter_numel = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    assert lora.lora == {"rank": 4, "adapter parameters": adapter_numel}
+    assert lora.memory["frozen base (bf16 shards)"] == pytest.approx(base_numel * 2 / 4, rel=0.05)
+    assert lora.memory["adapters (fp32 shards)"] == pytest.approx(adapter_numel * 4 / 4, rel=0.05)
+    assert lora.memory["gradients (fp32 shards)"] == lora.memory["adapters (fp32 shards)"]
+    assert lora.memory["optimizer states (adamw, adapters)"] == 2 * lora.memory["adapters (fp32 shards)"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_planner_activation_estimate_with_lora_is_an_upper_bound(dtype):
+    """With LoRA the activation term is a full fine-tune's plus the adapters' own values: an upper bound of what
+    autograd keeps (a frozen weight's input is not kept), within 2× of it."""
+    import xpar_zoo.moe  # noqa: F401  (the experts implementation the parallel model uses)
+    from xpar_zoo.vocab import install_fused_loss
+
+    cfg = parity.tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=128, vocab_size=2048)
+    model = get_peft_model(parity.build_model(cfg, experts_implementation="xpar_zoo").to(dtype),
+                           lora_config(r=16, init_lora_weights=True))
+    hf, _ = prepare(model, xpar_zoo.get_plan("qwen3_moe"))
+    install_fused_loss(hf)
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
+    got = parity.saved_for_backward_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward(),
+                                          exclude=model.parameters())
+    nbytes = dtype.itemsize
+    want = (planner.activation_bytes(cfg, ids.numel(), nbytes, fused_head=1, qk_norm=True)
+            + planner.lora_activation_bytes(hf, cfg, ids.numel(), nbytes))
+    assert got <= want <= 2 * got, f"estimate {want / 2**20:.1f} MiB, autograd keeps {got / 2**20:.1f} MiB"

@@ -1,0 +1,674 @@
+"""PEFT LoRA on parallelized models: adapters on dense linears (``target_modules``) and on fused experts
+(``target_parameters``), with a frozen base loaded shard-on-read, and PEFT's own adapter files.
+
+- PEFT is applied *before* ``parallelize``: :func:`attach_adapter` does it on the meta model inside
+  ``xpar_zoo.from_pretrained(peft_config=…, adapter=…)``, or users call ``peft.get_peft_model`` on a model built
+  on meta (or with real weights) and give the ``PeftModel`` to :func:`xpar_zoo.parallelize`.
+- Dense LoRA layers (PEFT's ``lora.Linear``) run PEFT's own forward inside their decoder layer's FSDP unit.
+- Expert LoRA (PEFT's ``ParamWrapper`` around ``gate_up_proj`` / ``down_proj``): PEFT folds ``W_e + s·B_e A_e`` into
+  the whole expert stack each forward; here each adapter runs beside its grouped GEMM, inside the same EP dispatch,
+  as two more grouped GEMMs over the rows each rank received, ``y += s·(x A_eᵀ) B_eᵀ``
+  (:func:`xpar_zoo.moe.install_expert_adapter`). Its factors are therefore stored per expert, ``lora_A`` as
+  ``[E, in, r]`` and ``lora_B`` as ``[E, out, r]`` (:func:`to_expert_major`; PEFT's ``[r·E, in]`` and ``[out, r·E]``
+  interleave the experts in ``lora_B``'s columns), so the plan splits them on dim 0 with their experts (and FSDP
+  on dim 1, never the small ``r``): a wrapped experts module,
+  its wrappers and their adapters are one planned module and one FSDP unit (:func:`xpar_zoo.plan.owner_module`).
+  Files (:func:`save_adapter`, ``adapter=``) use PEFT's own layout and key names, at global shapes.
+- The frozen base gets no gradient and no reduce-scatter (FSDP2 reduces only parameters that require grad).
+
+What is refused, with an :class:`~xpar_zoo.errors.AdapterError` before any work: tuners other than LoRA, several
+adapters, ``modules_to_save`` / trainable tokens, adapters on the input embedding or the output head (their
+vocab-parallel or fused-loss forwards read the weight itself), DoRA, ``target_parameters`` on anything but a fused
+experts module that runs through transformers' ``ExpertsInterface``, and initialisations that read the base weights
+(PiSSA, OLoRA, …) when the base is not loaded yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import types
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..collectives import to_local
+from ..errors import AdapterError, ModelStateError
+from ..parallelize import uses_peft
+from ..plan import ExtraPlan, Plan, WRAPPED_ATTR, match_parameters, matches
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Initialisations that need no base weights (PEFT's own reset_lora_parameters); the others read the base.
+FRESH_INITS = (True, False, "gaussian")
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise AdapterError("PEFT is not installed: pip install 'xpar_zoo[peft]'") from None
+    return peft
+
+
+def base_of(model: nn.Module) -> nn.Module:
+    """The transformers model inside a ``PeftModel`` (``model`` itself otherwise)."""
+    peft = _peft()
+    return model.get_base_model() if isinstance(model, peft.PeftModel) else model
+
+
+def _param_wrappers(model: nn.Module) -> dict[str, nn.Module]:
+    from peft.tuners.lora import ParamWrapper
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, ParamWrapper)}
+
+
+def unwrapped_name(fqn: str) -> str:
+    """``fqn`` without the ``base_layer`` segments of adapter wrappers: the name transformers gives the tensor."""
+    return re.sub(rf"(?:\.{WRAPPED_ATTR})+(?=\.)", "", fqn)
+
+
+# ---- the per-expert layout of expert adapters ---------------------------------------------------------------------
+def to_expert_major(lora_a: torch.Tensor, lora_b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's expert factors ``lora_A [r·E, in]`` (expert-major rows) and ``lora_B [out, r·E]`` (column ``i·E + e``
+    is rank ``i`` of expert ``e``) → ``[E, in, r]`` and ``[E, out, r]``, so that expert ``e``'s update is
+    ``B[e] @ A[e]ᵀ`` in PEFT's ``(out, in)`` orientation."""
+    rank = lora_a.shape[0] // experts
+    a = lora_a.reshape(experts, rank, lora_a.shape[1]).transpose(1, 2).contiguous()
+    b = lora_b.reshape(lora_b.shape[0], rank, experts).permute(2, 0, 1).contiguous()
+    return a, b
+
+
+def to_peft_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`to_expert_major`: ``[E, in, r]``, ``[E, out, r]`` → PEFT's ``[r·E, in]``,
+    ``[out, r·E]``."""
+    experts, _, rank = a.shape
+    return a.transpose(1, 2).reshape(experts * rank, -1), b.permute(1, 2, 0).reshape(b.shape[1], rank * experts)
+
+
+def _is_expert_major(wrapper: nn.Module, adapter: str) -> bool:
+    return wrapper.lora_A[adapter].weight.dim() == 3
+
+
+def _relayout(wrapper: nn.Module) -> None:
+    """Store a ``ParamWrapper``'s factors per expert (meta or real tensors)."""
+    for name in list(wrapper.lora_A):
+        if _is_expert_major(wrapper, name):
+            continue
+        lin_a, lin_b = wrapper.lora_A[name], wrapper.lora_B[name]
+        a, b = to_expert_major(lin_a.weight.detach(), lin_b.weight.detach(), wrapper.num_experts)
+        lin_a.weight = nn.Parameter(a, requires_grad=lin_a.weight.requires_grad)
+        lin_b.weight = nn.Parameter(b, requires_grad=lin_b.weight.requires_grad)
+
+
+# ---- the forward ------------------------------------------------------------------------------------------------
+def _expert_lora(wrapper: nn.Module):
+    """The :data:`xpar_zoo.moe.ExpertAdapter` of one ``ParamWrapper``: ``Σ s·(x A_eᵀ) B_eᵀ`` over its active
+    adapters, in the rows' dtype (as PEFT folds the factors in the weight's), or ``None`` while disabled."""
+    from ..moe import grouped_linear
+
+    def adapter(x: torch.Tensor, counts: torch.Tensor, first: int, num: int) -> torch.Tensor | None:
+        if wrapper.disable_adapters:
+            return None
+        out = None
+        for name in wrapper.active_adapters:
+            if name not in wrapper.lora_A:
+                continue
+            a, b = to_local(wrapper.lora_A[name].weight), to_local(wrapper.lora_B[name].weight)
+            if a.shape[0] != num:  # not EP-sharded: every expert is local
+                a, b = a[first:first + num], b[first:first + num]
+            delta = grouped_linear(grouped_linear(x, a.to(x.dtype), counts, transposed=True), b.to(x.dtype), counts)
+            delta = delta * wrapper.scaling[name]
+            out = delta if out is None else out + delta
+        return out
+
+    return adapter
+
+
+def _wrapper_forward(self: nn.Module, *args, **kwargs):
+    """A ``ParamWrapper``'s forward under xpar_zoo: the experts module itself, whose experts path adds the
+    adapters (PEFT's parametrization would mix the sharded weight with plain factors)."""
+    if self.merged:
+        raise ModelStateError(f"{type(self).__name__} {self.parameter_name!r}: merged adapters do not run on a "
+                              "parallelized model; export merged weights with `xpar-zoo convert to-hf --merge-adapter`")
+    return self.get_base_layer()(*args, **kwargs)
+
+
+# ---- checks -----------------------------------------------------------------------------------------------------
+def _adapter_names(model: nn.Module) -> list[str]:
+    config = getattr(model, "peft_config", None)
+    if config:
+        return list(config)
+    from peft.tuners.lora import LoraLayer
+
+    return sorted({a for m in model.modules() if isinstance(m, LoraLayer) for a in m.lora_A})
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise :class:`AdapterError` for any adapter xpar_zoo does not run exactly (see the module docstring)."""
+    peft = _peft()
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    configs = getattr(model, "peft_config", None) or {}
+    for name, config in configs.items():
+        if config.peft_type != peft.PeftType.LORA:
+            raise AdapterError(f"adapter {name!r} is {config.peft_type.value}; xpar_zoo trains LoRA (LoraConfig)")
+    names = _adapter_names(model)
+    if len(names) > 1:
+        raise AdapterError(f"the model has {len(names)} adapters ({', '.join(names)}); xpar_zoo trains one at a time")
+    hf = base_of(model)
+    edges = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            edge = getattr(hf, getter, lambda: None)()
+        except (NotImplementedError, AttributeError):  # models without one
+            edge = None
+        if isinstance(edge, nn.Module):
+            edges.add(id(edge))
+    for fqn, module in hf.named_modules():
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            raise AdapterError(f"{fqn}: modules_to_save / trainable_token_indices are not supported by xpar_zoo; "
+                               "train adapters only")
+        if isinstance(module, BaseTunerLayer) and not isinstance(module, LoraLayer):
+            raise AdapterError(f"{fqn}: {type(module).__name__} is not a LoRA layer; xpar_zoo trains LoRA")
+        if not isinstance(module, LoraLayer):
+            continue
+        if id(module) in edges or id(module.get_base_layer()) in edges:
+            raise AdapterError(f"{fqn}: LoRA on the input embedding or the output head is not supported (their "
+                               "vocab-parallel and fused-loss forwards read the weight itself); target other modules")
+        if any(module.use_dora.values()):
+            raise AdapterError(f"{fqn}: DoRA (use_dora=True) is not supported by xpar_zoo")
+        if isinstance(module, ParamWrapper):
+            base = module.get_base_layer()
+            param = getattr(base, module.parameter_name)
+            if param.dim() != 3 or not hasattr(base, "has_gate") or module.parameter_name not in (
+                    "gate_up_proj", "up_proj", "down_proj"):
+                raise AdapterError(
+                    f"{fqn}: target_parameters {module.parameter_name!r} of {type(base).__name__} "
+                    f"({list(param.shape)}); xpar_zoo runs LoRA on the fused expert weights (gate_up_proj, up_proj, "
+                    "down_proj) of experts modules that use transformers' ExpertsInterface only"
+                    + ("; PEFT's target_modules='all-linear' adds MoE routers' weights: list the modules instead"
+                       if module.parameter_name == "weight" else ""))
+            inner = [f"{fqn}.{n}" for n, _ in base.named_parameters() if "." in n]
+            if inner:
+                raise AdapterError(f"{fqn}: LoRA on experts that hold weights of their own inside them ({inner[0]}) is "
+                                   "not supported by xpar_zoo")
+    wrappers = _param_wrappers(hf)
+    if wrappers and not (type(hf)._can_set_experts_implementation()
+                         and getattr(hf.config, "_experts_implementation", None)):
+        raise AdapterError(f"{type(hf).__name__} cannot set its experts implementation, so xpar_zoo cannot run "
+                           f"LoRA on its experts ({', '.join(list(wrappers)[:3])})")
+
+
+# ---- parallelize ------------------------------------------------------------------------------------------------
+def _generalised(fqns: list[str]) -> tuple[str, ...]:
+    """Patterns for exactly ``fqns``: layer indices as ``*`` where that still matches nothing else."""
+    return tuple(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.)", "*", f) for f in fqns))
+
+
+def adapter_plan(model: nn.Module, plan: Plan) -> Plan:
+    """``plan`` for a transformers model with PEFT layers (after :func:`prepare`): each experts plan splits its
+    wrapped experts' tensors under their PEFT names together with their adapters' factors; a plan of another style
+    whose tensors an adapter wraps is refused."""
+    params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    wrappers = _param_wrappers(model)
+    extra = {}
+    for name, ep in plan.extra.items():
+        base = [f for f in params if f != unwrapped_name(f) and any(matches(p, unwrapped_name(f)) for p in ep.params)]
+        if not base:
+            extra[name] = ep
+            continue
+        if ep.style != "experts":
+            raise AdapterError(f"plan {name!r} ({ep.style}) splits {unwrapped_name(base[0])}, which a LoRA adapter "
+                               "wraps; xpar_zoo runs adapters on dense and experts modules only")
+        planned = [f for f in params if any(matches(p, unwrapped_name(f)) for p in ep.params)]
+        for wfqn, wrapper in wrappers.items():
+            inside = [f for f in planned if f.startswith(wfqn + ".")]
+            if inside:
+                planned += [f"{wfqn}.{lin}.{a}.weight" for a in wrapper.lora_A for lin in ("lora_A", "lora_B")]
+        literal = tuple(dict.fromkeys(planned))
+        patterns = _generalised(list(literal))
+        if sorted(match_parameters(model, patterns)) != sorted(literal):
+            patterns = literal
+        extra[name] = ExtraPlan(patterns, ep.style, ep.dim0)
+    return Plan(plan.model_type, extra, plan.fsdp_units, plan.layouts, plan.hub_ids, plan.notes, plan.auto, plan.tiny)
+
+
+def prepare(model: nn.Module, plan: Plan) -> tuple[nn.Module, Plan]:
+    """Make a model with PEFT layers ready for the core of ``parallelize``: checks (:func:`check_supported`), expert
+    adapters stored per expert and run inside the experts path, the plan matched to PEFT's names
+    (:func:`adapter_plan`). Returns the transformers model to parallelize and its plan."""
+    from ..moe import install_expert_adapter
+
+    check_supported(model)
+    hf = base_of(model)
+    for wrapper in _param_wrappers(hf).values():
+        _relayout(wrapper)
+        wrapper.forward = types.MethodType(_wrapper_forward, wrapper)
+        install_expert_adapter(wrapper.get_base_layer(), wrapper.parameter_name, _expert_lora(wrapper))
+    return hf, adapter_plan(hf, plan)
+
+
+def finish(outer: nn.Module, hf: nn.Module) -> nn.Module:
+    """After ``parallelize``: ``save_pretrained`` of a ``PeftModel`` writes its adapter (:func:`save_adapter`), and
+    the transformers model inside refuses to save its PEFT-named tensors as a hub checkpoint."""
+    import functools
+
+    def refuse(*args, **kwargs):
+        raise ModelStateError("this model carries a PEFT adapter: save the adapter with xpar_zoo.save_adapter (or the "
+                              "PeftModel's save_pretrained), or merged hub weights from a checkpoint with "
+                              "`xpar-zoo convert to-hf --merge-adapter`")
+
+    hf.save_pretrained = refuse
+    if outer is not hf:
+        outer.save_pretrained = functools.partial(_save_pretrained, outer)
+    return outer
+
+
+def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, safe_serialization: bool = True,
+                     is_main_process: bool = True, selected_adapters: list[str] | None = None,
+                     save_embedding_layers: bool | str = "auto", state_dict: dict | None = None, **kwargs) -> Path:
+    """``PeftModel.save_pretrained`` on a parallelized model: :func:`save_adapter` (a collective; rank 0 writes,
+    ``is_main_process`` is accepted and ignored). Arguments it cannot honour from the live shards are refused."""
+    given = sorted([*kwargs] + [name for name, bad in (("safe_serialization=False", not safe_serialization),
+                                                       ("state_dict", state_dict is not None)) if bad])
+    adapters = _adapter_names(model)
+    if selected_adapters not in (None, adapters):
+        given.append(f"selected_adapters={selected_adapters}")
+    if given:
+        raise ModelStateError(f"save_pretrained on a parallelized PEFT model writes its adapter from the live shards "
+                              f"(xpar_zoo.save_adapter) and does not take {given}")
+    return save_adapter(model, save_directory)
+
+
+# ---- adapter tensors: names, values -----------------------------------------------------------------------------
+def adapter_keys(model: nn.Module) -> dict[str, str]:
+    """``{name in model: key in PEFT's adapter file}`` of every adapter tensor, named by PEFT's own
+    ``get_peft_model_state_dict``."""
+    from peft.utils import get_peft_model_state_dict
+
+    (adapter,) = _adapter_names(model) or [None]
+    if adapter is None:
+        raise AdapterError(f"{type(model).__name__} has no PEFT adapter")
+    placeholders = {n: torch.empty(0) for n in model.state_dict(keep_vars=True)}
+    by_id = {id(t): n for n, t in placeholders.items()}
+    selected = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=adapter,
+                                         save_embedding_layers=False)
+    return {by_id[id(t)]: key for key, t in selected.items()}
+
+
+def _owner_wrapper(model: nn.Module, name: str) -> nn.Module | None:
+    """The ``ParamWrapper`` whose factor ``name`` is (``…lora_A.<adapter>.weight``), or None."""
+    from peft.tuners.lora import ParamWrapper
+
+    owner = model.get_submodule(name.rsplit(".", 3)[0])
+    return owner if isinstance(owner, ParamWrapper) else None
+
+
+def _adapter_name_of(name: str) -> str:
+    return name.rsplit(".", 2)[1]
+
+
+def fill_adapter(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy into every local shard of ``model``'s adapter tensors its region of ``state`` (``{name in model: full
+    tensor in PEFT's layout}``); expert factors are converted to the per-expert layout. Strict: every adapter
+    tensor is filled."""
+    from ..loader import local_region
+
+    params = dict(model.named_parameters())
+    missing = [n for n in adapter_keys(model) if n not in state]
+    if missing:
+        raise AdapterError(f"no value for adapter tensor(s) {', '.join(missing[:6])}")
+    converted: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        wrapper = _owner_wrapper(model, name)
+        if wrapper is not None and _is_expert_major(wrapper, _adapter_name_of(name)):
+            stem = name.rsplit(".", 3)[0]
+            adapter = _adapter_name_of(name)
+            a, b = to_expert_major(state[f"{stem}.lora_A.{adapter}.weight"], state[f"{stem}.lora_B.{adapter}.weight"],
+                                   wrapper.num_experts)
+            value = a if ".lora_A." in name else b
+        converted[name] = value
+    with torch.no_grad():
+        for name, value in converted.items():
+            param = params[name]
+            if tuple(param.shape) != tuple(value.shape):
+                raise AdapterError(f"{name}: adapter value {list(value.shape)}, model {list(param.shape)}")
+            local, region = local_region(param)
+            local.copy_(value[tuple(slice(a, b) for a, b in region)])
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0: ``{PEFT file key: full CPU tensor in PEFT's layout}`` of the adapter (expert factors at their global
+    shape); other ranks ``{}``. A collective: every rank calls it."""
+    keys = adapter_keys(model)
+    params = dict(model.named_parameters())
+    full = {}
+    for name in params:  # the model's order on every rank: full_tensor is a collective
+        if name in keys:
+            t = _full_tensor(params[name].detach())
+            if _rank() == 0:
+                full[name] = t.cpu()
+    if _rank() != 0:
+        return {}
+    out = {}
+    for name, value in full.items():
+        wrapper = _owner_wrapper(model, name)
+        if wrapper is not None and value.dim() == 3:
+            stem, adapter = name.rsplit(".", 3)[0], _adapter_name_of(name)
+            a, b = to_peft_layout(full[f"{stem}.lora_A.{adapter}.weight"], full[f"{stem}.lora_B.{adapter}.weight"])
+            value = a if ".lora_A." in name else b
+        out[keys[name]] = value.contiguous()
+    return out
+
+
+def _broadcast(obj):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
+    """Write the LoRA adapter of a (parallelized) PEFT model to ``directory`` in PEFT's own format:
+    ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's key names, expert adapters at their global
+    shape in PEFT's layout, so that ``PeftModel.from_pretrained(base_model, directory)`` loads it in one process.
+    A collective: every rank calls it, rank 0 writes, into a staging directory moved into place at the end (nothing
+    half-written). Returns the directory."""
+    from safetensors.torch import save_file
+
+    (adapter,) = _adapter_names(model) or [None]
+    if adapter is None or not getattr(model, "peft_config", None):
+        raise AdapterError(f"{type(model).__name__} has no PEFT adapter (peft_config) to save")
+    state = adapter_state(model)
+    directory = Path(directory).expanduser().absolute()
+    error = None
+    if _rank() == 0:
+        staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            staging.mkdir(parents=True)
+            save_file(state, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            config = copy.deepcopy(model.peft_config[adapter])
+            config.inference_mode = True  # as PEFT saves it
+            config.save_pretrained(str(staging))
+            directory.mkdir(parents=True, exist_ok=True)
+            for f in sorted(staging.iterdir(), key=lambda p: p.name == ADAPTER_CONFIG):  # the config last
+                os.replace(f, directory / f.name)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    error = _broadcast(error)
+    if error:
+        raise AdapterError(f"saving the adapter to {directory} failed: {error}")
+    return directory
+
+
+# ---- attaching to a model built on meta -------------------------------------------------------------------------
+def _creation_order(model: nn.Module, adapter: str) -> list[nn.Module]:
+    """The LoRA layers in the order PEFT creates them: ``target_modules`` in module order, then each experts
+    module's ``ParamWrapper`` chain from the inside out."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_A]
+    dense = [m for m in layers if not isinstance(m, ParamWrapper)]
+    inner = {id(getattr(m, WRAPPED_ATTR)) for m in layers if isinstance(m, ParamWrapper)}
+    chains = []
+    for m in layers:
+        if isinstance(m, ParamWrapper) and id(m) not in inner:  # outermost of its chain
+            chain = []
+            while isinstance(m, ParamWrapper):
+                chain.append(m)
+                m = getattr(m, WRAPPED_ATTR)
+            chains += reversed(chain)
+    return dense + chains
+
+
+def _fresh_adapter(peft_model: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """Initial values of the adapter of a PEFT model built on meta, on the CPU as ``get_peft_model`` draws them on a
+    real model (the same layers in the same order from the same RNG: rank 0's, so that every rank agrees); the
+    adapter modules go back to meta."""
+    config = peft_model.peft_config[adapter]
+    init = config.init_lora_weights
+    if init not in FRESH_INITS:
+        raise AdapterError(f"init_lora_weights={init!r} reads the base weights, which xpar_zoo loads only after "
+                           f"parallelizing: initialise the adapter in one process with PEFT, save it, and pass "
+                           f"adapter=PATH (supported here: {', '.join(map(repr, FRESH_INITS))})")
+    rng = torch.get_rng_state()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(rng, src=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng)
+        for layer in _creation_order(peft_model, adapter):
+            for lin in (layer.lora_A[adapter], layer.lora_B[adapter]):
+                lin.to_empty(device="cpu")
+                lin.reset_parameters()
+            if init:
+                layer.reset_lora_parameters(adapter, init)
+    names = adapter_keys(peft_model)
+    state = {n: p.detach().clone() for n, p in peft_model.named_parameters() if n in names}
+    for layer in _creation_order(peft_model, adapter):
+        layer.lora_A[adapter].to("meta")
+        layer.lora_B[adapter].to("meta")
+    return state
+
+
+def read_adapter(path: str | os.PathLike):
+    """``(LoraConfig, {PEFT key: tensor})`` of a PEFT adapter directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``; pickle files are refused), the config set trainable."""
+    peft = _peft()
+    from safetensors.torch import load_file
+
+    directory = Path(path).expanduser()
+    if not (directory / ADAPTER_CONFIG).is_file():
+        raise AdapterError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
+    if not (directory / ADAPTER_WEIGHTS).is_file():
+        found = sorted(p.name for p in directory.glob("adapter_model.*"))
+        raise AdapterError(f"{directory}: no {ADAPTER_WEIGHTS}" + (f" (found {', '.join(found)}: xpar_zoo never "
+                           "unpickles weights; convert to safetensors in a trusted process)" if found else ""))
+    try:
+        config = peft.PeftConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise AdapterError(f"{directory / ADAPTER_CONFIG}: cannot read the adapter config ({e})") from None
+    config.inference_mode = False
+    try:
+        tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+    except Exception as e:  # safetensors raises its own error types
+        raise AdapterError(f"{directory / ADAPTER_WEIGHTS}: unreadable safetensors file ({e})") from None
+    return config, tensors
+
+
+def attach_adapter(model: nn.Module, *, peft_config=None, adapter: str | os.PathLike | None = None,
+                   name_or_path: str | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Apply a LoRA adapter to a transformers model built on meta: a new one from ``peft_config`` or the PEFT
+    adapter directory ``adapter`` (trainable). Returns the ``PeftModel`` (still on meta) and ``{name in it: full
+    tensor in PEFT's layout}``, its initial adapter values, for :func:`fill_adapter` once parallelized and
+    materialized. Every key of an adapter file must fit a tensor of the model, and every tensor must be filled."""
+    peft = _peft()
+    if (peft_config is None) == (adapter is None):
+        raise AdapterError("give exactly one of peft_config= (a new adapter) and adapter= (a saved one)")
+    tensors = None
+    if adapter is not None:
+        peft_config, tensors = read_adapter(adapter)
+    if not isinstance(peft_config, peft.LoraConfig):
+        raise AdapterError(f"peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}")
+    peft_config = copy.deepcopy(peft_config)
+    if name_or_path is not None and not peft_config.base_model_name_or_path:
+        peft_config.base_model_name_or_path = name_or_path
+    model.config.name_or_path = name_or_path or model.config.name_or_path
+    try:
+        peft_model = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+    except (ValueError, TypeError, KeyError) as e:
+        raise AdapterError(f"PEFT could not apply the adapter: {e}") from None
+    check_supported(peft_model)
+    if tensors is None:
+        return peft_model, _fresh_adapter(peft_model, "default")
+    keys = adapter_keys(peft_model)
+    by_key = {k: n for n, k in keys.items()}
+    unexpected = sorted(set(tensors) - set(by_key))
+    missing = sorted(set(by_key) - set(tensors))
+    if unexpected or missing:
+        raise AdapterError(f"{Path(adapter) / ADAPTER_WEIGHTS} does not fit the model with its own config: "
+                           + "; ".join(f"{what} ({len(ks)}): {', '.join(ks[:6])}" for what, ks in
+                                       (("missing", missing), ("unexpected", unexpected)) if ks))
+    params = dict(peft_model.named_parameters())
+    wrong = [f"{k} {list(t.shape)} vs {list(params[by_key[k]].shape)}" for k, t in tensors.items()
+             if tuple(t.shape) != tuple(params[by_key[k]].shape)]
+    if wrong:
+        raise AdapterError(f"{Path(adapter) / ADAPTER_WEIGHTS}: wrong shapes (file vs model): {'; '.join(wrong[:6])}")
+    dtypes = {n: params[n].dtype for n in keys}
+    return peft_model, {by_key[k]: t.to(dtypes[by_key[k]]) for k, t in tensors.items()}
+
+
+# ---- checkpoint metadata ----------------------------------------------------------------------------------------
+def config_json(config) -> dict:
+    """A PEFT config as JSON data (sets sorted, enums by value): the same on every process."""
+
+    def plain(value):
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return getattr(value, "value", value)  # enums
+
+    return json.loads(json.dumps(plain(config.to_dict()), default=str))
+
+
+def config_fingerprint(config) -> str:
+    """A short digest of a PEFT config, the same on every process (to compare the ranks' arguments)."""
+    import hashlib
+
+    text = json.dumps(config_json(config), sort_keys=True) if hasattr(config, "to_dict") else repr(config)
+    return f"{type(config).__name__} {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+def adapter_metadata(model: nn.Module) -> dict | None:
+    """``{adapter name: PEFT config as JSON data}`` of a model with a PEFT adapter (for checkpoint metadata), or
+    None."""
+    configs = getattr(model, "peft_config", None)
+    if not configs or not uses_peft(model):
+        return None
+    return {name: config_json(config) for name, config in configs.items()}
+
+
+# ---- merged export ----------------------------------------------------------------------------------------------
+class AdapterMerge:
+    """Merged weights from the tensors of a checkpoint of a PEFT model (``xpar-zoo convert to-hf --merge-adapter``):
+    every adapted tensor becomes ``W + s·ΔW`` as PEFT's ``merge_and_unload`` computes it (``ΔW = B @ A``, per
+    expert for fused experts), under its transformers name; adapter tensors themselves are dropped.
+
+    ``config``: the transformers config; ``adapters``: the checkpoint's ``peft`` metadata (:func:`adapter_metadata`);
+    ``specs``: ``{checkpoint name: (shape, dtype)}`` of its model tensors. :attr:`outputs` lists ``(transformers
+    name, shape, dtype)`` in order; :meth:`reads` the checkpoint names to stream into :meth:`merged`."""
+
+    def __init__(self, config, adapters: dict, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        peft = _peft()
+        from peft.tuners.lora import LoraLayer, ParamWrapper
+
+        from ..loader import build_meta
+
+        if len(adapters) != 1:
+            raise AdapterError(f"the checkpoint holds {len(adapters)} adapters ({', '.join(adapters)}); xpar_zoo "
+                               "merges one")
+        (adapter, values), = adapters.items()
+        lora = peft.LoraConfig.from_peft_type(**values)
+        if lora.lora_bias or lora.use_dora:
+            raise AdapterError("merging lora_bias / DoRA adapters is not supported by xpar_zoo")
+        model = peft.get_peft_model(build_meta(config, torch.float32), lora, adapter_name=adapter,
+                                    low_cpu_mem_usage=True)
+        for wrapper in _param_wrappers(model).values():
+            _relayout(wrapper)
+        if not any(n.startswith("base_model.model.") for n in specs):  # saved from the transformers model itself
+            model = model.get_base_model()
+        names = set(model.state_dict())
+        if names != set(specs):
+            missing, unexpected = sorted(names - set(specs)), sorted(set(specs) - names)
+            raise AdapterError("the checkpoint does not fit its own adapter config: " + "; ".join(
+                f"{what} ({len(ks)}): {', '.join(ks[:6])}" for what, ks in
+                (("missing", missing), ("unexpected", unexpected)) if ks))
+        fqn_of = {id(m): n for n, m in model.named_modules()}
+        self._deltas: dict[str, list[tuple[str, str, float, str]]] = {}  # base -> [(A, B, scaling, kind)]
+        adapter_names = set()
+        for fqn, layer in model.named_modules():
+            if not isinstance(layer, LoraLayer) or adapter not in layer.lora_A:
+                continue
+            a, b = f"{fqn}.lora_A.{adapter}.weight", f"{fqn}.lora_B.{adapter}.weight"
+            adapter_names |= {a, b}
+            if isinstance(layer, ParamWrapper):
+                base = f"{fqn_of[id(layer.get_base_layer())]}.{layer.parameter_name}"
+                kind = "experts" if layer._did_swap_in_out_features else "experts_transposed"
+            else:
+                base = f"{fqn_of[id(layer.get_base_layer())]}.weight"
+                kind = "transposed" if layer.fan_in_fan_out else "linear"
+            self._deltas.setdefault(base, []).append((a, b, layer.scaling[adapter], kind))
+        prefix = "base_model.model." if any(n.startswith("base_model.model.") for n in specs) else ""
+        self._hf_name = {n: unwrapped_name(n).removeprefix(prefix) for n in specs if n not in adapter_names}
+        self._source = {hf: n for n, hf in self._hf_name.items()}
+        self.outputs = [(self._hf_name[n], specs[n][0], specs[n][1]) for n in specs if n in self._hf_name]
+
+    def reads(self, names: list[str]) -> list[str]:
+        """The checkpoint tensors to stream into :meth:`merged` for the transformers tensors ``names``, in order."""
+        return [r for hf in names for n in [self._source[hf]]
+                for r in [*(x for a, b, _, _ in self._deltas.get(n, ()) for x in (a, b)), n]]
+
+    def merged(self, stream):
+        """``(transformers name, merged tensor)`` for the ``(checkpoint name, tensor)`` pairs of :meth:`reads`."""
+        held: dict[str, torch.Tensor] = {}
+        for name, tensor in stream:
+            if name not in self._hf_name:
+                held[name] = tensor
+                continue
+            for a, b, scaling, kind in self._deltas.get(name, ()):
+                lora_a, lora_b = held.pop(a).float(), held.pop(b).float()
+                if kind.startswith("experts"):  # per expert: A [E, in, r]
+                    lora_a = lora_a.transpose(-2, -1)
+                delta = (lora_b @ lora_a) * scaling
+                if kind in ("transposed", "experts_transposed"):
+                    delta = delta.transpose(-2, -1)
+                tensor = tensor + delta.to(tensor.dtype)
+            yield self._hf_name[name], tensor
+
+
+# ---- the planner's model ----------------------------------------------------------------------------------------
+def lora_meta_model(model: nn.Module, plan: Plan, rank: int, modules: list[str] | str | None = None,
+                    parameters: list[str] | None = None) -> tuple[nn.Module, Plan]:
+    """A transformers model built on meta with LoRA of ``rank`` on ``modules`` (default: every linear but the head)
+    and the fused expert tensors ``parameters`` (default: those of ``plan``'s experts plans), prepared as
+    ``parallelize`` prepares it; and its plan. What ``xpar-zoo plan --lora-rank`` sizes."""
+    peft = _peft()
+    if not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"the LoRA rank must be a positive integer, got {rank!r}")
+    if parameters is None:
+        parameters = sorted({p.rpartition("*.")[2] for ep in plan.extra.values() if ep.style == "experts"
+                             for p in ep.params})
+    if modules is None:  # PEFT's "all-linear" would add MoE routers' weights as target_parameters
+        head = model.get_output_embeddings()
+        modules = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                          if isinstance(m, nn.Linear) and m is not head})
+    config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules,
+                             target_parameters=list(parameters) or None)
+    try:
+        peft_model = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
+    except ValueError as e:
+        raise AdapterError(f"LoRA on {modules} / {parameters}: {e}") from None
+    return prepare(peft_model, plan)
