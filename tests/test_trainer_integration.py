@@ -77,6 +77,17 @@ def _sft_args(out, world):
                      bf16=False)
 
 
+def _lora_model(build):
+    """A PEFT LoRA model on attention and the fused experts around ``build()`` (the adapters drawn from seed 7)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build()
+    torch.manual_seed(7)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            target_modules=["q_proj", "v_proj"],
+                                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+
+
 def _log(trainer) -> list[dict]:
     return [{k: h[k] for k in ("step", "loss", "grad_norm", "aux_loss", "mean_token_accuracy") if k in h}
             for h in trainer.state.log_history if "loss" in h]
@@ -132,7 +143,16 @@ def _references(out) -> dict:
     batches = [[{k: torch.stack([r[k] for r in rows[(s * ACCUM + m) * WORLD:(s * ACCUM + m + 1) * WORLD]])
                  for k in rows[0]} for m in range(ACCUM)] for s in range(2)]
     loop = _loop(model, batches, lambda m, c: torch.nn.utils.clip_grad_norm_(m.parameters(), c))
+    from peft.utils import get_peft_model_state_dict
+
+    lora = _lora_model(lambda: parity.build_model(plain, experts_implementation="eager"))
+    lora_init = {k: v.clone() for k, v in get_peft_model_state_dict(lora).items()}
+    lora_trainer = Trainer(model=lora, args=_args(out / "lora", 1, save_strategy="no", max_steps=2),
+                           train_dataset=_rows(plain.vocab_size))
+    lora_trainer.train()
     return {"trainer": _log(trainer), "trainer_state": dict(trainer.model.state_dict()), "eval_loss": eval_loss,
+            "lora": _log(lora_trainer), "lora_init": lora_init,
+            "lora_adapter": {k: v.clone() for k, v in get_peft_model_state_dict(lora).items()},
             "bf16": _log(bf16),
             "sft": _log(sft), "sft_state": dict(sft.model.state_dict()),
             "loop": loop, "loop_state": dict(model.state_dict())}
@@ -197,6 +217,14 @@ def _parallel(out) -> dict:
                                                                 bf16=True), train_dataset=_rows(config.vocab_size))
     bf16.train()
     result["bf16"] = _log(bf16)
+
+    # a PEFT model: only the adapters train; save_model() writes PEFT's adapter files
+    lora_model = xpar_zoo.parallelize(_lora_model(lambda: parity.build_model(plain)), xpar_zoo.Mesh(**MESH))
+    lora = XparTrainer(model=lora_model, args=_args(out / "lora", WORLD, save_strategy="no", max_steps=2),
+                       train_dataset=_rows(plain.vocab_size))
+    lora.train()
+    lora.save_model(str(out / "lora_saved"))
+    result["lora"] = _log(lora)
 
     class XparSFTTrainer(XparTrainerMixin, SFTTrainer):
         pass
@@ -273,7 +301,7 @@ def test_resume_from_a_checkpoint_is_bit_identical(runs):
     """Resumed from checkpoint-2 (its xpar_zoo DCP checkpoint beside the Trainer's files), steps 3 and 4 log the
     straight run's exact losses and the weights end bit-identical."""
     straight, resumed = runs["par"]["trainer"], runs["par"]["resumed"]
-    assert {"xpar_checkpoint", "trainer_state.json", "scheduler.pt", "model.safetensors.index.json",
+    assert {"xpar_checkpoint", "trainer_state.json", "scheduler.pt", "model.safetensors",  # one shard: no index
             "config.json"} <= set(straight["checkpoint"])
     assert [(h["step"], h["loss"], h["grad_norm"]) for h in resumed["log"][2:]] == \
         [(h["step"], h["loss"], h["grad_norm"]) for h in straight["log"][2:]]
@@ -292,6 +320,28 @@ def test_save_model_loads_in_plain_transformers(runs):
     for name, value in trained.items():
         assert torch.equal(loaded[name], value), name
     assert (runs["out"] / "saved" / "training_args.bin").is_file()
+
+
+def test_trainer_on_a_peft_model_trains_the_adapters_and_saves_them_for_peft(runs):
+    """XparTrainer on a LoRA model (attention and fused experts, ep=2, accumulation 2): the logged losses and norms
+    are single-process PEFT Trainer's, and save_model() writes PEFT's adapter files holding its trained adapters."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    par, ref = runs["par"]["lora"], runs["ref"]
+    assert [h["step"] for h in par] == [h["step"] for h in ref["lora"]] == [1, 2]
+    parity.assert_losses_match([h["loss"] for h in par], [h["loss"] for h in ref["lora"]], "LoRA Trainer")
+    for p, r in zip(par, ref["lora"]):
+        assert p["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    saved = runs["out"] / "lora_saved"
+    assert (saved / "adapter_config.json").is_file() and not list(saved.glob("model*.safetensors"))
+    adapter = load_file(saved / "adapter_model.safetensors")
+    assert adapter.keys() == ref["lora_adapter"].keys()
+    errors = parity.param_errors(adapter, ref["lora_adapter"], ref["lora_init"])
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < parity.PARAM_REL_TOL, (worst, errors[worst])
+    plain = PeftModel.from_pretrained(parity.build_model(_config(output_router_logits=False)), saved)
+    assert any("lora_A" in n for n, _ in plain.named_parameters())
 
 
 def test_trl_sft_trainer_through_the_mixin_equals_single_process(runs):
