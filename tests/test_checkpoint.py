@@ -408,7 +408,7 @@ _KILLED_SAVE = textwrap.dedent("""
         elif phase == "rng_written":
             save.metadata_record = dying  # rank 0 writes the metadata files after the RNG
         elif phase == "dcp_written":
-            save._finish_save = dying  # checksums and commit, once every tensor is written
+            save.finish_save = dying  # checksums and commit, once every tensor is written
         elif phase == "before_rename":
             save.commit = dying
         elif phase == "before_marker":

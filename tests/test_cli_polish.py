@@ -26,8 +26,8 @@ def _one_error_line(capsys, *fragments):
     (["demo", "--world", "3"], ["plan 'ep' of size 2 does not divide the dense shard size 3"]),
     (["demo", "--world", "3", "--ep", "3"], ["--ep 3 does not divide the demo model's 8 experts"]),
     (["demo", "--world", "0"], ["--world must be at least 1"]),
-    (["plan", "qwen3_mo", "--world", "8"], ["unknown model type 'qwen3_mo' (did you mean qwen3_moe", "xpar-zoo list"]),
-    (["plan", "qwen3_moe"], ["the following arguments are required: --world", "xpar-zoo plan --help"]),
+    (["size", "qwen3_mo", "--world", "8"], ["unknown model type 'qwen3_mo' (did you mean qwen3_moe", "xpar-zoo list"]),
+    (["plan", "qwen3_moe"], ["the following arguments are required: --world", "xpar-zoo size --help"]),
     (["nonsense"], ["invalid choice: 'nonsense'"]),
 ])
 def test_errors_are_one_line_with_status_2(argv, fragments, capsys):
@@ -40,12 +40,12 @@ def test_errors_are_one_line_with_status_2(argv, fragments, capsys):
 
 
 def test_plan_names_the_model_it_sized(capsys):
-    from xpar_zoo import planner
+    from xpar_zoo import sizing
 
-    assert cli.main(["plan", "qwen3_moe", "--world", "8", "--ep", "2"]) == 0
+    assert cli.main(["size", "qwen3_moe", "--world", "8", "--ep", "2"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     config = cli.load_model_config("qwen3_moe")
-    params = sum(p.numel() for p in planner.meta_model(config).parameters())
+    params = sum(p.numel() for p in sizing.meta_model(config).parameters())
     assert first == (f"model: qwen3_moe (transformers' default qwen3_moe config): {config.num_hidden_layers} layers, "
                      f"{params / 1e9:.2f}B parameters, {config.num_experts} experts, top-{config.num_experts_per_tok}")
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import xpar_zoo
-from xpar_zoo import ExtraPlan, get_plan, planner
+from xpar_zoo import ExtraPlan, get_plan, sizing
 from xpar_zoo.checkpoint import checkpoint_name
 from xpar_zoo.fsdp_layout import fsdp_layout, planned_shard_dim
 from xpar_zoo.parallelize import match_plan
@@ -56,7 +56,7 @@ LOW_RANK_PLAN = get_plan("qwen3_moe").with_extra("lowrank", ExtraPlan(
 
 
 def _layout(cfg, sizes: dict, shard_size: int, plan=None, model=None) -> dict:
-    model = model if model is not None else planner.meta_model(cfg)
+    model = model if model is not None else sizing.meta_model(cfg)
     plan = plan or get_plan(cfg.model_type)
     units = fsdp_layout(model, plan, match_plan(model, plan, sizes, shard_size), sizes=sizes, shard_size=shard_size)
     return {u.fqn: u for u in units}
@@ -88,7 +88,7 @@ def test_each_planned_tensor_is_sharded_on_dim0_where_its_slice_divides(override
 
 def test_one_module_holds_tensors_on_both_dims():
     cfg = parity.tiny_config("qwen3_moe")
-    model = with_low_rank(planner.meta_model(cfg))
+    model = with_low_rank(sizing.meta_model(cfg))
     unit = _layout(cfg, {"lowrank": 2}, WORLD, LOW_RANK_PLAN, model)[O_PROJ]
     assert {p.rpartition(".")[2]: unit.shard_dim(p) for p in unit.params} == {"weight": 0, "down": 1, "up": 0}
 
@@ -96,10 +96,10 @@ def test_one_module_holds_tensors_on_both_dims():
 def test_dim1_must_divide_only_where_it_is_used():
     """World 6, ep=2: 3 FSDP ranks. 12 experts (6 per slice) go on dim 0, so their dim 1 (2I = 32) need not divide
     by 3; 8 experts (4 per slice) go on dim 1, which must."""
-    match_plan(planner.meta_model(parity.tiny_config("qwen3_moe", num_experts=12)), get_plan("qwen3_moe"),
+    match_plan(sizing.meta_model(parity.tiny_config("qwen3_moe", num_experts=12)), get_plan("qwen3_moe"),
                {"ep": 2}, 6)
     with pytest.raises(xpar_zoo.PlanError, match=r"has 32 on dim 1 .* not divisible by ep_fsdp=3 .* 4 rows"):
-        match_plan(planner.meta_model(parity.tiny_config("qwen3_moe", num_experts=8)), get_plan("qwen3_moe"),
+        match_plan(sizing.meta_model(parity.tiny_config("qwen3_moe", num_experts=8)), get_plan("qwen3_moe"),
                    {"ep": 2}, 6)
 
 

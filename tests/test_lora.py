@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo import planner
+from xpar_zoo import sizing
 from xpar_zoo.errors import AdapterError, KernelError
 from xpar_zoo.testing import launch, parity
 
@@ -103,7 +103,7 @@ def reference(base):
 
 # ---- the 4-rank jobs -----------------------------------------------------------------------------------------------
 class _SentBytes:
-    """Bytes this rank sends per FSDP collective (ring model, as tests/test_planner.py counts them)."""
+    """Bytes this rank sends per FSDP collective (ring model, as tests/test_sizing.py counts them)."""
 
     KINDS = {"all_gather_single": ("all_gather", "output_tensor"),
              "all_gather_into_tensor": ("all_gather", "output_tensor"),
@@ -305,27 +305,27 @@ def test_expert_adapters_are_split_with_their_experts(parity_runs, mesh):
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_frozen_base_gets_no_gradient_and_no_reduce_scatter(parity_runs, mesh):
-    """Frozen parameters have no gradient; the bytes reduce-scattered are the planner's for the adapters alone,
+    """Frozen parameters have no gradient; the bytes reduce-scattered are the sizer's for the adapters alone,
     far below a full fine-tune's (and the optimizer holds state for the adapters only)."""
     run = parity_runs[0][mesh]
     cfg, sizes = _config(), MESHES[mesh]
     common = dict(param_dtype="fp32", reduce_dtype="fp32", micro_batch=2, seq=8)  # parity.make_batches' rows
-    lora = planner.estimate(cfg, WORLD, sizes, lora_rank=4, lora_modules=ATTENTION, lora_parameters=EXPERTS, **common)
-    full = planner.estimate(cfg, WORLD, sizes, **common)
+    lora = sizing.estimate(cfg, WORLD, sizes, lora_rank=4, lora_modules=ATTENTION, lora_parameters=EXPERTS, **common)
+    full = sizing.estimate(cfg, WORLD, sizes, **common)
     got = sum(r["sent"]["reduce_scatter"] for r in run["ranks"]) / WORLD
     want = lora.comm["reduce_scatter (FSDP grads)"]
     assert all(not r["frozen_grads"] for r in run["ranks"])
-    assert abs(got - want) <= 0.01 * want, f"reduce-scatter {got:.0f} B/rank, planner (adapters only) {want:.0f}"
+    assert abs(got - want) <= 0.01 * want, f"reduce-scatter {got:.0f} B/rank, sizer (adapters only) {want:.0f}"
     assert want < 0.5 * full.comm["reduce_scatter (FSDP grads)"]
     gathered = sum(r["sent"]["all_gather"] for r in run["ranks"]) / WORLD
     want_gather = lora.comm["all_gather (FSDP params)"] + lora.comm["all_gather (head loss statistics)"]
-    assert abs(gathered - want_gather) <= 0.05 * want_gather, f"all-gather {gathered:.0f}, planner {want_gather:.0f}"
+    assert abs(gathered - want_gather) <= 0.05 * want_gather, f"all-gather {gathered:.0f}, sizer {want_gather:.0f}"
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_planner_counts_adapters_optimizer_states_and_the_frozen_base(parity_runs, mesh):
+def test_sizer_counts_adapters_optimizer_states_and_the_frozen_base(parity_runs, mesh):
     run = parity_runs[0][mesh]
-    est = planner.estimate(_config(), WORLD, MESHES[mesh], param_dtype="fp32", optimizer="adamw", lora_rank=4,
+    est = sizing.estimate(_config(), WORLD, MESHES[mesh], param_dtype="fp32", optimizer="adamw", lora_rank=4,
                            lora_modules=ATTENTION, lora_parameters=EXPERTS)
     predicted = {"frozen": est.memory["frozen base (fp32 shards)"], "adapters": est.memory["adapters (fp32 shards)"],
                  "optimizer": est.memory["optimizer states (adamw, adapters)"]}
@@ -539,11 +539,11 @@ def test_plan_cli_counts_lora(capsys):
     assert "LoRA rank 16" in out and "frozen base (bf16 shards)" in out and "adapters (fp32 shards)" in out
 
 
-def test_planner_lora_holds_the_base_in_its_dtype_and_trains_the_adapters_in_fp32():
+def test_sizer_lora_holds_the_base_in_its_dtype_and_trains_the_adapters_in_fp32():
     cfg = _config()
-    lora = planner.estimate(cfg, 4, {"ep": 2}, param_dtype="bf16", lora_rank=4, lora_modules=ATTENTION,
+    lora = sizing.estimate(cfg, 4, {"ep": 2}, param_dtype="bf16", lora_rank=4, lora_modules=ATTENTION,
                             lora_parameters=EXPERTS)
-    base_numel = sum(p.numel() for p in planner.meta_model(cfg).parameters())
+    base_numel = sum(p.numel() for p in sizing.meta_model(cfg).parameters())
     ref = get_peft_model(parity.build_model(cfg), lora_config())
     adapter_numel = sum(p.numel() for p in ref.parameters() if p.requires_grad)
     assert lora.lora == {"rank": 4, "adapter parameters": adapter_numel}
@@ -554,7 +554,7 @@ def test_planner_lora_holds_the_base_in_its_dtype_and_trains_the_adapters_in_fp3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_planner_activation_estimate_with_lora_is_an_upper_bound(dtype):
+def test_sizer_activation_estimate_with_lora_is_an_upper_bound(dtype):
     """With LoRA the activation term is a full fine-tune's plus the adapters' own values: an upper bound of what
     autograd keeps (a frozen weight's input is not kept), within 2× of it."""
     import xpar_zoo.moe  # noqa: F401  (the experts implementation the parallel model uses)
@@ -569,6 +569,6 @@ def test_planner_activation_estimate_with_lora_is_an_upper_bound(dtype):
     got = parity.saved_for_backward_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward(),
                                           exclude=model.parameters())
     nbytes = dtype.itemsize
-    want = (planner.activation_bytes(cfg, ids.numel(), nbytes, fused_head=1, qk_norm=True)
-            + planner.lora_activation_bytes(hf, cfg, ids.numel(), nbytes))
+    want = (sizing.activation_bytes(cfg, ids.numel(), nbytes, fused_head=1, qk_norm=True)
+            + sizing.lora_activation_bytes(hf, cfg, ids.numel(), nbytes))
     assert got <= want <= 2 * got, f"estimate {want / 2**20:.1f} MiB, autograd keeps {got / 2**20:.1f} MiB"

@@ -6,7 +6,8 @@ import torch
 
 from xpar_zoo import moe
 from xpar_zoo.testing import parity
-from xpar_zoo.moe import EXPERTS_IMPLEMENTATION, GatedDown, SiluGate, _use_grouped_mm, grouped_linear, grouped_mm_loop
+from xpar_zoo.moe import (EXPERTS_IMPLEMENTATION, GatedDown, SiluGate, grouped_linear, grouped_mm_loop,
+                          grouped_mm_supported)
 
 
 @pytest.mark.parametrize("counts", [[0, 10, 0, 6], [0, 0, 0, 0], [3, 0, 13, 0], [4, 4, 4, 4]])
@@ -31,10 +32,10 @@ def test_grouped_linear_is_bit_identical_to_the_per_expert_loop(counts, transpos
 
 
 def test_grouped_mm_is_used_on_aligned_cpu_fp32_and_not_on_unaligned():
-    assert _use_grouped_mm(torch.zeros(4, 8), torch.zeros(2, 12, 8))
-    assert not _use_grouped_mm(torch.zeros(4, 6), torch.zeros(2, 12, 6))
-    assert not _use_grouped_mm(torch.zeros(0, 8), torch.zeros(2, 12, 8))
-    assert not _use_grouped_mm(torch.zeros(4, 8, dtype=torch.float64), torch.zeros(2, 12, 8, dtype=torch.float64))
+    assert grouped_mm_supported(torch.zeros(4, 8), torch.zeros(2, 12, 8))
+    assert not grouped_mm_supported(torch.zeros(4, 6), torch.zeros(2, 12, 6))
+    assert not grouped_mm_supported(torch.zeros(0, 8), torch.zeros(2, 12, 8))
+    assert not grouped_mm_supported(torch.zeros(4, 8, dtype=torch.float64), torch.zeros(2, 12, 8, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 from xpar_zoo.errors import KernelError
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.moe import (
-    EXPERTS_IMPLEMENTATION, _standard_swiglu, _triton_for, grouped_linear, set_experts_kernels,
+    EXPERTS_IMPLEMENTATION, standard_swiglu, triton_module_for, grouped_linear, set_experts_kernels,
 )
 from xpar_zoo import moe_triton
 
@@ -215,16 +215,16 @@ def test_a_rank_that_receives_no_rows_gets_empty_outputs_and_zero_weight_gradien
 def test_torch_is_the_default_and_triton_refuses_experts_it_cannot_run():
     module = _experts(16, 8, 4, seed=0)
     x = torch.zeros(3, 16)
-    assert _standard_swiglu(module)
-    assert _triton_for(module, x, module.down_proj) is None  # the default: the exact torch path
+    assert standard_swiglu(module)
+    assert triton_module_for(module, x, module.down_proj) is None  # the default: the exact torch path
     set_experts_kernels(module, "triton")
-    assert _triton_for(module, x, module.down_proj) is moe_triton
+    assert triton_module_for(module, x, module.down_proj) is moe_triton
     with pytest.raises(KernelError, match="matching dtypes"):
-        _triton_for(module, x.double(), module.down_proj)
+        triton_module_for(module, x.double(), module.down_proj)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET")
         with pytest.raises(KernelError, match="run on CUDA tensors"):
-            _triton_for(module, x, module.down_proj)
+            triton_module_for(module, x, module.down_proj)
     cfg = parity.tiny_config("gpt_oss")  # transposed, biased, custom gate: not the kernels' layout
     gpt_oss = parity.build_model(cfg, experts_implementation=EXPERTS_IMPLEMENTATION)
     # refused when the kernels are chosen, naming the class, before any module is changed

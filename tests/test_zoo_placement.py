@@ -16,9 +16,9 @@ ARCHS = proved_architectures()
 
 def _placements(arch: str, mesh: dict, overrides: dict) -> set[tuple[int, int]]:
     """``(dim, FSDP ranks)`` of every planned tensor of ``arch`` under ``mesh`` (the layout on a meta model)."""
-    from xpar_zoo import planner
+    from xpar_zoo import sizing
 
-    model = planner.meta_model(parity.tiny_config(arch, **overrides))
+    model = sizing.meta_model(parity.tiny_config(arch, **overrides))
     plan = plan_for(model)
     sizes = {k: v for k, v in mesh.items() if k not in ("innermost", "replicate") and v > 1}
     units = fsdp_layout(model, plan, match_plan(model, plan, sizes, PROOF_WORLD), sizes=sizes, shard_size=PROOF_WORLD)

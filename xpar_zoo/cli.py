@@ -53,10 +53,10 @@ def load_model_config(name: str):
 
 
 def _describe_model(config, name: str) -> str:
-    """``NAME: model_type, L layers, P parameters (E experts, top-k)`` of the model the planner sizes."""
-    from . import planner
+    """``NAME: model_type, L layers, P parameters (E experts, top-k)`` of the model the sizer sizes."""
+    from . import sizing
 
-    params = sum(p.numel() for p in planner.meta_model(config).parameters())
+    params = sum(p.numel() for p in sizing.meta_model(config).parameters())
     experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if getattr(config, k, None)), None)
     moe = f", {experts} experts, top-{config.num_experts_per_tok}" if experts else ""
@@ -64,10 +64,10 @@ def _describe_model(config, name: str) -> str:
     return f"model: {name} ({source}): {config.num_hidden_layers} layers, {params / 1e9:.2f}B parameters{moe}"
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
+def _cmd_size(args: argparse.Namespace) -> int:
     import json
 
-    from . import planner
+    from . import sizing
 
     config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
@@ -79,10 +79,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       lora_parameters=None if parameters is None else [p for p in parameters.split(",") if p != "none"])
     if args.ep is not None or args.emb or args.head or args.replicate != 1 or not args.suggest:
         sizes = {k: v for k, v in (("ep", args.ep), ("emb", args.emb), ("head", args.head)) if v and v > 1}
-        estimates = [planner.estimate(config, args.world, sizes, args.replicate, **common)]
+        estimates = [sizing.estimate(config, args.world, sizes, args.replicate, **common)]
     else:
         budget = args.memory_gib * 2**30 if args.memory_gib else None
-        estimates = planner.suggest(config, args.world, memory_budget=budget, **common)
+        estimates = sizing.suggest(config, args.world, memory_budget=budget, **common)
     if args.json:
         print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "memory": e.memory, "comm": e.comm}
                           for e in estimates], indent=2))
@@ -92,7 +92,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"{args.dtype} compute, {args.optimizer}" + (", activation checkpointing" if args.recompute else "")
               + (f", LoRA rank {args.lora_rank} (frozen base)" if args.lora_rank else ""))
         for e in estimates:
-            print(planner.format_estimate(e))
+            print(sizing.format_estimate(e))
             if args.memory_gib and e.memory_total > args.memory_gib * 2**30:
                 print(f"  (over the {args.memory_gib:g} GiB budget: no mesh of {args.world} ranks fits)")
     return 0
@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="validate and show the card and the files; write nothing, contact no hub")
     p.set_defaults(func=_cmd_publish)
-    p = sub.add_parser("plan", help="per-rank memory and per-step communication of a mesh; suggest meshes")
+    p = sub.add_parser("size", aliases=["plan"],
+                       help="per-rank memory and per-step communication of a mesh; suggest meshes")
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
     p.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
     p.add_argument("--ep", type=_positive_int, help="expert-parallel size (omit with --suggest to rank meshes)")
@@ -248,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suggest", action="store_true", help="rank the meshes that fit --world")
     p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_plan)
+    p.set_defaults(func=_cmd_size)
     _add_train(sub)
     return parser
 

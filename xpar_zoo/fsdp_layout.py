@@ -1,7 +1,7 @@
 """The FSDP layout of a model on a mesh, as data: which modules become FSDP units, over which mesh, sharding which
 parameters on which dim, which stay gathered after forward and what each prefetches. One pure function
-(:func:`fsdp_layout`) decides it; ``parallelize`` applies it and the planner sizes it, so the two cannot drift.
-No process group is needed (the planner runs it on a meta model)."""
+(:func:`fsdp_layout`) decides it; ``parallelize`` applies it and the sizer sizes it, so the two cannot drift.
+No process group is needed (the sizer runs it on a meta model)."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def resolve(name: str | os.PathLike, revision: str | None = None, *, cache_dir: 
 def resolve_config(name: str | os.PathLike, revision: str | None = None, *, cache_dir: str | os.PathLike | None = None,
                    token: str | bool | None = None) -> Path:
     """The ``config.json`` of a local directory or hub repo (fetched alone, or from the cache offline), for tools
-    that need the architecture but no weights (the planner). Raises :class:`HubResolutionError` naming the problem."""
+    that need the architecture but no weights (the sizer). Raises :class:`HubResolutionError` naming the problem."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HFValidationError
 

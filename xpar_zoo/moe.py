@@ -60,13 +60,13 @@ def _default_silu_gate(module: nn.Module) -> bool:
             and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU)))
 
 
-def _standard_swiglu(module: nn.Module) -> bool:
+def standard_swiglu(module: nn.Module) -> bool:
     """Whether an experts module is plain SwiGLU in transformers' standard layout (what the Triton kernels do)."""
     return (_default_silu_gate(module) and not getattr(module, "has_bias", False)
             and not getattr(module, "is_transposed", False) and not getattr(module, "has_post_expert_norm", False))
 
 
-def _triton_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
+def triton_module_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
     """The Triton module when this module's experts are set to ``"triton"``, else ``None``; the inputs' dtype and
     device are checked here (the module's layout and Triton itself when the kernels were chosen)."""
     if getattr(module, "_xpar_kernels", "torch") != "triton":
@@ -105,7 +105,7 @@ def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = No
             raise KernelError("the Triton experts kernels need Triton (pip install xpar_zoo[triton]; CUDA builds of "
                               "torch bring it)")
         odd = sorted({type(m).__name__ for m in experts
-                      if not _standard_swiglu(m) or getattr(m, "_xpar_adapters", None)})
+                      if not standard_swiglu(m) or getattr(m, "_xpar_adapters", None)})
         if odd:
             raise KernelError(f"the Triton experts kernels run plain SwiGLU experts in transformers' standard layout "
                               f"(gate_up_proj [E, 2I, H], down_proj [E, H, I], no biases, the default gate); {odd} "
@@ -116,7 +116,7 @@ def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = No
     return len(experts)
 
 
-def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch.nn.functional.grouped_mm`` takes these operands: bf16 on CUDA, bf16 or fp32 on CPU (where it
     is bit-identical to the per-expert loop and several times faster), rows and columns 16-byte aligned."""
     if not hasattr(F, "grouped_mm") or x.shape[0] == 0 or x.dtype != w.dtype:
@@ -162,7 +162,7 @@ def grouped_linear(
     ``weight`` is ``[G, out, in]`` (``[G, in, out]`` when ``transposed``); ``bias`` is ``[G, out]``. Uses
     ``grouped_mm`` where it applies (no host sync), else :func:`grouped_mm_loop`."""
     w_in_out = weight if transposed else weight.transpose(-2, -1)  # [G, in, out]
-    if _use_grouped_mm(x, weight):
+    if grouped_mm_supported(x, weight):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         out = F.grouped_mm(x.contiguous(), w_in_out, offs=offs)
         if out.requires_grad:
@@ -271,7 +271,7 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
     elif _default_silu_gate(module) and h.requires_grad:
         # keep only h for backward (the activation is recomputed); under autocast autograd's own graph keeps the
         # dtypes autocast chose, so GatedDown (whose backward recomputes in h's dtype) stays out of it
-        if _use_grouped_mm(h, down_w) and not torch.is_autocast_enabled(h.device.type):
+        if grouped_mm_supported(h, down_w) and not torch.is_autocast_enabled(h.device.type):
             y = GatedDown.apply(h, down_w if transposed else down_w.transpose(-2, -1), counts)
             y = _add_bias(y, down_b, counts)
         else:
@@ -320,7 +320,7 @@ def experts_forward(
     num_tokens, top_k = top_k_index.shape
     down = to_local(self.down_proj)
     num_experts = down.shape[0] * (ep.size if ep else 1)
-    triton_path = _triton_for(self, hidden_states, down)
+    triton_path = triton_module_for(self, hidden_states, down)
     tiles = _tiles(self, triton_path, hidden_states) if triton_path is not None else None
     if ep is None and triton_path is not None:  # routing, permute and unpermute fused into the kernels
         out = triton_path.moe_experts(hidden_states, top_k_index, top_k_weights, to_local(self.gate_up_proj),

@@ -4,7 +4,7 @@
 2. ``split_planned``       each planned tensor becomes a DTensor split on dim 0 over its plan's ranks;
 3. ``install_styles``      planned modules get their forward style (EP dispatch, vocab-parallel lookup, …);
 4. ``fsdp_layout``         which modules become FSDP units, over which mesh, resharding and prefetching what
-                           (:mod:`xpar_zoo.fsdp_layout`: pure data, the planner sizes the same units);
+                           (:mod:`xpar_zoo.fsdp_layout`: pure data, the sizer sizes the same units);
 5. ``apply_fsdp``          ``fully_shard`` planned modules over ``<plan>_fsdp`` (deepest first; each tensor on dim 0
                            of its slice where that divides, else dim 1), decoder
                            layers, the input embedding and the output head, then the root over all ranks (HSDP
@@ -56,7 +56,7 @@ class ParallelState:
 
 
 def check_plan_names(names, plan: Plan) -> None:
-    """Raise :class:`PlanError` when a mesh names plans that ``plan`` does not define (the planner checks alike)."""
+    """Raise :class:`PlanError` when a mesh names plans that ``plan`` does not define (the sizer checks alike)."""
     unknown = [n for n in names if n not in plan.extra]
     if unknown:
         raise PlanError(
@@ -74,7 +74,7 @@ def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedMod
 
 def match_plan(model: nn.Module, plan: Plan, active: dict[str, int], shard_size: int) -> list[PlannedModule]:
     """The planned modules of ``model`` for plans of sizes ``active`` (each > 1) over ``shard_size`` FSDP ranks,
-    every size checked; no process group needed (the planner calls it on a meta model)."""
+    every size checked; no process group needed (the sizer calls it on a meta model)."""
     check_plan_names(active, plan)
     params = dict(model.named_parameters(remove_duplicate=False))
     names_of: dict[int, list[str]] = defaultdict(list)
@@ -180,7 +180,7 @@ def install_styles(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -
 def whole_vocab_head_fusable(model: nn.Module, plan: Plan) -> bool:
     """Whether ``parallelize``'s default fused loss applies to ``model``'s whole-vocab head (on a mesh without a
     ``head`` plan): the plan defines a head plan (the architecture's head is proved to take it) and the head is
-    fusable (:func:`~xpar_zoo.vocab.fusable_head`). The planner asks the same."""
+    fusable (:func:`~xpar_zoo.vocab.fusable_head`). The sizer asks the same."""
     return any(p.style == "lm_head" for p in plan.extra.values()) and fusable_head(model) is not None
 
 

@@ -220,7 +220,7 @@ def logits_transform(model: nn.Module, module: nn.Module) -> str | None:
 @functools.cache
 def _forward_logits_transform(cls: type, name: str | None) -> str | None:
     """:func:`logits_transform` for a model class and its head's attribute name: the source is read once per class
-    (``parallelize``, ``install_fused_loss`` and every mesh the planner tries ask again)."""
+    (``parallelize``, ``install_fused_loss`` and every mesh the sizer tries ask again)."""
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):

@@ -44,7 +44,7 @@ def _own_files(tmp: Path, rank: int) -> list[str]:
     return names
 
 
-def _finish_save(tmp: Path, final: Path, keep_last: int | None, error: str | None,
+def finish_save(tmp: Path, final: Path, keep_last: int | None, error: str | None,
                  group: dist.ProcessGroup | None, written: Mapping[str, str]) -> str | None:
     """Every rank, once the DCP data is written (or failed with ``error``): the checksums of the files this rank
     wrote (``written``: taken while DCP wrote them; the others read back, in parallel with the other ranks); then
@@ -124,7 +124,7 @@ class CheckpointFuture:
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             error = _write_error(e, self.path.parent, self._written.errors)
         try:
-            self._error = _finish_save(self._tmp, self.path, self._keep_last, error, self._group,
+            self._error = finish_save(self._tmp, self.path, self._keep_last, error, self._group,
                                        self._written.checksums)
         except BaseException as e:
             self._error = distributed.describe_error(e)
@@ -251,7 +251,7 @@ def save_checkpoint(
             dcp.save(state, storage_writer=writer, no_dist=not distributed.is_distributed())
     except (Exception, CheckpointException) as e:  # DCP raises the same failure on every rank
         error = _write_error(e, root, written.errors)
-    error = _finish_save(tmp, final, keep_last, error, None, written.checksums)
+    error = finish_save(tmp, final, keep_last, error, None, written.checksums)
     if error:
         raise CheckpointError(f"saving {final} failed (nothing was kept):\n{error}")
     return final

@@ -649,12 +649,12 @@ class AdapterMerge:
             yield self._hf_name[name], tensor
 
 
-# ---- the planner's model ----------------------------------------------------------------------------------------
+# ---- the sizer's model ----------------------------------------------------------------------------------------
 def lora_meta_model(model: nn.Module, plan: Plan, rank: int, modules: list[str] | str | None = None,
                     parameters: list[str] | None = None) -> tuple[nn.Module, Plan]:
     """A transformers model built on meta with LoRA of ``rank`` on ``modules`` (default: every linear but the head)
     and the fused expert tensors ``parameters`` (default: those of ``plan``'s experts plans), prepared as
-    ``parallelize`` prepares it; and its plan. What ``xpar-zoo plan --lora-rank`` sizes."""
+    ``parallelize`` prepares it; and its plan. What ``xpar-zoo size --lora-rank`` sizes."""
     peft = _peft()
     if not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"the LoRA rank must be a positive integer, got {rank!r}")

@@ -1,4 +1,4 @@
-"""The mesh planner predicts the bytes the collectives really move (4 gloo ranks, within 5 %): FSDP, HSDP, EP and
+"""The mesh sizer predicts the bytes the collectives really move (4 gloo ranks, within 5 %): FSDP, HSDP, EP and
 the vocab plans. Each rank's ids are distinct and split evenly over the vocab halves, the case where the ``emb`` term
 is exact."""
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo import planner
+from xpar_zoo import sizing
 from xpar_zoo.testing import launch, parity
 
 WORLD, BATCH, SEQ = 4, 4, 64
@@ -125,9 +125,9 @@ def measured():
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_planner_predicts_collective_bytes_within_5_percent(measured, mesh):
+def test_sizer_predicts_collective_bytes_within_5_percent(measured, mesh):
     sizes, replicate = MESHES[mesh]
-    est = planner.estimate(_config(mesh), WORLD, sizes, replicate, micro_batch=BATCH, seq=SEQ, param_dtype="fp32",
+    est = sizing.estimate(_config(mesh), WORLD, sizes, replicate, micro_batch=BATCH, seq=SEQ, param_dtype="fp32",
                            reduce_dtype="fp32")
     c = est.comm
     predicted = {"all_gather": c["all_gather (FSDP params)"] + c["all_gather (head loss statistics)"],
@@ -137,7 +137,7 @@ def test_planner_predicts_collective_bytes_within_5_percent(measured, mesh):
                  + c["all_to_all (head hidden states)"]}
     ranks = [comm for comm, _ in measured[mesh]]
     for kind, want in predicted.items():
-        got = sum(r.get(kind, 0.0) for r in ranks) / WORLD  # the planner predicts the per-rank average
+        got = sum(r.get(kind, 0.0) for r in ranks) / WORLD  # the sizer predicts the per-rank average
         if want == 0:
             assert got == 0, f"{kind}: measured {got} bytes, predicted none"
         else:
@@ -147,11 +147,11 @@ def test_planner_predicts_collective_bytes_within_5_percent(measured, mesh):
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_planner_predicts_parameter_gradient_and_optimizer_memory_within_5_percent(measured, mesh):
+def test_sizer_predicts_parameter_gradient_and_optimizer_memory_within_5_percent(measured, mesh):
     """The exact memory terms against the bytes each rank really holds after one AdamW step (averaged over ranks;
-    the planner counts FSDP's padding, the local shards do not)."""
+    the sizer counts FSDP's padding, the local shards do not)."""
     sizes, replicate = MESHES[mesh]
-    est = planner.estimate(_config(mesh), WORLD, sizes, replicate, optimizer="adamw")
+    est = sizing.estimate(_config(mesh), WORLD, sizes, replicate, optimizer="adamw")
     predicted = {"params": est.memory["parameters (fp32 shards)"], "grads": est.memory["gradients (fp32 shards)"],
                  "optimizer": est.memory["optimizer states (adamw)"]}
     for kind, want in predicted.items():
@@ -160,14 +160,14 @@ def test_planner_predicts_parameter_gradient_and_optimizer_memory_within_5_perce
 
 
 @pytest.mark.parametrize("overrides,dim", [({}, 0), (dict(num_experts=6, vocab_size=126), 1)])
-def test_planner_reports_the_fsdp_placement_and_the_dim1_chunk_cat_temporary(overrides, dim):
+def test_sizer_reports_the_fsdp_placement_and_the_dim1_chunk_cat_temporary(overrides, dim):
     """8 experts / 128 rows split by 2 leave slices that divide by the 2 FSDP ranks (dim 0: no chunk-cat copy);
     6 / 126 do not (dim 1): one unit's dim-1 tensors at their unsharded size, once, in the parameter dtype."""
     cfg = parity.tiny_config("qwen3_moe", **overrides)
-    est = planner.estimate(cfg, WORLD, {"ep": 2, "emb": 2, "head": 2}, micro_batch=1, seq=64)
+    est = sizing.estimate(cfg, WORLD, {"ep": 2, "emb": 2, "head": 2}, micro_batch=1, seq=64)
     layers = cfg.num_hidden_layers
     assert est.placement == {"ep": {f"dim {dim}": 2 * layers}, "emb": {f"dim {dim}": 1}, "head": {f"dim {dim}": 1}}
-    assert f"ep: {2 * layers} tensors on dim {dim}; emb: 1 tensor on dim {dim}" in planner.format_estimate(est)
+    assert f"ep: {2 * layers} tensors on dim {dim}; emb: 1 tensor on dim {dim}" in sizing.format_estimate(est)
     temporary = est.memory.get("FSDP chunk-cat temporary (dim-1 shards)", 0)
     if dim == 0:
         assert temporary == 0
@@ -179,7 +179,7 @@ def test_planner_reports_the_fsdp_placement_and_the_dim1_chunk_cat_temporary(ove
 
 def test_suggestions_fit_the_world_and_the_shapes():
     cfg = parity.tiny_config("qwen3_moe")
-    best = planner.suggest(cfg, 8, micro_batch=1, seq=128)
+    best = sizing.suggest(cfg, 8, micro_batch=1, seq=128)
     assert best and all(e.mesh["world"] == 8 for e in best)
     for e in best:
         ep = e.mesh.get("ep", 1)
@@ -201,7 +201,7 @@ print(json.dumps(out))
 
 
 def test_plan_cli_reads_a_cached_hub_config_offline_and_names_bad_models(tmp_path):
-    """``xpar-zoo plan`` needs only config.json: a hub id from an offline cache works; a missing or malformed name,
+    """``xpar-zoo size`` needs only config.json: a hub id from an offline cache works; a missing or malformed name,
     a mesh that does not divide the world, or one whose shards parallelize would refuse, is one clear error (exit 2,
     no traceback)."""
     import json
@@ -214,7 +214,7 @@ def test_plan_cli_reads_a_cached_hub_config_offline_and_names_bad_models(tmp_pat
     (entry / "refs").mkdir(parents=True)
     (entry / "refs" / "main").write_text(commit)
     parity.tiny_config("qwen3_moe").save_pretrained(entry / "snapshots" / commit)  # config.json only: no weights
-    cases = [(["plan", repo, "--world", "4", "--ep", "2"], 0, "all_to_all (EP tokens)"),
+    cases = [(["size", repo, "--world", "4", "--ep", "2"], 0, "all_to_all (EP tokens)"),
              (["plan", "org/not-cached", "--world", "4"], 2, "cannot get the config.json of 'org/not-cached'"),
              (["plan", str(tmp_path), "--world", "4"], 2, "is a directory without config.json"),
              (["plan", "bad id!!", "--world", "4"], 2, "neither a local directory nor a valid hub repo id"),
@@ -257,7 +257,7 @@ def test_activation_estimate_is_within_10_percent_of_what_autograd_saves(arch, d
     ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
     got = parity.saved_for_backward_bytes(lambda: model(input_ids=ids, labels=ids).loss.backward(),
                                           exclude=model.parameters())
-    want = planner.activation_bytes(cfg, ids.numel(), 4, fused_head=int(fused),
+    want = sizing.activation_bytes(cfg, ids.numel(), 4, fused_head=int(fused),
                                     qk_norm=arch == "qwen3_moe")
     assert 0.9 * got <= want <= 1.1 * got, f"estimate {want / 2**20:.1f} MiB, autograd keeps {got / 2**20:.1f} MiB"
 
@@ -301,7 +301,7 @@ def _saved_bytes_with_recompute(model, ids) -> int:
 @pytest.mark.parametrize("arch,dims", ACTIVATION_MODELS, ids=ACTIVATION_MODEL_IDS)
 def test_activation_estimate_with_recompute_is_within_10_percent(arch, dims):
     """With every decoder layer checkpointed (reentrant, so that its kept inputs pass through saved-tensor
-    hooks): what is kept from forward to backward plus the largest recomputed layer, against the planner's
+    hooks): what is kept from forward to backward plus the largest recomputed layer, against the sizer's
     ``recompute`` estimate (4 layers, so the kept inputs are a visible share); the fused head as parallelize gives
     it. Measured 0.995–1.03× of them."""
     import xpar_zoo.moe  # noqa: F401
@@ -313,6 +313,6 @@ def test_activation_estimate_with_recompute_is_within_10_percent(arch, dims):
     model.activation_checkpointing_enable({"use_reentrant": True})
     ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0))
     got = _saved_bytes_with_recompute(model, ids)
-    want = planner.activation_bytes(cfg, ids.numel(), 4, fused_head=1, qk_norm=arch == "qwen3_moe",
+    want = sizing.activation_bytes(cfg, ids.numel(), 4, fused_head=1, qk_norm=arch == "qwen3_moe",
                                     recompute=True)
     assert 0.9 * got <= want <= 1.1 * got, f"estimate {want / 2**20:.1f} MiB, autograd keeps {got / 2**20:.1f} MiB"

@@ -1,4 +1,4 @@
-"""The mesh planner behind ``xpar-zoo plan``: per-rank memory and per-step communication of a model on a mesh,
+"""The mesh sizer behind ``xpar-zoo size``: per-rank memory and per-step communication of a model on a mesh,
 computed from the real model built on the meta device (exact parameter counts per FSDP unit and per plan), and
 a ranking of the meshes that fit a world size.
 
