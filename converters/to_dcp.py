@@ -1,16 +1,11 @@
 """Hub checkpoint (per-expert or already fused) → an xpar_zoo DCP checkpoint in the global fused layout.
 
-The output is a checkpoint root holding one complete checkpoint, ``OUT/step-00000000/`` (DCP keys ``model.<fqn>``
-at global shapes, ``xpar_checkpoint.json``, ``extra_state.json``, ``COMPLETE``), exactly what
-:func:`xpar_zoo.save_checkpoint` writes minus optimizer and RNG state, so :func:`xpar_zoo.load_checkpoint` loads it
-on any mesh and world size, and a restart skips the per-expert fusion of ``from_pretrained``.
-
-Streaming: the tensors are planned from the safetensors headers (:func:`map_hub_layout`, no data), then assembled a
-batch of at most ``max_bytes`` at a time (each hub piece read straight into its place in the fused tensor) and
-written as one DCP part per batch (``dcp.save(..., no_dist=True)``); the parts' ``.metadata`` are merged into one at
-the end. Peak memory stays near one and a half batches whatever the model size (tests: +48 MiB for a 197 MiB
-model in 32 MiB batches, bounded at 2.5 batches). Everything is written into a temporary directory beside the output and renamed into place at the end:
-never a half-written output directory.
+``xpar-zoo convert to-dcp NAME_OR_DIR OUT`` writes a checkpoint root holding one complete checkpoint,
+``OUT/step-00000000/``: what :func:`xpar_zoo.save_checkpoint` writes minus optimizer and RNG state, so
+:func:`xpar_zoo.load_checkpoint` loads it on any mesh and world size and a restart skips the per-expert fusion of
+``from_pretrained``. Tensors are planned from the safetensors headers (:func:`map_hub_layout`), assembled and written
+a batch of at most ``max_bytes`` at a time (peak memory near one and a half batches), into a staging directory
+renamed into place at the end. How the streaming works: ``docs/design.md``, "Export and conversion".
 """
 
 from __future__ import annotations

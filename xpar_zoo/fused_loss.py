@@ -22,11 +22,8 @@ from .collectives import gather_rows, scatter_sum_rows
 from .errors import BatchError, KernelError
 from .mesh import PlanShard
 
-# Logits per chunk ``[tokens, V/s]`` in the fused head, by device type: bounds its memory (on the torch path one
-# chunk-sized tensor lives at a time: 256 MiB in fp32 on the CPU). Every chunk also reads and writes the ``[V/s, H]``
-# fp32 weight-gradient accumulator, so chunks must not be small: on the CPU 2^26 is as fast as transformers' loss
-# at a fifth to two fifths of its memory, 2^24 was 1.10-1.18x slower at T=2048, H=1024, V=50000 (bench/RESULTS.md);
-# bench/gpu_moe.py sweeps it on a GPU.
+# Logits per chunk ``[tokens, V/s]`` in the fused head, by device type: bounds its memory, yet large enough that
+# re-reading the weight-gradient accumulator per chunk stays cheap (figures: docs/design.md, "The fused loss").
 CE_CHUNK_ELEMENTS = {"cuda": 1 << 28, "cpu": 1 << 26}
 LOSS_KERNELS = ("torch", "triton")
 

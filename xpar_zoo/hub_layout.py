@@ -1,15 +1,12 @@
 """Where every in-memory tensor of a transformers model lives in a hub checkpoint, derived from transformers' own
 conversion rules (``conversion_mapping.get_model_conversion_mapping``) and the safetensors headers — no tensor data.
 
-A model tensor is assembled from *pieces*: one checkpoint tensor each, placed in a box of the model tensor's global
-index space. A plain key is one piece covering everything; a per-expert key under ``WeightConverter(…,
-operations=[MergeModulelist(dim=0), Concatenate(dim=1)])`` is the piece ``[j, offset:offset+I, :]`` of the fused
-``[E, 2I, H]`` tensor. :meth:`HubLayout.reads` intersects the pieces with any region (a rank's local shard) and says
-which slice of which checkpoint tensor fills which part of it, so a loader reads only the bytes it keeps.
-
-Everything is checked here, before a byte of tensor data is read: every checkpoint key must land in the model, every
-parameter / persistent buffer must be covered exactly, every shape must fit — or :class:`CheckpointMismatchError`
-names the keys, their files and the shapes.
+:func:`map_hub_layout` gives each model tensor its *pieces* (one checkpoint tensor each, placed in a box of the
+model tensor's global index space) and checks, before a byte of data is read, that every checkpoint key lands in
+the model, every parameter / persistent buffer is covered exactly and every shape fits, or raises
+:class:`CheckpointMismatchError` naming the keys, their files and the shapes. :meth:`HubLayout.reads` says which
+slice of which checkpoint tensor fills which part of a region (a rank's local shard). Design:
+``docs/design.md``, "Loading: shard-on-read".
 """
 
 from __future__ import annotations

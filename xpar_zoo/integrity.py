@@ -2,8 +2,8 @@
 ``xpar-zoo convert inspect --verify``), non-finite tensor values, and what a failed write means (a full disk).
 
 Checksums are CRC-32 (``zlib.crc32``): they catch flipped bits, torn writes and truncation, not deliberate
-tampering (whoever can rewrite a data file can rewrite the record too). Chosen by cost: 6.5 GB/s against
-SHA-256's 1.3 GB/s on this project's CPU hosts (bench/RESULTS.md, "Checkpoint checksums").
+tampering (whoever can rewrite a data file can rewrite the record too). Chosen over SHA-256 for speed (figures:
+docs/design.md, "Checkpoints").
 """
 
 from __future__ import annotations

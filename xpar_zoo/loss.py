@@ -1,19 +1,11 @@
 """The global-batch loss: what ``model(..., labels=...)`` returns on a parallelized model.
 
-Every rank trains on its own micro-batch and FSDP averages the gradients over the ``W`` ranks of the world. For the
-gradients to be those of the mean over *all* valid targets of *all* ranks (whatever each rank holds: padding,
-``-100`` prompt masks, packed documents, a rank with none), each rank's loss must be ``W · (sum of its targets'
-cross-entropies) / N`` with ``N`` the number of valid targets over the world. :func:`install_global_loss` puts that
-normaliser into the model's forward as transformers' own ``num_items_in_batch`` (every causal LM hands it to its
-``loss_function``, which divides the sum by it), so transformers' loss and xpar_zoo's fused loss both honour it.
-
-- ``N`` is counted on each rank and summed by one all-reduce of a scalar per forward (no host sync).
-- ``num_items_in_batch=N`` given by the caller is that global count already: the valid targets over all ranks
-  *and* all micro-batches of an optimizer step, so gradient accumulation is exact as well.
-- ``out.loss`` on a rank is its share ``W · sum_r / N``; the mean of ``out.loss`` over the ranks is the global-batch
-  mean loss. A batch without any valid target gives 0 (not NaN).
-- A router auxiliary loss (``output_router_logits=True``) is the model's own, computed on each rank's micro-batch
-  and added unscaled: its gradient is the mean over ranks of the per-rank auxiliary losses' gradients, as in DDP.
+:func:`install_global_loss` makes each rank's loss ``W · (sum of its targets' cross-entropies) / N``, with ``N``
+the valid targets over the world (counted by one all-reduce per forward, passed as transformers' own
+``num_items_in_batch``): the mean of ``out.loss`` over the ranks is the global-batch mean, and after ``backward``
+the gradients are exactly its gradients. A caller's ``num_items_in_batch`` is taken as that global count already
+(all ranks and all micro-batches of a step: exact accumulation); :func:`count_targets` and :func:`global_count`
+compute it. A batch without a valid target gives 0. Why: ``docs/design.md``, "The global-batch loss".
 """
 
 from __future__ import annotations

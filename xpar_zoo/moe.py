@@ -1,23 +1,13 @@
 """Expert parallelism: the ``experts`` style.
 
 Registered in transformers' ``ExpertsInterface`` as ``"xpar_zoo"``, so any experts class decorated with
-``@use_experts_implementation`` (fused ``gate_up_proj`` / ``down_proj``, optional biases, transposed or interleaved
-layouts) runs through here without touching the modeling file. Per layer:
+``@use_experts_implementation`` runs through here without touching the modeling file. Per layer: sort the (token,
+k) pairs by expert; with EP, all-to-all each row to the rank owning its expert; two grouped GEMMs with the
+activation between; with EP, all-to-all back; unsort, weight by the router and sum over k.
 
-1. sort the (token, k) pairs by expert; count tokens per expert;
-2. EP only: exchange counts, then send each row to the rank that owns its expert (all-to-all);
-3. regroup the received rows by local expert and run two grouped GEMMs with the activation between;
-4. EP only: send the results back (all-to-all); unsort, weight by the router and sum over k.
-
-Without an EP group (a plan of size 1, or plain FSDP) steps 2 and 4 vanish and every expert is local.
-
-Kernels (per module, :func:`set_experts_kernels`): ``"torch"`` (the default) is the path below; ``"triton"`` runs
-SwiGLU experts in transformers' standard layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, no biases,
-the default gate) through :mod:`xpar_zoo.moe_triton` — grouped GEMMs with the activation in their epilogue and the
-permute / unpermute fused into their loads.
-The grouped GEMM is ``torch.nn.functional.grouped_mm`` where it applies (bf16 on CUDA; bf16 and fp32 on CPU, where it
-is bit-identical to a per-expert loop — its backward needs row-major gradients, which a hook ensures) and an exact
-per-expert ``mm`` loop everywhere else (unaligned shapes, other dtypes, no rows at all).
+Kernels per module (:func:`set_experts_kernels`): ``"torch"`` (the default; ``grouped_mm`` where it applies, else
+an exact per-expert loop) or ``"triton"`` (:mod:`xpar_zoo.moe_triton`, SwiGLU experts in transformers' standard
+layout). Design: ``docs/design.md``, "EP dispatch".
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """The GPU experts path: SwiGLU expert MLPs as Triton grouped GEMMs, with the permute and unpermute fused in.
 
-For rows sorted by expert (``row_end[g]``: cumulative rows of groups ``0..g``), four kernels do all the work of one
-MoE layer, forward and backward, with no padding, no host sync and no transposed weight copies:
+For rows sorted by expert, four kernels do all the work of one MoE layer, forward and backward, with no padding,
+no host sync and no transposed weight copies:
 
-``_rows_gemm``
-    ``C[rows of g] = A[rows of g] @ B_g`` for every group ``g`` at once. ``A`` rows may be *gathered*
-    (``A[src[r]]``: the permute fused into the GEMM's loads), ``B_g`` is read through strides (any weight layout,
-    no copy). Epilogues: SwiGLU forward (two accumulators, gate and up, write ``h`` and ``silu(gate) * up``) and
-    SwiGLU backward (reads ``h``, writes ``d gate`` and ``d up`` and, for the down weight's gradient, the
-    activation ``silu(gate) * up`` again: the forward keeps only ``h``); an optional per-row scale. The grid is an
-    upper bound of the M-tiles (``ceil(S / BM) + G``) times the N-tiles, N fastest; each program finds its group
-    from the cumulative tile counts, and the spare ones exit.
-``_k_gemm``
-    Weight gradients: ``dW_g = L[rows of g]^T @ R[rows of g]`` with either side's rows optionally gathered (and
-    ``L``'s scaled), written straight into the weight's own ``[G, P, Q]`` layout.
-``_gather_sum``
-    ``out[t] = sum_j w[t, j] * y[slots[t, j]]`` in fp32: the unpermute with the router weights (forward), or the
-    gradient of a gather (backward, no weights).
-``_combine_backward``
-    ``dw[s] = <dout[token(s)], y[s]>`` (and, where the consumers do not fuse it, ``dy[s] = w[s] * dout[token(s)]``)
-    in one pass over the rows. Where they do, the row GEMM gathers ``dout`` rows and scales its accumulator, the
-    weight-gradient GEMM gathers and scales its left operand.
+- ``_rows_gemm``: ``C[rows of g] = A[rows of g] @ B_g`` for every group, rows optionally gathered, with SwiGLU
+  forward / backward epilogues;
+- ``_k_gemm``: the weight gradients, written straight into the weight's own layout;
+- ``_gather_sum``: the unpermute with the router weights (or a gather's gradient);
+- ``_combine_backward``: the router weights' gradient in one pass over the rows.
 
-Used by :mod:`xpar_zoo.moe` when a model's experts are set to ``"triton"`` (:func:`xpar_zoo.moe.set_experts_kernels`).
-Every kernel also runs under Triton's interpreter (``TRITON_INTERPRET=1``) on the CPU, which is how the tests check
-them in fp32 (its ``tl.dot`` mishandles bf16), and ``bench/compile_sm90.py`` compiles them for the H200 without one.
+Used by :mod:`xpar_zoo.moe` when a model's experts are set to ``"triton"`` (:func:`xpar_zoo.moe.set_experts_kernels`);
+runs under ``TRITON_INTERPRET=1`` on the CPU, which is how the tests check it. Details: ``docs/design.md``, "The
+Triton experts kernels".
 """
 
 from __future__ import annotations

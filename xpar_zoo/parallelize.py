@@ -3,14 +3,13 @@
 1. ``plan_parameters``     match the plan against the model and check every size — before any tensor is touched;
 2. ``split_planned``       each planned tensor becomes a DTensor split on dim 0 over its plan's ranks;
 3. ``install_styles``      planned modules get their forward style (EP dispatch, vocab-parallel lookup, …);
-4. ``fsdp_layout``         which modules become FSDP units, over which mesh, resharding and prefetching what
-                           (:mod:`xpar_zoo.fsdp_layout`: pure data, the sizer sizes the same units);
-5. ``apply_fsdp``          ``fully_shard`` planned modules over ``<plan>_fsdp`` (deepest first; each tensor on dim 0
-                           of its slice where that divides, else dim 1), decoder
-                           layers, the input embedding and the output head, then the root over all ranks (HSDP
-                           with replicate); then the reshard and prefetch decisions;
-6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and, with labels, makes
-                           every rank's loss its share of the global-batch mean (:mod:`xpar_zoo.loss`).
+4. ``fsdp_layout``         FSDP units, meshes, reshard and prefetch decisions (:mod:`xpar_zoo.fsdp_layout`);
+5. ``apply_fsdp``          ``fully_shard`` planned modules (dim 0 of each slice where it divides, else dim 1),
+                           decoder layers, embedding and head, then the root; then reshard and prefetch;
+6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
+                           loss its share of the global-batch mean (:mod:`xpar_zoo.loss`).
+
+Why each step is as it is: ``docs/design.md``, "parallelize and the placement of planned tensors".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """A bounded wait for every rank before a collective call: a rank that calls ``save_checkpoint`` alone (the DDP
-habit ``if rank == 0: save(...)``) gets a clear error within a timeout instead of hanging in the first collective
-until the process group times out, and ranks that call with different arguments all get the same error.
+habit ``if rank == 0: save(...)``) gets a clear error within a timeout instead of hanging in the first collective,
+and ranks that call with different arguments all get the same error.
 
-Protocol, through the default process group's c10d store (a collective would hang: no collective runs until every
-rank is known to be there):
-
-1. each rank numbers its calls with a counter of its own kept in the store (``add``; no process-global state, and
-   a new process group starts afresh), so the k-th call of every rank meets under the key of call k; a call the
-   others gave up on before this rank came (``closed``) is skipped, so a rank that missed a solo call meets the
-   others at their next call;
-2. each rank adds one to call k's arrival count; the rank that brings it to N opens the call, the others wait for
-   that, at most ``timeout`` seconds, and then close it. Open and close are one atomic ``compare_set``, so every
-   rank sees the same outcome: all proceed, or all that came raise "every rank must call … (k of N arrived within
-   T s)". A rank that comes after the close raises too (or, if it came for a later call, meets the others there);
-   none is ever left in a collective alone;
-3. once open, the ranks compare the call and its arguments with ``all_gather_object`` and all raise the same error
-   naming the values that differ. The keys of an open call are deleted by the last rank to leave it (a closed
-   call keeps its three keys).
-
-What is compared is the caller's choice: checkpoints compare what changes the collectives (optimizer or not,
-async or not, step, pruning), not the path, which rank 0 decides (ranks on other hosts may mount it elsewhere).
+It runs through the default process group's c10d store (no collective runs until every rank is known to be there):
+each rank numbers its calls, the k-th calls of all ranks meet, open or close atomically (``compare_set``) so every
+rank sees the same outcome, then compare their arguments. The protocol step by step: ``docs/design.md``,
+"Checkpoints".
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The mesh sizer behind ``xpar-zoo size``: per-rank memory and per-step communication of a model on a mesh,
-computed from the real model built on the meta device (exact parameter counts per FSDP unit and per plan), and
-a ranking of the meshes that fit a world size.
+computed from the real model built on the meta device (exact parameter counts per FSDP unit and per plan, from the
+same :mod:`~xpar_zoo.fsdp_layout` that ``parallelize`` applies), and a ranking of the meshes that fit a world size.
 
-Communication is counted as the bytes each rank *sends* per training step (forward + backward), per collective:
-
-- all-gather of a unit over ``F`` ranks: ``(F-1)/F ×`` the unsharded (dim-0 padded) bytes; units gather twice
-  (forward, and again in backward since they reshard after forward), except the root, the last decoder layer with
-  its planned modules and the units after it (the head), which stay gathered for backward: once; the input
-  embedding and the output head are units of their own unless planned or tied;
-- reduce-scatter of its gradients: ``(F-1)/F ×`` the unsharded bytes in the reduce dtype, once;
-- HSDP all-reduce over ``R`` replicas: ``2(R-1)/R ×`` the sharded gradient bytes;
-- EP all-to-all per MoE layer: dispatch + combine in forward and both again in backward, each
-  ``(s-1)/s × tokens·top_k × H`` activations (uniform routing expected), plus the ``E`` token counts;
-- ``emb``: the distinct token ids to their rows' owners, vectors back, and their gradients (exact when every id of
-  a rank's batch is distinct and the ids spread evenly over the owners; repeated ids make it an upper bound);
-- ``head``: the group's hidden states and targets gathered, their gradients summed back, the upstream loss
-  gradients gathered (all-to-all), and the per-token log-sum-exp / target-logit statistics (all-gather); exact.
-
-Memory per rank: sharded parameters, gradients and optimizer states (exact), the largest unsharded unit twice
-(current + prefetched), FSDP2's chunk-cat temporary where planned tensors are sharded on dim 1 (one unit's dim-1
-tensors at their unsharded size, made after each all-gather and before each reduce-scatter; none on dim 0), and an
-activation estimate (documented in :func:`activation_bytes`). Each estimate names the dim FSDP2 shards each plan's
-tensors on (:func:`~xpar_zoo.fsdp_layout.planned_shard_dim`).
+Communication is the bytes each rank sends per training step, per collective (FSDP all-gather and reduce-scatter,
+HSDP all-reduce, EP all-to-all, ``emb`` and ``head`` exchanges). Memory is the sharded parameters, gradients and
+optimizer states, the gathered units, FSDP2's chunk-cat temporary for dim-1 tensors and an activation estimate
+(:func:`activation_bytes`); each estimate names the dim FSDP2 shards each plan's tensors on
+(:func:`~xpar_zoo.fsdp_layout.planned_shard_dim`). The model term by term, and its measured accuracy:
+``docs/design.md``, "Sizing".
 """
 
 from __future__ import annotations
@@ -174,8 +160,7 @@ def lora_activation_bytes(model: nn.Module, config, tokens: int, dtype_bytes: in
     PEFT makes; per routed row and adapted experts tensor, its ``r`` low-rank values, and the activation
     ``act(gate)·up`` (``I``) that the down projection's adapter needs (without one it is recomputed). With
     ``recompute``: one layer's worth. The sum with :func:`activation_bytes` (a full fine-tune's) is an upper bound:
-    a frozen weight's input is not kept for its gradient (measured 1.2–1.6× of what autograd keeps, fp32 and bf16
-    bases, tests/test_lora.py)."""
+    a frozen weight's input is not kept for its gradient (how far above: docs/design.md, "Sizing")."""
     from peft.tuners.lora import LoraLayer, ParamWrapper
 
     top_k = getattr(config, "num_experts_per_tok", 0) or 0

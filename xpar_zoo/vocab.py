@@ -1,24 +1,15 @@
 """Vocab parallelism, the module wiring: the ``embedding`` and ``lm_head`` styles (the generic ``gathered`` style is
 in gathered.py; the fused loss's tensor code in fused_loss.py).
 
-A vocab plan of size ``s`` gives each rank of a group ``V/s`` consecutive rows of a ``[V, H]`` tensor. Every rank
-keeps its own micro-batch; only ids, vectors and per-token statistics travel.
-
-- ``embedding`` (:func:`install_vocab_embedding`): each rank sends the distinct token ids of its batch to the ranks
-  owning their rows (all-to-all), the owners look them up (``padding_idx`` keeps its meaning) and send the vectors
-  back; the all-to-all is differentiable, so gradients land on the owner's rows.
+- ``embedding`` (:func:`install_vocab_embedding`): token ids go to the ranks owning their rows, vectors come back.
 - ``lm_head`` (:func:`install_vocab_lm_head`): the head computes the loss itself with
-  :func:`~xpar_zoo.fused_loss.fused_cross_entropy` (vocab-parallel over the head group), never holding
-  ``[tokens, V]`` logits; ``model(input_ids, labels=...)`` returns the usual loss (same shift, ``ignore_index``,
-  ``num_items_in_batch``). With labels ``out.logits`` is ``None`` unless asked for with :func:`full_logits`; without
-  labels the forward returns the full logits (generation, evaluation).
+  :func:`~xpar_zoo.fused_loss.fused_cross_entropy`, never holding ``[tokens, V]`` logits; with labels
+  ``out.logits`` is ``None`` unless asked for with :func:`full_logits`.
 - :func:`install_fused_loss` (``parallelize``'s default on meshes without a ``head`` plan): the same over the whole
-  vocab, a group of one, no collective.
+  vocab.
 
-Tied embeddings (``tie_word_embeddings=True``) are refused with :class:`~xpar_zoo.errors.PlanError` when a plan
-splits the shared tensor: the embedding and the head need different compute styles (lookup vs. logits), and giving
-one storage two communication patterns would double-count gradients. Untie the weights (``tie_word_embeddings=False``
-before building, as real large-vocab MoE checkpoints are) or leave ``emb``/``head`` out of the mesh.
+Tied embeddings with a vocab plan are refused with :class:`~xpar_zoo.errors.PlanError`. Design:
+``docs/design.md``, "Vocab parallelism".
 """
 
 from __future__ import annotations

@@ -9,11 +9,8 @@ with the optimizer state, each rank's RNG state and the user's JSON state, writt
 - :mod:`.dcp_io`     safe DCP reading (no code from ``.metadata``), checksummed writing, streaming full tensors;
 - :mod:`.json_state` and :mod:`.rng`: the non-tensor state.
 
-Nothing is unpickled: non-tensor state is JSON, RNG states are safetensors, DCP's ``.metadata`` goes through an
-unpickler that admits only DCP's own classes by exact name. A process killed at any moment leaves every earlier
-checkpoint untouched; what it was writing is skipped, refused and removed by the next save. Both calls first meet
-the other ranks (:mod:`xpar_zoo.rendezvous`): a rank that calls alone, or ranks given different arguments, get a
-clear error in bounded time instead of a hang. The root must be one filesystem that every rank sees.
+Every rank calls both (:mod:`xpar_zoo.rendezvous`); the root must be one filesystem that every rank sees. The
+protocol, the checksums and the safe unpickler: ``docs/design.md``, "Checkpoints".
 """
 
 from .dcp_io import MODEL_KEY, OPTIM_KEY, SafeReader, iter_model_tensors, model_tensor_specs, read_dcp_metadata

@@ -1,18 +1,11 @@
 """accelerate with xpar_zoo models.
 
-An xpar_zoo model reduces its own gradients (FSDP2 over every rank, each plan over its own mesh), so accelerate must
-neither wrap it in ``DistributedDataParallel`` nor shard it again. :func:`~xpar_zoo.parallelize` marks the model as
-already prepared (``_is_accelerate_prepared``, the flag accelerate's own tensor-parallel path sets on a model that is
-distributed before ``prepare``), so ``accelerator.prepare(model, optimizer, dataloader)`` hands the model back as it is
-and prepares the optimizer and the data loader as usual: each rank gets its own micro-batch.
-
-An accelerate loop then trains exactly when it uses xpar_zoo for what accelerate would otherwise do for a DDP model:
-``xpar_zoo.clip_grad_norm_(model, …)`` (one norm over every mesh) instead of ``accelerator.clip_grad_norm_``, and
-``xpar_zoo.save_checkpoint`` / ``load_checkpoint`` instead of ``save_state`` / ``load_state``. For exact gradient
-accumulation pass ``num_items_in_batch`` (see ``xpar_zoo.loss``) and keep accelerate's own accumulation at 1.
-accelerate's ``mixed_precision="bf16"`` autocasts only inside ``with accelerator.autocast():`` (``prepare`` does not
-wrap the forward of a model it hands back); or choose the precision at load (``dtype=``, ``mixed_precision=True``).
-:func:`check_accelerator` refuses the accelerator settings that would not train such a model exactly.
+:func:`~xpar_zoo.parallelize` marks the model as already prepared, so ``accelerator.prepare(model, optimizer,
+dataloader)`` hands the model back as it is (no DDP, no second sharding) and prepares the optimizer and the data
+loader as usual. In the loop use ``xpar_zoo.clip_grad_norm_`` and ``xpar_zoo.save_checkpoint`` /
+``load_checkpoint`` instead of accelerate's, pass ``num_items_in_batch`` for exact accumulation (accelerate's own at
+1), and autocast with ``with accelerator.autocast():`` or choose the precision at load. :func:`check_accelerator`
+refuses the settings that would not train such a model exactly. Why: ``docs/design.md``, "Integrations".
 """
 
 from __future__ import annotations

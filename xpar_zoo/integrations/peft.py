@@ -1,26 +1,14 @@
 """PEFT LoRA on parallelized models: adapters on dense linears (``target_modules``) and on fused experts
 (``target_parameters``), with a frozen base loaded shard-on-read, and PEFT's own adapter files.
 
-- PEFT is applied *before* ``parallelize``: :func:`attach_adapter` does it on the meta model inside
-  ``xpar_zoo.from_pretrained(peft_config=…, adapter=…)``, or users call ``peft.get_peft_model`` on a model built
-  on meta (or with real weights) and give the ``PeftModel`` to :func:`xpar_zoo.parallelize`.
-- Dense LoRA layers (PEFT's ``lora.Linear``) run PEFT's own forward inside their decoder layer's FSDP unit.
-- Expert LoRA (PEFT's ``ParamWrapper`` around ``gate_up_proj`` / ``down_proj``): PEFT folds ``W_e + s·B_e A_e`` into
-  the whole expert stack each forward; here each adapter runs beside its grouped GEMM, inside the same EP dispatch,
-  as two more grouped GEMMs over the rows each rank received, ``y += s·(x A_eᵀ) B_eᵀ``
-  (:func:`xpar_zoo.moe.install_expert_adapter`). Its factors are therefore stored per expert, ``lora_A`` as
-  ``[E, in, r]`` and ``lora_B`` as ``[E, out, r]`` (:func:`to_expert_major`; PEFT's ``[r·E, in]`` and ``[out, r·E]``
-  interleave the experts in ``lora_B``'s columns), so the plan splits them on dim 0 with their experts (and FSDP
-  on dim 1, never the small ``r``): a wrapped experts module,
-  its wrappers and their adapters are one planned module and one FSDP unit (:func:`xpar_zoo.plan.owner_module`).
-  Files (:func:`save_adapter`, ``adapter=``) use PEFT's own layout and key names, at global shapes.
-- The frozen base gets no gradient and no reduce-scatter (FSDP2 reduces only parameters that require grad).
+- :func:`attach_adapter` applies PEFT to the meta model inside ``xpar_zoo.from_pretrained(peft_config=…,
+  adapter=…)``; or call ``peft.get_peft_model`` on a model built on meta and give it to :func:`xpar_zoo.parallelize`.
+- Expert adapters run inside the EP dispatch (:func:`xpar_zoo.moe.install_expert_adapter`), stored expert-major
+  (:func:`to_expert_major`) so the plan splits them with their experts.
+- :func:`save_adapter` and ``adapter=`` use PEFT's own files, at global shapes.
 
-What is refused, with an :class:`~xpar_zoo.errors.AdapterError` before any work: tuners other than LoRA, several
-adapters, ``modules_to_save`` / trainable tokens, adapters on the input embedding or the output head (their
-vocab-parallel or fused-loss forwards read the weight itself), DoRA, ``target_parameters`` on anything but a fused
-experts module that runs through transformers' ``ExpertsInterface``, and initialisations that read the base weights
-(PiSSA, OLoRA, …) when the base is not loaded yet.
+What is refused with an :class:`~xpar_zoo.errors.AdapterError` before any work, and why: ``docs/fine-tuning.md``
+and ``docs/design.md``, "Integrations".
 """
 
 from __future__ import annotations

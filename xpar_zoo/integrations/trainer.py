@@ -5,35 +5,11 @@
     class SFT(XparTrainerMixin, SFTTrainer): ...                                         # in front of a subclass
 
 ``model`` comes from ``xpar_zoo.from_pretrained`` or ``xpar_zoo.parallelize`` (or is a PEFT model around one); every
-rank of the torchrun / ``accelerate launch`` job builds the trainer and calls ``train()`` and ``save_model()``.
-What the mixin changes, each in the Trainer method that does it:
-
-- **No second wrap.** ``parallelize`` marks the model as prepared for accelerate (no DDP wrap) and the trainer does
-  not move it; settings that would wrap, shard or patch it are refused (:func:`check_accelerator`, ``_check_args``).
-  ``bf16=True`` enters accelerate's autocast around the forward, which ``prepare`` would otherwise have installed.
-- **The loss** (:meth:`XparTrainerMixin.compute_loss`). transformers' convention for a model called with
-  ``num_items_in_batch=N`` (the valid targets of all ranks and micro-batches of the step, which the Trainer gathers)
-  is a loss of ``this rank's sum / N``, which the Trainer multiplies by the number of processes because DDP averages
-  gradients over them. An xpar_zoo model returns ``world · sum / N`` already (``xpar_zoo.loss``), so the factor would
-  count twice: inside ``compute_loss`` the model is called with ``num_items_in_batch = N · world``, which makes its
-  loss ``sum / N``, and the Trainer's multiplication restores the share FSDP averages. A router auxiliary loss the
-  model adds (``output_router_logits``) is swapped for this rank's share of the global-batch one, divided by the same
-  factor. Logged losses, gradient norms and weights are then single-process ``Trainer``'s on the whole batch.
-- **TRL's fused LM head.** ``SFTTrainer`` computes its loss from ``model(..., fused_lm_head=True).log_probs``;
-  TRL's head reads ``lm_head.weight`` directly, around FSDP's and the vocab plans' hooks, so its gradients would
-  not be reduced. The mixin takes TRL's patch off the model and answers ``fused_lm_head=True`` from the model's own
-  logits (through its head, on every mesh): log-probabilities with gradients, entropy and top-1 without, the router
-  auxiliary loss over the global batch. This holds a micro-batch's ``[batch, seq, vocab]`` logits, as transformers'
-  unfused loss does.
-- **Accumulation**: FSDP reduces gradients after the last micro-batch of a step only. **Clipping**:
-  ``xpar_zoo.clip_grad_norm_`` (one all-reduce over every mesh); the logged ``grad_norm`` is its norm.
-- **Checkpoints**: ``checkpoint-N/`` holds what the Trainer writes (trainer state, scheduler, RNG, the model in the
-  hub's format or the adapter) and ``checkpoint-N/xpar_checkpoint/``: model and optimizer as an xpar_zoo checkpoint
-  (global shapes, reshardable), which ``resume_from_checkpoint`` and ``load_best_model_at_end`` load, so a resumed
-  run continues bit-identically on CPU. (transformers' own resume loads the per-expert hub keys into fused expert
-  tensors non-strictly: every expert would keep its old weights.)
-- **save_model()** writes the hub's format (``save_pretrained`` of a parallelized model: it loads in plain
-  transformers) or, for a PEFT model, the adapter (``xpar_zoo.save_adapter``); every rank calls it.
+rank of the torchrun / ``accelerate launch`` job builds the trainer and calls ``train()`` and ``save_model()``. The
+mixin keeps the model unwrapped, makes the loss the global-batch one (:meth:`XparTrainerMixin.compute_loss`), answers
+TRL's fused LM head from the model's own head, clips with ``xpar_zoo.clip_grad_norm_``, and saves an xpar_zoo
+checkpoint in ``checkpoint-N/xpar_checkpoint/`` that ``resume_from_checkpoint`` loads. Why each of these:
+``docs/design.md``, "Integrations".
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """MoE load during training: tokens per expert, the router auxiliary loss over the global batch, and the
 auxiliary-loss-free bias update.
 
-- :class:`ExpertLoad` counts, per MoE layer, the tokens each expert received during the forwards of an optimizer
-  step: a forward pre-hook on every fused experts module (the ``@use_experts_implementation`` classes, whatever
-  the experts kernel) reads the routing it is given (``top_k_index``) and adds it up; nothing is routed again. It
-  counts only inside the model's own forward (root pre/post hooks), so activation checkpointing's recompute in
-  backward does not count twice. :meth:`ExpertLoad.take` sums the counts over the ranks (one all-reduce).
-- :func:`global_router_aux_loss`: the Switch-Transformer load-balancing loss of transformers'
-  ``load_balancing_loss_func`` with its token fractions and router probabilities taken over every rank's tokens of
-  the micro-batch (one all-reduce of ``E + 1`` numbers), returned as this rank's share (the mean of the shares over
-  the ranks is the global loss, and FSDP's gradient average makes the gradients exactly its gradients).
+- :class:`ExpertLoad` counts, per MoE layer, the tokens each expert received during an optimizer step (a forward
+  pre-hook on every fused experts module, reading the routing the model computed); :meth:`ExpertLoad.take` sums
+  the counts over the ranks.
+- :func:`global_router_aux_loss`: transformers' ``load_balancing_loss_func`` over every rank's tokens of the
+  micro-batch, returned as this rank's share.
 - :func:`update_correction_biases`: ``bias += rate · sign(mean load − load)`` for routers with an
-  ``e_score_correction_bias`` (DeepSeek-V3, GLM-4-MoE), from the global counts, so every rank applies the same
-  update to its replicated buffer.
+  ``e_score_correction_bias`` (DeepSeek-V3, GLM-4-MoE), from the global counts.
+
+Design: ``docs/design.md``, "Training".
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Training data: documents read from a file, tokenized, packed into ``seq_len`` rows, and dealt to the ranks.
 
-- **Reading** (:func:`read_documents`): JSONL (one object per line, a ``text`` field, or token ids in an
-  ``input_ids`` field), plain ``.txt`` (one document per non-empty line), and anything ``datasets.load_dataset``
-  reads locally (parquet, arrow, csv; a directory written by ``save_to_disk``) with the optional ``datasets`` extra.
-- **Tokenizing** (:func:`tokenize`): the model's transformers tokenizer with its special tokens, EOS appended to
-  every document that does not end with it; every rank tokenizes the whole corpus the same way (no collective).
-- **Packing** (:class:`PackedCorpus`): each epoch shuffles the documents with a generator seeded by ``(seed,
-  epoch)``, concatenates them and cuts the stream into rows of ``seq_len`` tokens (the tail shorter than a row is
-  dropped). ``position_ids`` restart at 0 at every document start and at every row start; the label of a token at
-  position 0 is ``-100`` (nothing predicts a document's first token across a boundary, nor a row's first token).
-- **Dealing**: the rows of all epochs form one global sequence, indexed by ``g = 0, 1, …``. An optimizer step that
-  starts at row ``P`` takes rows ``P … P + world·micro_batch·grad_accum − 1``; micro-batch ``m`` of rank ``r``
-  holds rows ``P + (m·world + r)·micro_batch + [0, micro_batch)``. Every rank reads distinct rows, the order is a
-  function of the data and ``seed`` only, and the position ``P`` (saved in checkpoints) means the same on any mesh
-  and world size: a resumed run continues the same sequence of rows.
+- :func:`read_documents`: JSONL (``text``, or token ids in ``input_ids``), plain ``.txt`` (one document per
+  non-empty line), and what ``datasets.load_dataset`` reads locally (parquet, arrow, csv, ``save_to_disk``
+  directories) with the ``data`` extra.
+- :func:`tokenize`: the model's tokenizer with its special tokens, EOS appended.
+- :class:`PackedCorpus`: documents shuffled per epoch from ``(seed, epoch)``, concatenated and cut into rows;
+  ``position_ids`` restart at every document and row start, whose first label is ``-100``.
+- Dealing: micro-batch ``m`` of rank ``r`` in the step starting at row ``P`` holds rows
+  ``P + (m·world + r)·micro_batch + [0, micro_batch)``; ``P`` means the same on any mesh and world size.
+
+Design: ``docs/design.md``, "Training".
 """
 
 from __future__ import annotations
