@@ -1,7 +1,9 @@
 """Start N local processes with a gloo (CPU) process group — for the demo, the tests and the benchmarks.
 
 ``run(fn, world_size, *args)`` calls ``fn(*args)`` on every rank and returns rank 0's result. A failure on any rank
-raises in the caller with that rank's traceback; collectives time out instead of hanging forever.
+raises in the caller with that rank's traceback; collectives time out instead of hanging forever. Kept rather
+than torch's ``elastic_launch`` (same start-up time, measured): every rank's traceback in the caller's exception and
+tolerance of a teardown crash after the job finished (docs/design.md, "Where we keep our own code").
 """
 
 from __future__ import annotations
