@@ -2,7 +2,8 @@
 (``target_parameters``), with a frozen base loaded shard-on-read, and PEFT's own adapter files.
 
 - :func:`~xpar_zoo.integrations.peft_files.attach_adapter` applies PEFT to the meta model inside
-  ``xpar_zoo.from_pretrained(peft_config=…, adapter=…)``; or call ``peft.get_peft_model`` on a model built on meta and give it to :func:`xpar_zoo.parallelize`.
+  ``xpar_zoo.from_pretrained(peft_config=…, adapter=…)``; or call ``peft.get_peft_model`` on a model built on meta
+  and give it to :func:`xpar_zoo.parallelize`.
 - Expert adapters run inside the EP dispatch (:func:`xpar_zoo.moe.install_expert_adapter`), stored expert-major
   (:func:`to_expert_major`) so the plan splits them with their experts.
 - :func:`~xpar_zoo.integrations.peft_files.save_adapter` and ``adapter=`` use PEFT's own files, at global shapes
