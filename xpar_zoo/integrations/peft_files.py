@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..distributed import exact_gathers
 from ..errors import AdapterError
 from ..parallelize import uses_peft
 from ..plan import WRAPPED_ATTR
@@ -84,7 +85,8 @@ def fill_adapter(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    with exact_gathers():
+        return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _rank() -> int:
