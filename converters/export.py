@@ -57,7 +57,7 @@ def export_to_hf(
     root) to ``out_dir`` in the hub's own format. ``model`` (hub id or directory) supplies generation / tokenizer
     files (and the config if the checkpoint lacks one); ``dtype`` casts floating tensors. A checkpoint of a PEFT
     model needs ``merge_adapter=True``: its adapter is merged into the weights
-    (:class:`xpar_zoo.integrations.peft.AdapterMerge`). Returns ``out_dir``."""
+    (:class:`xpar_zoo.integrations.peft_files.AdapterMerge`). Returns ``out_dir``."""
     from tqdm.auto import tqdm
 
     cast = parse_dtype(dtype)
@@ -81,7 +81,7 @@ def export_to_hf(
         raise ConvertError(f"--merge-adapter: {checkpoint} holds no PEFT adapter")
     merge = None
     if merge_adapter:
-        from xpar_zoo.integrations.peft import AdapterMerge
+        from xpar_zoo.integrations.peft_files import AdapterMerge
 
         merge = AdapterMerge(config, meta["peft"], specs)
         specs = {name: (shape, dt) for name, shape, dt in merge.outputs}

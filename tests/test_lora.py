@@ -20,8 +20,8 @@ peft = pytest.importorskip("peft")  # an optional extra: requirements-test.txt i
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
-from xpar_zoo.integrations.peft import (adapter_state, attach_adapter, prepare, to_expert_major,  # noqa: E402
-                                        to_peft_layout)
+from xpar_zoo.integrations.peft import prepare, to_expert_major, to_peft_layout  # noqa: E402
+from xpar_zoo.integrations.peft_files import adapter_state, attach_adapter  # noqa: E402
 
 WORLD, STEPS, SEED, MAX_NORM = 4, 3, 123, 0.5
 MESHES = {"fsdp": {}, "ep2": {"ep": 2}, "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2}}

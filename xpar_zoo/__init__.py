@@ -7,7 +7,7 @@ from .errors import (AdapterError, BatchError, CheckpointError, CheckpointMismat
                      ConvertError, DataError, HubResolutionError, IntegrationError, KernelError, LeftoverWarning,
                      LoadError, MeshError, ModelStateError, NonFiniteError, PlanError, PublishError,
                      RefusedArchitectureError, TrainConfigError, UnknownArchitectureError, XparError)
-from .integrations.peft import save_adapter
+from .integrations.peft_files import save_adapter
 from .loader import from_pretrained
 from .materialize import materialize
 from .mesh import Mesh

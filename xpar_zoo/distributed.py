@@ -4,7 +4,9 @@ instead of some ranks waiting forever in the next collective. Each works in a pl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -99,3 +101,27 @@ def run_everywhere(fn: Callable[[], T], *, rank0_only: bool = False, active: boo
         kind, message = failed[0]
         raise kind(message)
     return result
+
+
+class _ExactGatherFilter(logging.Filter):
+    """Drops DTensor's warning that a redistribution takes several sequential collectives "and may give inconsistent
+    results between ranks due to different reduction orders" when those collectives are all-gathers: they reduce
+    nothing, so the result is exact. (FSDP2's dim-0 shard of a planned slice is a ``_StridedShard``; gathering it
+    in full takes one all-gather per mesh dimension.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (str(record.msg).startswith("While redistributing") and len(args) > 3 and args[3] == "all_gather")
+
+
+@contextlib.contextmanager
+def exact_gathers() -> Iterator[None]:
+    """Full tensors gathered inside this block do not log DTensor's "inconsistent results" warning for all-gathers
+    (see :class:`_ExactGatherFilter`); every other warning stands."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    quiet = _ExactGatherFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)

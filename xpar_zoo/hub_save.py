@@ -66,7 +66,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
               disable=not progress or not writing) as bar:
         for name in hub.names:
             value = live[name]
-            full = value.full_tensor() if isinstance(value, DTensor) else value  # a collective: every rank, in order
+            with distributed.exact_gathers():  # a collective: every rank, in order
+                full = value.full_tensor() if isinstance(value, DTensor) else value
             if writing and error is None:  # a failed writer keeps gathering, so that no rank is left waiting
                 try:
                     bar.update(hub.add(name, full.cpu()))

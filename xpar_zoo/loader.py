@@ -284,7 +284,7 @@ def from_pretrained(
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         lora = None
         if peft_config is not None:
-            from .integrations.peft import config_fingerprint
+            from .integrations.peft_files import config_fingerprint
 
             lora = config_fingerprint(peft_config)
         check_same_on_all_ranks((str(name), revision, str(dtype)), "from_pretrained arguments (name, revision, dtype)",
@@ -296,7 +296,8 @@ def from_pretrained(
     model, layout = hub.model, hub.layout
     outer, initial = model, None
     if peft_config is not None or adapter is not None:
-        from .integrations.peft import attach_adapter, unwrapped_name
+        from .integrations.peft import unwrapped_name
+        from .integrations.peft_files import attach_adapter
 
         outer, initial = attach_adapter(model, peft_config=peft_config, adapter=adapter, name_or_path=str(name))
     parallelize(outer, mesh, plan=hub.plan, **parallelize_kwargs)
@@ -305,7 +306,7 @@ def from_pretrained(
     names = {unwrapped_name(n): n for n in _live_tensors(model)} if initial is not None else None
     stats = fill_local_shards(model, layout, hub.directory, progress=progress, names=names)
     if initial is not None:
-        from .integrations.peft import fill_adapter
+        from .integrations.peft_files import fill_adapter
 
         fill_adapter(outer, initial)
     if (hub.directory / "generation_config.json").is_file() and model.can_generate():

@@ -37,18 +37,27 @@ def global_count(local: torch.Tensor | int, device: torch.device | str | None = 
     return total
 
 
-def install_global_loss(model: nn.Module, world_size: int) -> None:
-    """Wrap ``model.forward`` so that with labels every rank's loss is its share of the global-batch mean (see the
-    module docstring): ``num_items_in_batch`` becomes ``N / world_size``, ``N`` counted over the world unless the
-    caller passes it."""
+def wrap_forward(model: nn.Module, around) -> None:
+    """Replace ``model.forward`` with ``around(original, labels, extra, args, kwargs)``, where ``labels`` and
+    ``extra`` (the ``**kwargs`` transformers passes on to the loss) are read from the call by the original's
+    signature, however they were passed."""
     original = model.forward
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
         bound = signature.bind_partial(*args, **kwargs).arguments
-        extra = bound.get("kwargs", {})
-        labels = bound.get("labels")
+        return around(original, bound.get("labels"), bound.get("kwargs", {}), args, kwargs)
+
+    model.forward = forward
+
+
+def install_global_loss(model: nn.Module, world_size: int) -> None:
+    """Wrap ``model.forward`` so that with labels every rank's loss is its share of the global-batch mean (see the
+    module docstring): ``num_items_in_batch`` becomes ``N / world_size``, ``N`` counted over the world unless the
+    caller passes it."""
+
+    def forward(original, labels, extra, args, kwargs):
         if labels is not None:
             items = extra.get("num_items_in_batch")
             if items is None:
@@ -60,4 +69,4 @@ def install_global_loss(model: nn.Module, world_size: int) -> None:
             kwargs["num_items_in_batch"] = items.to(device=labels.device, dtype=torch.float32).clamp_min(1) / world_size
         return original(*args, **kwargs)
 
-    model.forward = forward
+    wrap_forward(model, forward)

@@ -29,6 +29,7 @@ from transformers.utils import ModelOutput
 from .collectives import GatherRows, all_to_all, all_to_all_counts, group_row_counts, to_local
 from .errors import BatchError, PlanError
 from .fused_loss import check_kernel_name, fused_cross_entropy, whole_vocab
+from .loss import wrap_forward
 from .mesh import PlanShard
 
 
@@ -278,14 +279,8 @@ def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard,
 
     fallback = model.loss_function
     model.loss_function = functools.partial(_fused_loss, fallback)
-    original = model.forward
-    signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        extra = bound.get("kwargs", {})
-        labels = bound.get("labels")
+    def forward(original, labels, extra, args, kwargs):
         state: _HeadState = module._xpar_head
         if labels is not None:
             ignore_index = extra.get("ignore_index", -100)
@@ -298,7 +293,7 @@ def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard,
         finally:
             state.request = None
 
-    model.forward = forward
+    wrap_forward(model, forward)
 
 
 def fusable_head(model: nn.Module) -> nn.Module | None:

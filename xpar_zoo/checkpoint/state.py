@@ -166,7 +166,7 @@ def _adapter_metadata(model: nn.Module) -> dict | None:
 
     if not uses_peft(model):
         return None
-    from ..integrations.peft import adapter_metadata
+    from ..integrations.peft_files import adapter_metadata
 
     return adapter_metadata(model)
 

@@ -1,0 +1,389 @@
+"""PEFT's own adapter files and tensors for parallelized models: :func:`save_adapter` (every rank calls; PEFT's
+key names and layouts at global shapes), :func:`attach_adapter` (PEFT applied to a model on meta, with a fresh or a
+saved adapter), the adapter configs a checkpoint records, and :class:`AdapterMerge` (the merged hub export)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..distributed import exact_gathers
+from ..errors import AdapterError
+from ..parallelize import uses_peft
+from ..plan import WRAPPED_ATTR
+from .peft import (FRESH_INITS, adapter_names, check_supported, is_expert_major, param_wrappers, relayout,
+                   require_peft, to_expert_major, to_peft_layout, unwrapped_name)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+# ---- adapter tensors: names, values -----------------------------------------------------------------------------
+def adapter_keys(model: nn.Module) -> dict[str, str]:
+    """``{name in model: key in PEFT's adapter file}`` of every adapter tensor, named by PEFT's own
+    ``get_peft_model_state_dict``."""
+    from peft.utils import get_peft_model_state_dict
+
+    (adapter,) = adapter_names(model) or [None]
+    if adapter is None:
+        raise AdapterError(f"{type(model).__name__} has no PEFT adapter")
+    placeholders = {n: torch.empty(0) for n in model.state_dict(keep_vars=True)}
+    by_id = {id(t): n for n, t in placeholders.items()}
+    selected = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=adapter,
+                                         save_embedding_layers=False)
+    return {by_id[id(t)]: key for key, t in selected.items()}
+
+
+def _owner_wrapper(model: nn.Module, name: str) -> nn.Module | None:
+    """The ``ParamWrapper`` whose factor ``name`` is (``…lora_A.<adapter>.weight``), or None."""
+    from peft.tuners.lora import ParamWrapper
+
+    owner = model.get_submodule(name.rsplit(".", 3)[0])
+    return owner if isinstance(owner, ParamWrapper) else None
+
+
+def _adapter_name_of(name: str) -> str:
+    return name.rsplit(".", 2)[1]
+
+
+def fill_adapter(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy into every local shard of ``model``'s adapter tensors its region of ``state`` (``{name in model: full
+    tensor in PEFT's layout}``); expert factors are converted to the per-expert layout. Strict: every adapter
+    tensor is filled."""
+    from ..loader import local_region
+
+    params = dict(model.named_parameters())
+    missing = [n for n in adapter_keys(model) if n not in state]
+    if missing:
+        raise AdapterError(f"no value for adapter tensor(s) {', '.join(missing[:6])}")
+    converted: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        wrapper = _owner_wrapper(model, name)
+        if wrapper is not None and is_expert_major(wrapper, _adapter_name_of(name)):
+            stem = name.rsplit(".", 3)[0]
+            adapter = _adapter_name_of(name)
+            a, b = to_expert_major(state[f"{stem}.lora_A.{adapter}.weight"], state[f"{stem}.lora_B.{adapter}.weight"],
+                                   wrapper.num_experts)
+            value = a if ".lora_A." in name else b
+        converted[name] = value
+    with torch.no_grad():
+        for name, value in converted.items():
+            param = params[name]
+            if tuple(param.shape) != tuple(value.shape):
+                raise AdapterError(f"{name}: adapter value {list(value.shape)}, model {list(param.shape)}")
+            local, region = local_region(param)
+            local.copy_(value[tuple(slice(a, b) for a, b in region)])
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    with exact_gathers():
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0: ``{PEFT file key: full CPU tensor in PEFT's layout}`` of the adapter (expert factors at their global
+    shape); other ranks ``{}``. A collective: every rank calls it."""
+    keys = adapter_keys(model)
+    params = dict(model.named_parameters())
+    full = {}
+    for name in params:  # the model's order on every rank: full_tensor is a collective
+        if name in keys:
+            t = _full_tensor(params[name].detach())
+            if _rank() == 0:
+                full[name] = t.cpu()
+    if _rank() != 0:
+        return {}
+    out = {}
+    for name, value in full.items():
+        wrapper = _owner_wrapper(model, name)
+        if wrapper is not None and value.dim() == 3:
+            stem, adapter = name.rsplit(".", 3)[0], _adapter_name_of(name)
+            a, b = to_peft_layout(full[f"{stem}.lora_A.{adapter}.weight"], full[f"{stem}.lora_B.{adapter}.weight"])
+            value = a if ".lora_A." in name else b
+        out[keys[name]] = value.contiguous()
+    return out
+
+
+def _broadcast(obj):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
+    """Write the LoRA adapter of a (parallelized) PEFT model to ``directory`` in PEFT's own format:
+    ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's key names, expert adapters at their global
+    shape in PEFT's layout, so that ``PeftModel.from_pretrained(base_model, directory)`` loads it in one process.
+    A collective: every rank calls it, rank 0 writes, into a staging directory moved into place at the end (nothing
+    half-written). Returns the directory."""
+    from safetensors.torch import save_file
+
+    (adapter,) = adapter_names(model) or [None]
+    if adapter is None or not getattr(model, "peft_config", None):
+        raise AdapterError(f"{type(model).__name__} has no PEFT adapter (peft_config) to save")
+    state = adapter_state(model)
+    directory = Path(directory).expanduser().absolute()
+    error = None
+    if _rank() == 0:
+        staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            staging.mkdir(parents=True)
+            save_file(state, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            config = copy.deepcopy(model.peft_config[adapter])
+            config.inference_mode = True  # as PEFT saves it
+            config.save_pretrained(str(staging))
+            directory.mkdir(parents=True, exist_ok=True)
+            for f in sorted(staging.iterdir(), key=lambda p: p.name == ADAPTER_CONFIG):  # the config last
+                os.replace(f, directory / f.name)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    error = _broadcast(error)
+    if error:
+        raise AdapterError(f"saving the adapter to {directory} failed: {error}")
+    return directory
+
+
+# ---- attaching to a model built on meta -------------------------------------------------------------------------
+def _creation_order(model: nn.Module, adapter: str) -> list[nn.Module]:
+    """The LoRA layers in the order PEFT creates them: ``target_modules`` in module order, then each experts
+    module's ``ParamWrapper`` chain from the inside out."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_A]
+    dense = [m for m in layers if not isinstance(m, ParamWrapper)]
+    inner = {id(getattr(m, WRAPPED_ATTR)) for m in layers if isinstance(m, ParamWrapper)}
+    chains = []
+    for m in layers:
+        if isinstance(m, ParamWrapper) and id(m) not in inner:  # outermost of its chain
+            chain = []
+            while isinstance(m, ParamWrapper):
+                chain.append(m)
+                m = getattr(m, WRAPPED_ATTR)
+            chains += reversed(chain)
+    return dense + chains
+
+
+def _fresh_adapter(peft_model: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """Initial values of the adapter of a PEFT model built on meta, on the CPU as ``get_peft_model`` draws them on a
+    real model (the same layers in the same order from the same RNG: rank 0's, so that every rank agrees); the
+    adapter modules go back to meta."""
+    config = peft_model.peft_config[adapter]
+    init = config.init_lora_weights
+    if init not in FRESH_INITS:
+        raise AdapterError(f"init_lora_weights={init!r} reads the base weights, which xpar_zoo loads only after "
+                           f"parallelizing: initialise the adapter in one process with PEFT, save it, and pass "
+                           f"adapter=PATH (supported here: {', '.join(map(repr, FRESH_INITS))})")
+    rng = torch.get_rng_state()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(rng, src=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng)
+        for layer in _creation_order(peft_model, adapter):
+            for lin in (layer.lora_A[adapter], layer.lora_B[adapter]):
+                lin.to_empty(device="cpu")
+                lin.reset_parameters()
+            if init:
+                layer.reset_lora_parameters(adapter, init)
+    names = adapter_keys(peft_model)
+    state = {n: p.detach().clone() for n, p in peft_model.named_parameters() if n in names}
+    for layer in _creation_order(peft_model, adapter):
+        layer.lora_A[adapter].to("meta")
+        layer.lora_B[adapter].to("meta")
+    return state
+
+
+def read_adapter(path: str | os.PathLike):
+    """``(LoraConfig, {PEFT key: tensor})`` of a PEFT adapter directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``; pickle files are refused), the config set trainable."""
+    peft = require_peft()
+    from safetensors.torch import load_file
+
+    directory = Path(path).expanduser()
+    if not (directory / ADAPTER_CONFIG).is_file():
+        raise AdapterError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
+    if not (directory / ADAPTER_WEIGHTS).is_file():
+        found = sorted(p.name for p in directory.glob("adapter_model.*"))
+        raise AdapterError(f"{directory}: no {ADAPTER_WEIGHTS}" + (f" (found {', '.join(found)}: xpar_zoo never "
+                           "unpickles weights; convert to safetensors in a trusted process)" if found else ""))
+    try:
+        config = peft.PeftConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise AdapterError(f"{directory / ADAPTER_CONFIG}: cannot read the adapter config ({e})") from None
+    config.inference_mode = False
+    try:
+        tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+    except Exception as e:  # safetensors raises its own error types
+        raise AdapterError(f"{directory / ADAPTER_WEIGHTS}: unreadable safetensors file ({e})") from None
+    return config, tensors
+
+
+def attach_adapter(model: nn.Module, *, peft_config=None, adapter: str | os.PathLike | None = None,
+                   name_or_path: str | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Apply a LoRA adapter to a transformers model built on meta: a new one from ``peft_config`` or the PEFT
+    adapter directory ``adapter`` (trainable). Returns the ``PeftModel`` (still on meta) and ``{name in it: full
+    tensor in PEFT's layout}``, its initial adapter values, for :func:`fill_adapter` once parallelized and
+    materialized. Every key of an adapter file must fit a tensor of the model, and every tensor must be filled."""
+    peft = require_peft()
+    if (peft_config is None) == (adapter is None):
+        raise AdapterError("give exactly one of peft_config= (a new adapter) and adapter= (a saved one)")
+    tensors = None
+    if adapter is not None:
+        peft_config, tensors = read_adapter(adapter)
+    if not isinstance(peft_config, peft.LoraConfig):
+        raise AdapterError(f"peft_config must be a peft.LoraConfig, got {type(peft_config).__name__}")
+    peft_config = copy.deepcopy(peft_config)
+    if name_or_path is not None and not peft_config.base_model_name_or_path:
+        peft_config.base_model_name_or_path = name_or_path
+    model.config.name_or_path = name_or_path or model.config.name_or_path
+    try:
+        peft_model = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+    except (ValueError, TypeError, KeyError) as e:
+        raise AdapterError(f"PEFT could not apply the adapter: {e}") from None
+    check_supported(peft_model)
+    if tensors is None:
+        return peft_model, _fresh_adapter(peft_model, "default")
+    keys = adapter_keys(peft_model)
+    by_key = {k: n for n, k in keys.items()}
+    unexpected = sorted(set(tensors) - set(by_key))
+    missing = sorted(set(by_key) - set(tensors))
+    if unexpected or missing:
+        raise AdapterError(f"{Path(adapter) / ADAPTER_WEIGHTS} does not fit the model with its own config: "
+                           + "; ".join(f"{what} ({len(ks)}): {', '.join(ks[:6])}" for what, ks in
+                                       (("missing", missing), ("unexpected", unexpected)) if ks))
+    params = dict(peft_model.named_parameters())
+    wrong = [f"{k} {list(t.shape)} vs {list(params[by_key[k]].shape)}" for k, t in tensors.items()
+             if tuple(t.shape) != tuple(params[by_key[k]].shape)]
+    if wrong:
+        raise AdapterError(f"{Path(adapter) / ADAPTER_WEIGHTS}: wrong shapes (file vs model): {'; '.join(wrong[:6])}")
+    dtypes = {n: params[n].dtype for n in keys}
+    return peft_model, {by_key[k]: t.to(dtypes[by_key[k]]) for k, t in tensors.items()}
+
+
+# ---- checkpoint metadata ----------------------------------------------------------------------------------------
+def config_json(config) -> dict:
+    """A PEFT config as JSON data (sets sorted, enums by value): the same on every process."""
+
+    def plain(value):
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return getattr(value, "value", value)  # enums
+
+    return json.loads(json.dumps(plain(config.to_dict()), default=str))
+
+
+def config_fingerprint(config) -> str:
+    """A short digest of a PEFT config, the same on every process (to compare the ranks' arguments)."""
+    import hashlib
+
+    text = json.dumps(config_json(config), sort_keys=True) if hasattr(config, "to_dict") else repr(config)
+    return f"{type(config).__name__} {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+def adapter_metadata(model: nn.Module) -> dict | None:
+    """``{adapter name: PEFT config as JSON data}`` of a model with a PEFT adapter (for checkpoint metadata), or
+    None."""
+    configs = getattr(model, "peft_config", None)
+    if not configs or not uses_peft(model):
+        return None
+    return {name: config_json(config) for name, config in configs.items()}
+
+
+# ---- merged export ----------------------------------------------------------------------------------------------
+class AdapterMerge:
+    """Merged weights from the tensors of a checkpoint of a PEFT model (``xpar-zoo convert to-hf --merge-adapter``):
+    every adapted tensor becomes ``W + s·ΔW`` as PEFT's ``merge_and_unload`` computes it (``ΔW = B @ A``, per
+    expert for fused experts), under its transformers name; adapter tensors themselves are dropped.
+
+    ``config``: the transformers config; ``adapters``: the checkpoint's ``peft`` metadata (:func:`adapter_metadata`);
+    ``specs``: ``{checkpoint name: (shape, dtype)}`` of its model tensors. :attr:`outputs` lists ``(transformers
+    name, shape, dtype)`` in order; :meth:`reads` the checkpoint names to stream into :meth:`merged`."""
+
+    def __init__(self, config, adapters: dict, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        peft = require_peft()
+        from peft.tuners.lora import LoraLayer, ParamWrapper
+
+        from ..loader import build_meta
+
+        if len(adapters) != 1:
+            raise AdapterError(f"the checkpoint holds {len(adapters)} adapters ({', '.join(adapters)}); xpar_zoo "
+                               "merges one")
+        (adapter, values), = adapters.items()
+        lora = peft.LoraConfig.from_peft_type(**values)
+        if lora.lora_bias or lora.use_dora:
+            raise AdapterError("merging lora_bias / DoRA adapters is not supported by xpar_zoo")
+        model = peft.get_peft_model(build_meta(config, torch.float32), lora, adapter_name=adapter,
+                                    low_cpu_mem_usage=True)
+        for wrapper in param_wrappers(model).values():
+            relayout(wrapper)
+        if not any(n.startswith("base_model.model.") for n in specs):  # saved from the transformers model itself
+            model = model.get_base_model()
+        names = set(model.state_dict())
+        if names != set(specs):
+            missing, unexpected = sorted(names - set(specs)), sorted(set(specs) - names)
+            raise AdapterError("the checkpoint does not fit its own adapter config: " + "; ".join(
+                f"{what} ({len(ks)}): {', '.join(ks[:6])}" for what, ks in
+                (("missing", missing), ("unexpected", unexpected)) if ks))
+        fqn_of = {id(m): n for n, m in model.named_modules()}
+        self._deltas: dict[str, list[tuple[str, str, float, str]]] = {}  # base -> [(A, B, scaling, kind)]
+        adapter_names = set()
+        for fqn, layer in model.named_modules():
+            if not isinstance(layer, LoraLayer) or adapter not in layer.lora_A:
+                continue
+            a, b = f"{fqn}.lora_A.{adapter}.weight", f"{fqn}.lora_B.{adapter}.weight"
+            adapter_names |= {a, b}
+            if isinstance(layer, ParamWrapper):
+                base = f"{fqn_of[id(layer.get_base_layer())]}.{layer.parameter_name}"
+                kind = "experts" if layer._did_swap_in_out_features else "experts_transposed"
+            else:
+                base = f"{fqn_of[id(layer.get_base_layer())]}.weight"
+                kind = "transposed" if layer.fan_in_fan_out else "linear"
+            self._deltas.setdefault(base, []).append((a, b, layer.scaling[adapter], kind))
+        prefix = "base_model.model." if any(n.startswith("base_model.model.") for n in specs) else ""
+        self._hf_name = {n: unwrapped_name(n).removeprefix(prefix) for n in specs if n not in adapter_names}
+        self._source = {hf: n for n, hf in self._hf_name.items()}
+        self.outputs = [(self._hf_name[n], specs[n][0], specs[n][1]) for n in specs if n in self._hf_name]
+
+    def reads(self, names: list[str]) -> list[str]:
+        """The checkpoint tensors to stream into :meth:`merged` for the transformers tensors ``names``, in order."""
+        return [r for hf in names for n in [self._source[hf]]
+                for r in [*(x for a, b, _, _ in self._deltas.get(n, ()) for x in (a, b)), n]]
+
+    def merged(self, stream):
+        """``(transformers name, merged tensor)`` for the ``(checkpoint name, tensor)`` pairs of :meth:`reads`."""
+        held: dict[str, torch.Tensor] = {}
+        for name, tensor in stream:
+            if name not in self._hf_name:
+                held[name] = tensor
+                continue
+            for a, b, scaling, kind in self._deltas.get(name, ()):
+                lora_a, lora_b = held.pop(a).float(), held.pop(b).float()
+                if kind.startswith("experts"):  # per expert: A [E, in, r]
+                    lora_a = lora_a.transpose(-2, -1)
+                delta = (lora_b @ lora_a) * scaling
+                if kind in ("transposed", "experts_transposed"):
+                    delta = delta.transpose(-2, -1)
+                tensor = tensor + delta.to(tensor.dtype)
+            yield self._hf_name[name], tensor
+
+
