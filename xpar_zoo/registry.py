@@ -3,7 +3,7 @@ architectures with their reasons (``plans/_refused.py``), and the automatic plan
 with fused experts, derived from transformers' own declarations.
 
 Adding an architecture = adding one file to ``plans/`` (or nothing, when the automatic plan is right). The CLI's
-``list``, MODEL_CARDS.md and the README table are generated from here, so documentation cannot drift from code.
+``list`` and MODEL_CARDS.md are generated from here, so documentation cannot drift from code.
 """
 
 from __future__ import annotations
