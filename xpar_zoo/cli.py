@@ -109,8 +109,7 @@ def _cmd_to_hf(args: argparse.Namespace) -> int:
 
 def _cmd_to_dcp(args: argparse.Namespace) -> int:
     from xpar_zoo.converters.to_dcp import convert_to_dcp
-
-    from xpar_zoo.converters.export import parse_size
+    from xpar_zoo.hub_writer import parse_size
 
     out = convert_to_dcp(args.name_or_dir, args.out_dir, revision=args.revision, force=args.force,
                          max_bytes=parse_size(args.batch_size, "--batch-size"))
