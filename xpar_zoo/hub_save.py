@@ -63,11 +63,10 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
         except Exception as e:
             error = distributed.describe_error(e)
     with tqdm(total=hub.total_bytes, unit="B", unit_scale=True, desc="save_pretrained",
-              disable=not progress or not writing) as bar:
+              disable=not progress or not writing) as bar, distributed.exact_gathers():
         for name in hub.names:
             value = live[name]
-            with distributed.exact_gathers():  # a collective: every rank, in order
-                full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = value.full_tensor() if isinstance(value, DTensor) else value  # a collective: every rank, in order
             if writing and error is None:  # a failed writer keeps gathering, so that no rank is left waiting
                 try:
                     bar.update(hub.add(name, full.cpu()))

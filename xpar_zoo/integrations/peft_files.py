@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..distributed import exact_gathers
+from ..distributed import exact_gathers, rank
 from ..errors import AdapterError
 from ..parallelize import uses_peft
 from ..plan import WRAPPED_ATTR
@@ -84,27 +84,20 @@ def fill_adapter(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             local.copy_(value[tuple(slice(a, b) for a, b in region)])
 
 
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    with exact_gathers():
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Rank 0: ``{PEFT file key: full CPU tensor in PEFT's layout}`` of the adapter (expert factors at their global
     shape); other ranks ``{}``. A collective: every rank calls it."""
     keys = adapter_keys(model)
     params = dict(model.named_parameters())
     full = {}
-    for name in params:  # the model's order on every rank: full_tensor is a collective
-        if name in keys:
-            t = _full_tensor(params[name].detach())
-            if _rank() == 0:
-                full[name] = t.cpu()
-    if _rank() != 0:
+    with exact_gathers():
+        for name in params:  # the model's order on every rank: full_tensor is a collective
+            if name in keys:
+                t = params[name].detach()
+                t = t.full_tensor() if isinstance(t, DTensor) else t
+                if rank() == 0:
+                    full[name] = t.cpu()
+    if rank() != 0:
         return {}
     out = {}
     for name, value in full.items():
@@ -139,7 +132,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     state = adapter_state(model)
     directory = Path(directory).expanduser().absolute()
     error = None
-    if _rank() == 0:
+    if rank() == 0:
         staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             staging.mkdir(parents=True)
