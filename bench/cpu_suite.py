@@ -15,8 +15,7 @@ are measured at each sequence length (2×128 tokens per rank, where FSDP's colle
 activations and the loss do). The stacks run alternately, ``--rounds`` times each; every figure is the median over
 rounds of the worst rank's; ratios are xpar_zoo / transformers. ``--stacks`` may add ``xpar_zoo_dim1``: ours with
 every planned slice forced onto FSDP dim 1, the placement before issue 23, to measure what dim 1 costs in the
-same run; and ``xpar_zoo_keep_heap``: ours without handing glibc's free heap back before each training forward
-(``release_cpu_heap=False``, :mod:`xpar_zoo.cpu_heap`).
+same run.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ WORLD = 4
 MB = 1024 * 1024
 STACKS = {"xpar_zoo": "xpar_zoo `Mesh(ep=2)`",
           "xpar_zoo_dim1": "xpar_zoo `Mesh(ep=2)`, planned slices forced to dim 1",
-          "xpar_zoo_keep_heap": "xpar_zoo `Mesh(ep=2)`, `release_cpu_heap=False`",
           "transformers": "transformers `DistributedConfig(fsdp_size=4, ep_size=2)`"}
 LIVE_STEPS = 3  # profiled steps after the timed ones; each step's live peak, their median
 
@@ -84,7 +82,6 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
 
         fsdp_layout.planned_shard_dim = lambda rows, fsdp: 1
     ours = which.startswith("xpar_zoo")
-    options = {"release_cpu_heap": False} if which == "xpar_zoo_keep_heap" else {}
     gc.collect()
     row: dict = {}
     try:
@@ -92,7 +89,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
         before = load_memory._status("VmRSS")
         load_memory._reset_peak()
         t0 = time.perf_counter()
-        model = load_memory._load("xpar_zoo" if ours else which, directory, **options)()
+        model = load_memory._load("xpar_zoo" if ours else which, directory)()
         dist.barrier()
         row["load_s"] = time.perf_counter() - t0
         row["load_peak_growth_MiB"] = (load_memory._status("VmHWM") - before) / MB
@@ -100,7 +97,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
         gc.collect()
         dist.barrier()
         t0 = time.perf_counter()
-        model = load_memory._load("xpar_zoo" if ours else which, directory, **options)()
+        model = load_memory._load("xpar_zoo" if ours else which, directory)()
         dist.barrier()
         row["warm_load_s"] = time.perf_counter() - t0
         model.train()

@@ -57,12 +57,12 @@ def make_checkpoint(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
-def _load(which: str, directory: str, **options):
+def _load(which: str, directory: str):
     if which == "xpar_zoo":
         import xpar_zoo
 
         # the mesh is built inside the timed load, as transformers builds its own there
-        return lambda: xpar_zoo.from_pretrained(directory, mesh=xpar_zoo.Mesh(ep=2), progress=False, **options)
+        return lambda: xpar_zoo.from_pretrained(directory, mesh=xpar_zoo.Mesh(ep=2), progress=False)
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 

@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .cpu_heap import release_heap_before_training_forward
 from .errors import ModelStateError, PlanError
 from .mesh import Mesh, check_same_on_all_ranks
 from .fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout, planned_shard_dim
@@ -271,7 +270,6 @@ def parallelize(
     reshard_after_forward: bool = True,
     prefetch: bool = True,
     fused_loss: bool = True,
-    release_cpu_heap: bool = True,
 ) -> nn.Module:
     """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (planned slices on
     dim 0 where it divides, else dim 1) to a transformers model in place; returns it. ``plan`` defaults to the
@@ -287,10 +285,7 @@ def parallelize(
     With labels, ``out.loss`` on each rank is its share of the mean over every valid target of every rank's
     micro-batch (the mean of ``out.loss`` over the ranks is that global mean, and the gradients are exactly its
     gradients); ``num_items_in_batch`` sets the global count explicitly (gradient accumulation): see
-    :mod:`xpar_zoo.loss`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint.
-
-    ``release_cpu_heap`` (default): on CPU, glibc's free heap goes back to the OS before each training forward, so
-    peak RSS stops creeping up step after step (:mod:`xpar_zoo.cpu_heap`); no effect on accelerators."""
+    :mod:`xpar_zoo.loss`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint."""
     outer = model
     if uses_peft(model):  # LoRA applied before parallelize: the transformers model inside, its plan under PEFT's names
         from .integrations.peft import base_of, prepare
@@ -315,8 +310,6 @@ def parallelize(
                                         reshard_after_forward=reshard_after_forward, prefetch=prefetch), **fsdp_kwargs)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
     install_global_loss(model, mesh.world_size)
-    if release_cpu_heap:
-        release_heap_before_training_forward(model)
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)
     model._is_fsdp_managed_module = True  # transformers' generate then keeps the ranks in step (synced_gpus)
