@@ -81,18 +81,31 @@ def _start_method(requested: str | None) -> str:
     return method
 
 
+def _from_caller(method: str) -> tuple | None:
+    """What a process forked from the server takes from the caller (a spawned one has it already): the caller's
+    stdout and stderr, and :data:`VOLATILE_ENV`."""
+    if method != "forkserver":
+        return None
+    return (_CallerFd(1), _CallerFd(2)), {k: os.environ.get(k) for k in VOLATILE_ENV}
+
+
+def _adopt(from_caller: tuple | None) -> None:
+    if from_caller is None:
+        return
+    streams, volatile = from_caller
+    for target, fd in zip((1, 2), streams):
+        os.dup2(fd, target)
+        os.close(fd)
+    for key, value in volatile.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, queue, fn: Callable, args: tuple,
-            forked: tuple | None = None) -> None:
-    if forked is not None:  # from the server: the caller's stdout, stderr and VOLATILE_ENV, as a spawned rank has
-        streams, volatile = forked
-        for target, fd in zip((1, 2), streams):
-            os.dup2(fd, target)
-            os.close(fd)
-        for key, value in volatile.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+            from_caller: tuple | None = None) -> None:
+    _adopt(from_caller)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
@@ -124,9 +137,7 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 
     queue = ctx.SimpleQueue()
     port = free_port()
     messages: list = []
-    forked = (((_CallerFd(1), _CallerFd(2)), {k: os.environ.get(k) for k in VOLATILE_ENV})
-              if method == "forkserver" else None)
-    procs = mp.start_processes(_worker, args=(world_size, port, timeout_s, queue, fn, args, forked),
+    procs = mp.start_processes(_worker, args=(world_size, port, timeout_s, queue, fn, args, _from_caller(method)),
                                nprocs=world_size, join=False, start_method=method)
     try:
         # Drain the queue while waiting: a result larger than the pipe's buffer would otherwise block rank 0.
@@ -160,3 +171,18 @@ def run_together(jobs: dict[str, tuple[Callable, tuple]], world_size: int, timeo
     """Run the jobs ``{name: (fn, args)}`` one after another in one launched run (one start, one set of imports
     and one process group for all): ``{name: rank 0's result of fn(*args)}``."""
     return run(_in_turn, world_size, jobs, timeout_s=timeout_s)
+
+
+def _alone(fn: Callable, args: tuple, from_caller: tuple | None) -> None:
+    _adopt(from_caller)
+    fn(*args)
+
+
+def start(fn: Callable[..., Any], *args: Any, start_method: str | None = None):
+    """Start ``fn(*args)`` in one local process without a process group, as :func:`run` starts a rank; return the
+    started ``multiprocessing.Process`` (``join()`` it; its ``exitcode`` is 1 when ``fn`` raised, ``-signal`` when a
+    signal ended it)."""
+    method = _start_method(start_method)
+    proc = mp.get_context(method).Process(target=_alone, args=(fn, args, _from_caller(method)))
+    proc.start()
+    return proc
