@@ -6,9 +6,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -385,15 +382,16 @@ def test_dcp_metadata_is_never_unpickled_beyond_dcp_classes(tmp_path, tiny):
 
 # ---- SIGKILL during a save ---------------------------------------------------------------------------------------
 KILL_PHASES = ["begin", "rng_written", "mid_write", "dcp_written", "before_rename", "before_marker", "pruning"]
-_KILLED_SAVE = textwrap.dedent("""
-    import os, signal, sys, torch
-    from xpar_zoo import checkpoint
-    from xpar_zoo.testing import parity
-    phase = sys.argv[2]
-    kill = lambda: os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killed_save(root: str, phase: str) -> None:
+    """One process (launch.start, no process group): a save of step 2 into ``root`` that dies by SIGKILL at
+    ``phase``."""
+    kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
     if phase == "mid_write":  # after the first tensors of the DCP data file are written
         import torch.distributed.checkpoint.filesystem as fs
         write, count = fs._write_item, [0]
+
         def _write_item(*args, **kwargs):
             count[0] += 1
             if count[0] == 5:
@@ -402,7 +400,7 @@ _KILLED_SAVE = textwrap.dedent("""
         fs._write_item = _write_item
     else:  # each phase: the process dies when the save reaches the step that follows it
         from xpar_zoo.checkpoint import layout, save
-        dying = lambda *args, **kwargs: kill()
+        dying = lambda *args, **kwargs: kill()  # noqa: E731
         if phase == "begin":
             save.save_rng = dying  # the first write into the new .tmp- directory
         elif phase == "rng_written":
@@ -416,8 +414,7 @@ _KILLED_SAVE = textwrap.dedent("""
         elif phase == "pruning":
             layout.remove_aside = lambda path, name: (path.rename(path.with_name(name)), kill())
     model = parity.build_model(parity.tiny_config("qwen3_moe"), seed=1)
-    checkpoint.save_checkpoint(sys.argv[1], model, extra_state={"step": 2}, keep_last=1)
-""")
+    checkpoint.save_checkpoint(root, model, extra_state={"step": 2}, keep_last=1)
 
 
 def test_sigkill_at_any_point_of_a_save_keeps_the_last_checkpoint(tmp_path, tiny):
@@ -430,12 +427,12 @@ def test_sigkill_at_any_point_of_a_save_keeps_the_last_checkpoint(tmp_path, tiny
     for phase in KILL_PHASES:
         roots[phase] = tmp_path / phase
         shutil.copytree(tmp_path / "good", roots[phase])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {p: subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(r), p], env=env, stderr=subprocess.PIPE)
-             for p, r in roots.items()}
+    procs = {p: launch.start(_killed_save, str(r), p) for p, r in roots.items()}  # its stderr is this test's
     for phase, proc in procs.items():
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == -signal.SIGKILL, f"{phase}: exit {proc.returncode}\n{err.decode()[-2000:]}"
+        proc.join(timeout=120)
+        if proc.is_alive():
+            proc.kill()
+        assert proc.exitcode == -signal.SIGKILL, f"{phase}: exit {proc.exitcode} (see the captured stderr)"
     for phase, root in roots.items():
         newest = "step-00000002" if phase == "pruning" else good.name
         leftovers = sorted(set(os.listdir(root)) - {newest, good.name})

@@ -2,7 +2,8 @@
 under its plans + FSDP2 exactly like single-process transformers (4 gloo ranks, fp32, one SGD step); every plan
 ``parallelize`` refuses for a type, and every refused type, is refused with its reason.
 
-One 4-rank job runs every architecture on every mesh (processes and imports are shared)."""
+One 4-rank job runs every architecture on every mesh (processes and imports are shared), together with
+tests/test_zoo_placement.py's dim-1 proof (``zoo_proofs`` in tests/conftest.py)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from safetensors.torch import save_file
 
 import xpar_zoo
 from xpar_zoo.registry import refused_architectures
-from xpar_zoo.testing import launch, modality, parity
+from xpar_zoo.testing import modality, parity
 from xpar_zoo.testing.proofs import AUTO_PROVED, proof_meshes, proved_architectures
 from xpar_zoo.testing.proofs import PROOF_WORLD as WORLD
 
@@ -107,8 +108,8 @@ def _job(archs: list, refused_dirs: dict, saved: dict) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def zoo_job(tmp_path_factory) -> tuple:
+    """This module's part of the zoo's 4-rank job (``zoo_proofs`` in tests/conftest.py): ``(fn, args)``."""
     from transformers import AutoConfig
 
     dirs = {}
@@ -120,7 +121,12 @@ def results(tmp_path_factory):
     for arch in LOADED:
         saved[arch] = str(tmp_path_factory.mktemp(arch))
         parity.build_model(parity.tiny_config(arch)).save_pretrained(saved[arch])
-    return launch.run(_job, WORLD, PROVED, dirs, saved, timeout_s=1200)
+    return _job, (PROVED, dirs, saved)
+
+
+@pytest.fixture(scope="module")
+def results(zoo_proofs):
+    return zoo_proofs[__name__]
 
 
 def test_the_zoo_has_its_curated_and_automatic_architectures():

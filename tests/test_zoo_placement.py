@@ -1,14 +1,15 @@
 """The zoo with FSDP2 on dim 1: every architecture of tests/test_zoo.py (whose meshes leave planned slices divisible
 by their FSDP ranks, so FSDP2 shards them on dim 0) also trains exactly like single-process transformers when its
 planned slices do not divide and go on dim 1 (:func:`xpar_zoo.testing.proofs.dim1_proof`: 6 experts, 130 vocab
-rows, its plans at size 2 on 4 gloo ranks, fp32, one SGD step). One 4-rank job runs them all."""
+rows, its plans at size 2 on 4 gloo ranks, fp32, one SGD step). One 4-rank job runs them all, the
+one of tests/test_zoo.py (``zoo_proofs`` in tests/conftest.py)."""
 
 import pytest
 
 from xpar_zoo.fsdp_layout import fsdp_layout
 from xpar_zoo.parallelize import match_plan
 from xpar_zoo.registry import plan_for
-from xpar_zoo.testing import launch, modality, parity
+from xpar_zoo.testing import modality, parity
 from xpar_zoo.testing.proofs import AUTO_PROVED, PROOF_WORLD, dim1_proof, proof_meshes, proved_architectures
 
 ARCHS = proved_architectures()
@@ -56,9 +57,14 @@ def _job(archs: list) -> dict:
     return out
 
 
+def zoo_job(tmp_path_factory) -> tuple:
+    """This module's part of the zoo's 4-rank job (``zoo_proofs`` in tests/conftest.py): ``(fn, args)``."""
+    return _job, (ARCHS,)
+
+
 @pytest.fixture(scope="module")
-def results():
-    return launch.run(_job, PROOF_WORLD, ARCHS, timeout_s=1800)
+def results(zoo_proofs):
+    return zoo_proofs[__name__]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

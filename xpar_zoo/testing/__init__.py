@@ -1,7 +1,8 @@
 """The test harness, public for users who prove their own plans and architectures as the zoo proves its own.
 
 - :mod:`~xpar_zoo.testing.launch`: ``run(fn, world, *args)`` runs ``fn`` on ``world`` local gloo ranks (spawned
-  processes) and returns rank 0's result; a failing or dying rank fails the call with its traceback.
+  processes, or forked from one fork server) and returns rank 0's result; a failing or dying rank fails the call
+  with its traceback.
 - :mod:`~xpar_zoo.testing.parity`: tiny transformers models, data with unequal valid targets per rank, the
   single-process reference run, the parallel run, and the comparison with its tolerances (the one source of truth
   for "equals single-process transformers"), plus the memory measures the tests and benchmarks use.

@@ -4,11 +4,17 @@
 raises in the caller with that rank's traceback; collectives time out instead of hanging forever. Kept rather
 than torch's ``elastic_launch`` (same start-up time, measured): every rank's traceback in the caller's exception and
 tolerance of a teardown crash after the job finished (docs/design.md, "Where we keep our own code").
+
+Ranks are spawned (fresh interpreters) by default; ``XPAR_ZOO_START_METHOD=forkserver`` (the tests set it) forks
+them from one server process that imported torch, transformers and xpar_zoo once (:data:`PRELOAD`), so that a run
+does not import them again on every rank. A forked rank ends with ``os._exit`` (no atexit handlers, no interpreter
+teardown); a run whose environment differs from the server's (modules read it on import) spawns.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import pickle
 import socket
@@ -19,6 +25,12 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+START_METHOD_ENV = "XPAR_ZOO_START_METHOD"
+# What the fork server imports once for all the runs of a process (the import every rank would otherwise repeat).
+PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils", "xpar_zoo")
+# Variables that may change between runs without making the server's imports stale; a forked rank gets the caller's.
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+
 
 def free_port() -> int:
     """A TCP port on localhost that is free right now."""
@@ -27,7 +39,73 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, timeout_s: float, queue, fn: Callable, args: tuple) -> None:
+class _CallerFd:
+    """The caller's file descriptor ``fd``, handed to a rank forked from the server (whose own stdout and stderr are
+    the caller's when the server started, e.g. another test's captured output)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _environment() -> tuple:
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k not in VOLATILE_ENV))
+
+
+@functools.cache
+def _forkserver_environment() -> tuple:
+    """Start this process's fork server with :data:`PRELOAD` imported; the environment it started with."""
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(list(PRELOAD))
+    forkserver.ensure_running()
+    return _environment()
+
+
+def _start_method(requested: str | None) -> str:
+    """``requested``, else the environment's choice; a fork server whose environment is no longer the caller's
+    (modules read it on import) gives way to spawn."""
+    method = requested or os.environ.get(START_METHOD_ENV, "spawn")
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use 'spawn' or 'forkserver'")
+    if method == "forkserver" and _forkserver_environment() != _environment():
+        return "spawn"
+    return method
+
+
+def _from_caller(method: str) -> tuple | None:
+    """What a process forked from the server takes from the caller (a spawned one has it already): the caller's
+    stdout and stderr, and :data:`VOLATILE_ENV`."""
+    if method != "forkserver":
+        return None
+    return (_CallerFd(1), _CallerFd(2)), {k: os.environ.get(k) for k in VOLATILE_ENV}
+
+
+def _adopt(from_caller: tuple | None) -> None:
+    if from_caller is None:
+        return
+    streams, volatile = from_caller
+    for target, fd in zip((1, 2), streams):
+        os.dup2(fd, target)
+        os.close(fd)
+    for key, value in volatile.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, queue, fn: Callable, args: tuple,
+            from_caller: tuple | None = None) -> None:
+    _adopt(from_caller)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
@@ -50,14 +128,17 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, queue, fn: 
         dist.destroy_process_group()
 
 
-def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> Any:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks (spawned processes); return rank 0's result."""
-    ctx = mp.get_context("spawn")
+def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
+        start_method: str | None = None) -> Any:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks (local processes); return rank 0's result. ``start_method``:
+    ``"spawn"`` or ``"forkserver"`` (see the module docstring); default ``$XPAR_ZOO_START_METHOD``, else spawn."""
+    method = _start_method(start_method)
+    ctx = mp.get_context(method)
     queue = ctx.SimpleQueue()
     port = free_port()
     messages: list = []
-    procs = mp.start_processes(_worker, args=(world_size, port, timeout_s, queue, fn, args), nprocs=world_size,
-                               join=False, start_method="spawn")
+    procs = mp.start_processes(_worker, args=(world_size, port, timeout_s, queue, fn, args, _from_caller(method)),
+                               nprocs=world_size, join=False, start_method=method)
     try:
         # Drain the queue while waiting: a result larger than the pipe's buffer would otherwise block rank 0.
         while not procs.join(timeout=0.05):
@@ -80,3 +161,28 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 
         if kind == "ok":
             return pickle.loads(payload)
     raise RuntimeError("distributed run finished without a result from rank 0")
+
+
+def _in_turn(jobs: dict) -> dict:
+    return {name: fn(*args) for name, (fn, args) in jobs.items()}
+
+
+def run_together(jobs: dict[str, tuple[Callable, tuple]], world_size: int, timeout_s: float = 300.0) -> dict:
+    """Run the jobs ``{name: (fn, args)}`` one after another in one launched run (one start, one set of imports
+    and one process group for all): ``{name: rank 0's result of fn(*args)}``."""
+    return run(_in_turn, world_size, jobs, timeout_s=timeout_s)
+
+
+def _alone(fn: Callable, args: tuple, from_caller: tuple | None) -> None:
+    _adopt(from_caller)
+    fn(*args)
+
+
+def start(fn: Callable[..., Any], *args: Any, start_method: str | None = None):
+    """Start ``fn(*args)`` in one local process without a process group, as :func:`run` starts a rank; return the
+    started ``multiprocessing.Process`` (``join()`` it; its ``exitcode`` is 1 when ``fn`` raised, ``-signal`` when a
+    signal ended it)."""
+    method = _start_method(start_method)
+    proc = mp.get_context(method).Process(target=_alone, args=(fn, args, _from_caller(method)))
+    proc.start()
+    return proc
