@@ -430,8 +430,9 @@ def test_sigkill_at_any_point_of_a_save_keeps_the_last_checkpoint(tmp_path, tiny
     procs = {p: launch.start(_killed_save, str(r), p) for p, r in roots.items()}  # its stderr is this test's
     for phase, proc in procs.items():
         proc.join(timeout=120)
-        if proc.is_alive():
+        if proc.is_alive():  # our own SIGKILL would read as the save's: fail here instead
             proc.kill()
+            pytest.fail(f"{phase}: the save neither finished nor died within 120 s")
         assert proc.exitcode == -signal.SIGKILL, f"{phase}: exit {proc.exitcode} (see the captured stderr)"
     for phase, root in roots.items():
         newest = "step-00000002" if phase == "pruning" else good.name
