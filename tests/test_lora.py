@@ -15,6 +15,7 @@ import xpar_zoo
 from xpar_zoo import sizing
 from xpar_zoo.errors import AdapterError, KernelError
 from xpar_zoo.testing import launch, parity
+from xpar_zoo.testing.comm_bytes import count_sent_bytes
 
 peft = pytest.importorskip("peft")  # an optional extra: requirements-test.txt installs it
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -102,39 +103,6 @@ def reference(base):
 
 
 # ---- the 4-rank jobs -----------------------------------------------------------------------------------------------
-class _SentBytes:
-    """Bytes this rank sends per FSDP collective (ring model, as tests/test_sizing.py counts them)."""
-
-    KINDS = {"all_gather_single": ("all_gather", "output_tensor"),
-             "all_gather_into_tensor": ("all_gather", "output_tensor"),
-             "reduce_scatter_single": ("reduce_scatter", "input"), "reduce_scatter_tensor": ("reduce_scatter", "input")}
-
-    def __init__(self):
-        self.totals = {"all_gather": 0.0, "reduce_scatter": 0.0}
-        self._saved = {}
-
-    def __enter__(self):
-        import inspect
-
-        for name, (kind, arg) in self.KINDS.items():
-            original = getattr(dist, name)
-            self._saved[name] = original
-            signature = inspect.signature(original)
-
-            def counted(*args, _original=original, _kind=kind, _arg=arg, _sig=signature, **kwargs):
-                bound = _sig.bind(*args, **kwargs).arguments
-                tensor, n = bound[_arg], dist.get_world_size(bound.get("group"))
-                self.totals[_kind] += (n - 1) / n * tensor.numel() * tensor.element_size()
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, counted)
-        return self.totals
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-
-
 def _expert_regions(model) -> dict[str, tuple[int, int]]:
     """``{expert adapter: [first, last+1) experts this rank holds}``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -151,7 +119,8 @@ def _train(model, data, labels, steps, rank, measure=None):
     opt = parity.adamw(_trainable(model))
     losses, norms, frozen_grads = [], [], []
     for step in steps:
-        with _SentBytes() if step == steps[0] and measure is not None else _nothing() as sent:
+        with (count_sent_bytes({"all_gather": 0.0, "reduce_scatter": 0.0}) if step == steps[0] and measure is not None
+              else _nothing()) as sent:
             loss = model(input_ids=data[step, rank], labels=labels[step, rank]).loss
             loss.backward()
         if sent is not None:

@@ -2,10 +2,6 @@
 the vocab plans. Each rank's ids are distinct and split evenly over the vocab halves, the case where the ``emb`` term
 is exact."""
 
-import contextlib
-import inspect
-import threading
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +9,7 @@ import torch.distributed as dist
 import xpar_zoo
 from xpar_zoo import sizing
 from xpar_zoo.testing import launch, parity
+from xpar_zoo.testing.comm_bytes import count_sent_bytes
 
 WORLD, BATCH, SEQ = 4, 4, 64
 VOCAB = 1024
@@ -26,66 +23,6 @@ CONFIGS = {"ep2_emb2_head2_dim1": dict(num_experts=6, vocab_size=VOCAB + 2)}
 
 def _config(mesh: str):
     return parity.tiny_config("qwen3_moe", **{"vocab_size": VOCAB, **CONFIGS.get(mesh, {})})
-
-
-@contextlib.contextmanager
-def count_sent_bytes(totals: dict):
-    """Count the bytes this rank sends per collective kind (ring model: (n-1)/n of the unsharded buffer for
-    all-gather / reduce-scatter, 2(n-1)/n for all-reduce, the rows addressed to other ranks for all-to-all)."""
-    busy = threading.local()
-    saved = {}
-
-    def wrap(name, kind, nbytes):
-        original = getattr(dist, name)
-        saved[name] = original
-        signature = inspect.signature(original)
-
-        def counted(*args, **kwargs):
-            if getattr(busy, "on", False):
-                return original(*args, **kwargs)
-            busy.on = True
-            try:
-                bound = signature.bind(*args, **kwargs).arguments
-                group = bound.get("group")
-                n = dist.get_world_size(group)
-                totals[kind] = totals.get(kind, 0.0) + nbytes(n, group, bound)
-                return original(*args, **kwargs)
-            finally:
-                busy.on = False
-        setattr(dist, name, counted)
-
-    def gather(n, group, a):
-        out = a.get("output_tensor", a.get("output"))
-        return (n - 1) / n * out.numel() * out.element_size()
-
-    def scatter(n, group, a):
-        inp = a.get("input", a.get("input_tensor"))
-        return (n - 1) / n * inp.numel() * inp.element_size()
-
-    def reduce(n, group, a):
-        return 2 * (n - 1) / n * a["tensor"].numel() * a["tensor"].element_size()
-
-    def gather_list(n, group, a):
-        return (n - 1) * a["tensor"].numel() * a["tensor"].element_size()
-
-    def a2a(n, group, a):
-        inp = a["input"]
-        row = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
-        splits = a.get("input_split_sizes") or [inp.shape[0] // n] * n
-        return (sum(splits) - splits[dist.get_rank(group)]) * row
-
-    for name in ("all_gather_single", "all_gather_into_tensor"):
-        wrap(name, "all_gather", gather)
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        wrap(name, "reduce_scatter", scatter)
-    wrap("all_gather", "all_gather", gather_list)
-    wrap("all_reduce", "all_reduce", reduce)
-    wrap("all_to_all_single", "all_to_all", a2a)
-    try:
-        yield totals
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 def _distinct_ids(rank: int, vocab: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ from .errors import ModelStateError, PlanError
 from .mesh import Mesh, check_same_on_all_ranks
 from .fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout, planned_shard_dim
 from .gathered import install_gathered
+from .gloo_comms import use_in_place_collectives
 from .hub_save import install_save_pretrained
 from .loss import install_global_loss
 from .materialize import check_materialized, meta_tensors, unread_buffers
@@ -186,7 +187,8 @@ def whole_vocab_head_fusable(model: nn.Module, plan: Plan) -> bool:
 def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwargs) -> None:
     """``fully_shard`` every unit of :func:`~xpar_zoo.fsdp_layout.fsdp_layout` in its order, then set its reshard
     and prefetch decisions. Planned units go over their plan's mesh, each parameter on its ``shard_dim``, with the
-    gradient divide factor of the whole world."""
+    gradient divide factor of the whole world. On the CPU every unit gathers and reduces through
+    :mod:`xpar_zoo.gloo_comms` (in place, without gloo's staging copies)."""
     for unit in units:
         module = model.get_submodule(unit.fqn)
         if unit.kind == "planned":
@@ -209,6 +211,8 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwarg
             fully_shard(module, mesh=mesh.dense, **{k: v for k, v in fsdp_kwargs.items() if k != "reshard_after_forward"})
         else:
             fully_shard(module, mesh=mesh.dense, **fsdp_kwargs)
+        if mesh.dense.device_type == "cpu":  # gloo's own collectives stage a copy of every unsharded buffer
+            use_in_place_collectives(module)
     for unit in units:
         module = model.get_submodule(unit.fqn)
         if unit.kind != "root" and not unit.reshard_after_forward and fsdp_kwargs.get("reshard_after_forward", True):

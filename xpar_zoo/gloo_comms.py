@@ -1,0 +1,82 @@
+"""FSDP2's all-gather and reduce-scatter on gloo without gloo's flat copies (CPU training).
+
+gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` each stage the whole unsharded buffer in a temporary
+of their own: the all-gather receives into a new flat tensor and copies it into the output, the reduce-scatter
+copies its input, all-reduces the copy and copies one chunk out. For FSDP2 that is one extra unsharded-size buffer
+per unit and collective (42 MiB per MoE layer in ``bench/cpu_suite.py``), allocated and written every time.
+
+FSDP2 lets a unit choose its collectives (``set_custom_all_gather`` / ``set_custom_reduce_scatter``); these two do
+the same communication in place:
+
+- :class:`InPlaceAllGather`: one broadcast per rank, each rank's chunk from its owner straight into the output
+  (FSDP2 already copied this rank's shard into its chunk of the output);
+- :class:`InPlaceReduceScatter`: an in-place all-reduce of FSDP2's reduce-scatter input (its own buffer, dropped
+  after the call), then this rank's chunk copied out — what gloo does, without the copy of the input.
+
+Data moved and results are the same (gloo's reduce-scatter is itself an all-reduce, so the sums are the same to the
+bit). Measured in ``bench/RESULTS.md`` ("gloo collectives in place"). :func:`use_in_place_collectives` installs them on
+an FSDP unit whose process group is gloo and leaves every other backend (NCCL) alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
+
+_create_work_from_future = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
+
+
+def _joined(works: list[dist.Work], async_op: bool) -> dist.Work | None:
+    """One work for several: waited here unless ``async_op`` (then a work over all their futures)."""
+    if async_op and _create_work_from_future is not None:
+        return _create_work_from_future(torch.futures.collect_all([w.get_future() for w in works]))
+    for work in works:
+        work.wait()
+    return None
+
+
+class InPlaceAllGather(DefaultAllocMixin, AllGather):
+    """All-gather as one broadcast per rank into the output's chunks: no staging buffer."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        if not runs_on_gloo(group, output_tensor):
+            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        size, rank = group.size(), group.rank()
+        chunks = output_tensor.view(size, -1)
+        if input_tensor.data_ptr() != chunks[rank].data_ptr():
+            chunks[rank].copy_(input_tensor)
+        works = [dist.broadcast(chunks[src], group=group, group_src=src, async_op=True) for src in range(size)]
+        return _joined(works, async_op)
+
+
+class InPlaceReduceScatter(DefaultAllocMixin, ReduceScatter):
+    """Reduce-scatter as an in-place all-reduce of the input and a copy of this rank's chunk. The input is left
+    holding the full sums: FSDP2 hands in a buffer of its own and drops it after the call."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: dist.ReduceOp, async_op: bool = False) -> dist.Work | None:
+        if not runs_on_gloo(group, input_tensor):
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        return None
+
+
+def runs_on_gloo(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether ``group``'s collectives on ``tensor`` run on gloo (a CPU tensor, and gloo as the group's backend or
+    its CPU backend, as in ``"cpu:gloo,cuda:nccl"``)."""
+    if tensor.device.type != "cpu":
+        return False
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or "cpu:gloo" in backend.split(",")
+
+
+def use_in_place_collectives(module: FSDPModule) -> None:
+    """Give the FSDP unit ``module`` the in-place collectives (they fall back to torch's own where its process group
+    is not gloo)."""
+    module.set_custom_all_gather(InPlaceAllGather())
+    module.set_custom_reduce_scatter(InPlaceReduceScatter())

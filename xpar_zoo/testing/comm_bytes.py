@@ -1,0 +1,93 @@
+"""Bytes each rank sends per collective kind, counted by wrapping torch.distributed's collectives (and xpar_zoo's
+in-place FSDP2 collectives on gloo) for the duration of a ``with`` block: what tests/test_sizing.py and
+tests/test_lora.py hold the sizer's predictions against."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+from ..gloo_comms import InPlaceAllGather, InPlaceReduceScatter
+
+
+@contextlib.contextmanager
+def count_sent_bytes(totals: dict) -> Iterator[dict]:
+    """Count the bytes this rank sends per collective kind (ring model: (n-1)/n of the unsharded buffer for
+    all-gather / reduce-scatter, 2(n-1)/n for all-reduce, the rows addressed to other ranks for all-to-all)."""
+    busy = threading.local()
+    saved = {}
+
+    def wrap(name, kind, nbytes):
+        original = getattr(dist, name)
+        saved[name] = original
+        signature = inspect.signature(original)
+
+        def counted(*args, **kwargs):
+            if getattr(busy, "on", False):
+                return original(*args, **kwargs)
+            busy.on = True
+            try:
+                bound = signature.bind(*args, **kwargs).arguments
+                group = bound.get("group")
+                n = dist.get_world_size(group)
+                totals[kind] = totals.get(kind, 0.0) + nbytes(n, group, bound)
+                return original(*args, **kwargs)
+            finally:
+                busy.on = False
+        setattr(dist, name, counted)
+
+    def gather(n, group, a):
+        out = a.get("output_tensor", a.get("output"))
+        return (n - 1) / n * out.numel() * out.element_size()
+
+    def scatter(n, group, a):
+        inp = a.get("input", a.get("input_tensor"))
+        return (n - 1) / n * inp.numel() * inp.element_size()
+
+    def reduce(n, group, a):
+        return 2 * (n - 1) / n * a["tensor"].numel() * a["tensor"].element_size()
+
+    def gather_list(n, group, a):
+        return (n - 1) * a["tensor"].numel() * a["tensor"].element_size()
+
+    def a2a(n, group, a):
+        inp = a["input"]
+        row = inp[0].numel() * inp.element_size() if inp.dim() and inp.shape[0] else 0
+        splits = a.get("input_split_sizes") or [inp.shape[0] // n] * n
+        return (sum(splits) - splits[dist.get_rank(group)]) * row
+
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        wrap(name, "all_gather", gather)
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        wrap(name, "reduce_scatter", scatter)
+    wrap("all_gather", "all_gather", gather_list)
+    wrap("all_reduce", "all_reduce", reduce)
+    wrap("all_to_all_single", "all_to_all", a2a)
+    # FSDP2's collectives on gloo (xpar_zoo.gloo_comms): counted as the all-gather and reduce-scatter they do (ring
+    # model), not as the broadcasts and all-reduce they run on
+    comms = ((InPlaceAllGather, "all_gather", gather), (InPlaceReduceScatter, "reduce_scatter", scatter))
+    for cls, kind, nbytes in comms:
+        saved[cls] = cls.__call__
+
+        def counted_comm(self, *args, original=cls.__call__, signature=inspect.signature(cls.__call__), kind=kind,
+                         nbytes=nbytes, **kwargs):
+            bound = signature.bind(self, *args, **kwargs).arguments
+            totals[kind] = totals.get(kind, 0.0) + nbytes(dist.get_world_size(bound["group"]), None, bound)
+            busy.on = True
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                busy.on = False
+        cls.__call__ = counted_comm
+    try:
+        yield totals
+    finally:
+        for name, fn in saved.items():
+            if isinstance(name, str):
+                setattr(dist, name, fn)
+            else:
+                name.__call__ = fn
