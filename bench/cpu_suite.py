@@ -15,7 +15,8 @@ are measured at each sequence length (2×128 tokens per rank, where FSDP's colle
 activations and the loss do). The stacks run alternately, ``--rounds`` times each; every figure is the median over
 rounds of the worst rank's; ratios are xpar_zoo / transformers. ``--stacks`` may add ``xpar_zoo_dim1``: ours with
 every planned slice forced onto FSDP dim 1, the placement before issue 23, to measure what dim 1 costs in the
-same run.
+same run; and ``xpar_zoo_gloo_copies``: ours with gloo's own all-gather and reduce-scatter (each stages a copy of the
+unsharded buffer) instead of :mod:`xpar_zoo.gloo_comms`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ WORLD = 4
 MB = 1024 * 1024
 STACKS = {"xpar_zoo": "xpar_zoo `Mesh(ep=2)`",
           "xpar_zoo_dim1": "xpar_zoo `Mesh(ep=2)`, planned slices forced to dim 1",
+          "xpar_zoo_gloo_copies": "xpar_zoo `Mesh(ep=2)`, gloo's own FSDP collectives",
           "transformers": "transformers `DistributedConfig(fsdp_size=4, ep_size=2)`"}
 LIVE_STEPS = 3  # profiled steps after the timed ones; each step's live peak, their median
 
@@ -81,6 +83,9 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
         from xpar_zoo import fsdp_layout
 
         fsdp_layout.planned_shard_dim = lambda rows, fsdp: 1
+    if which == "xpar_zoo_gloo_copies":  # FSDP2's default collectives, before xpar_zoo.gloo_comms (this process only)
+        sys.modules["xpar_zoo.parallelize"].use_in_place_collectives = lambda module: None  # the module, not the
+        # function of the same name that xpar_zoo exports
     ours = which.startswith("xpar_zoo")
     gc.collect()
     row: dict = {}

@@ -13,9 +13,13 @@ the same communication in place:
 - :class:`InPlaceReduceScatter`: an in-place all-reduce of FSDP2's reduce-scatter input (its own buffer, dropped
   after the call), then this rank's chunk copied out — what gloo does, without the copy of the input.
 
-Data moved and results are the same (gloo's reduce-scatter is itself an all-reduce, so the sums are the same to the
-bit). Measured in ``bench/RESULTS.md`` ("gloo collectives in place"). :func:`use_in_place_collectives` installs them on
-an FSDP unit whose process group is gloo and leaves every other backend (NCCL) alone.
+The reduce-scatter runs the same all-reduce as gloo's, so its sums are equal to the bit and it moves the same bytes;
+the all-gather delivers each chunk once to every other rank, as gloo's does (its broadcasts are issued together and
+joined into one work). Measured in ``bench/RESULTS.md`` ("gloo collectives in place"): 42 MiB less allocated per call
+and faster from a few MiB up; the CPU suite's training RSS 0.90× transformers' instead of 1.14×.
+:func:`use_in_place_collectives` gives them to an FSDP unit (``parallelize`` does, on every unit of a CPU model: there
+is no reason to keep gloo's copies, so no switch); on a group that is not gloo, or tensors off the CPU (NCCL), they
+call torch's own collectives.
 """
 
 from __future__ import annotations
