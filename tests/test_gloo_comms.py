@@ -111,6 +111,22 @@ def test_parallelize_gives_every_cpu_unit_the_in_place_collectives():
     assert all(r[1:] == ("InPlaceAllGather", "InPlaceReduceScatter", True) for r in rows), rows
 
 
+def _async_unshard() -> list[str]:
+    cfg = parity.tiny_config("qwen3_moe")
+    want = dict(parity.build_model(cfg).model.layers[0].self_attn.named_parameters())
+    model = xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(ep=2))
+    layer = model.model.layers[0]
+    handle = layer.unshard(async_op=True)  # FSDP2 then waits on the work the all-gather returns
+    handle.wait()
+    wrong = [n for n, p in layer.self_attn.named_parameters() if not torch.equal(p.detach(), want[n].detach())]
+    layer.reshard()
+    return wrong + ([] if wrong or want else ["nothing compared"])
+
+
+def test_an_asynchronous_unshard_gathers_the_full_weights():
+    assert launch.run(_async_unshard, 4) == []
+
+
 def test_other_backends_keep_torchs_collectives():
     """A tensor off the CPU (NCCL's, in a mixed ``"cpu:gloo,cuda:nccl"`` group) goes to torch's own collectives."""
     assert not runs_on_gloo(dist.group.WORLD, torch.empty(0, device="meta"))
