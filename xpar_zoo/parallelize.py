@@ -5,8 +5,8 @@
 3. ``install_styles``      planned modules get their forward style (EP dispatch, vocab-parallel lookup, …);
 4. ``fsdp_layout``         FSDP units, meshes, reshard and prefetch decisions (:mod:`xpar_zoo.fsdp_layout`);
 5. ``apply_fsdp``          ``fully_shard`` planned modules (dim 0 of each slice where it divides, else dim 1),
-                           decoder layers, embedding and head, then the root; then reshard and prefetch (on
-                           the CPU, each unit's collectives in place: :mod:`xpar_zoo.gloo_comms`);
+                           decoder layers, embedding and head, then the root (on the CPU each with its
+                           collectives in place: :mod:`xpar_zoo.gloo_comms`); then reshard and prefetch;
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
                            loss its share of the global-batch mean (:mod:`xpar_zoo.loss`).
 
