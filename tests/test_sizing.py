@@ -206,12 +206,14 @@ def _saved_bytes_with_recompute(model, ids) -> int:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     where = {"phase": "forward", "layer": None}
     seen = {}  # (phase or layer, storage) -> bytes
+    alive = []  # every storage seen, held to the end: a freed one's address, reused, would read as the same storage
     # transformers checkpoints a layer's forward (not __call__), so the recompute fires its children's hooks only
     hooks = [child.register_forward_pre_hook(lambda m, a, i=i: where.update(layer=i))
              for i, layer in enumerate(model.model.layers) for child in layer.children()]
 
     def pack(t):
         storage = t.untyped_storage()
+        alive.append(storage)
         if storage.data_ptr() not in params:
             key = "forward" if where["phase"] == "forward" else where["layer"]
             seen[key, storage.data_ptr()] = storage.nbytes()

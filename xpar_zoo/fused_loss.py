@@ -110,7 +110,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             z, stats, shift = _chunk_logits(h_all[c], weight, index[c], owned[c], kernels)
             if shard.size > 1:
                 gathered = stats.new_empty((shard.size * 2, stats.shape[1]))  # rank by rank on dim 0
-                dist.all_gather_into_tensor(gathered, stats, group=shard.group)
+                dist.all_gather_single(gathered, stats, group=shard.group)
                 gathered = gathered.view(shard.size, 2, -1)
                 stats = torch.stack([torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(0)])
             group_lse[c] = stats[0]
