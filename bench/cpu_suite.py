@@ -84,8 +84,8 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
 
         fsdp_layout.planned_shard_dim = lambda rows, fsdp: 1
     if which == "xpar_zoo_gloo_copies":  # FSDP2's default collectives, before xpar_zoo.gloo_comms (this process only)
-        sys.modules["xpar_zoo.parallelize"].use_in_place_collectives = lambda module: None  # the module, not the
-        # function of the same name that xpar_zoo exports
+        # the module parallelize: `from xpar_zoo import parallelize` gives the function xpar_zoo exports
+        sys.modules["xpar_zoo.parallelize"].use_in_place_collectives = lambda module: None
     ours = which.startswith("xpar_zoo")
     gc.collect()
     row: dict = {}

@@ -19,11 +19,13 @@ def count_sent_bytes(totals: dict) -> Iterator[dict]:
     """Count the bytes this rank sends per collective kind (ring model: (n-1)/n of the unsharded buffer for
     all-gather / reduce-scatter, 2(n-1)/n for all-reduce, the rows addressed to other ranks for all-to-all)."""
     busy = threading.local()
-    saved = {}
+    saved = {}  # (owner, name) -> the original
 
-    def wrap(name, kind, nbytes):
-        original = getattr(dist, name)
-        saved[name] = original
+    def wrap(owner, name, kind, nbytes):
+        """Count calls of ``owner.name`` (a torch.distributed function, or a collective class's ``__call__``, whose
+        ``self`` binds like any argument); what it calls in turn is not counted again."""
+        original = getattr(owner, name)
+        saved[owner, name] = original
         signature = inspect.signature(original)
 
         def counted(*args, **kwargs):
@@ -38,7 +40,7 @@ def count_sent_bytes(totals: dict) -> Iterator[dict]:
                 return original(*args, **kwargs)
             finally:
                 busy.on = False
-        setattr(dist, name, counted)
+        setattr(owner, name, counted)
 
     def gather(n, group, a):
         out = a.get("output_tensor", a.get("output"))
@@ -61,33 +63,18 @@ def count_sent_bytes(totals: dict) -> Iterator[dict]:
         return (sum(splits) - splits[dist.get_rank(group)]) * row
 
     for name in ("all_gather_single", "all_gather_into_tensor"):
-        wrap(name, "all_gather", gather)
+        wrap(dist, name, "all_gather", gather)
     for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        wrap(name, "reduce_scatter", scatter)
-    wrap("all_gather", "all_gather", gather_list)
-    wrap("all_reduce", "all_reduce", reduce)
-    wrap("all_to_all_single", "all_to_all", a2a)
+        wrap(dist, name, "reduce_scatter", scatter)
+    wrap(dist, "all_gather", "all_gather", gather_list)
+    wrap(dist, "all_reduce", "all_reduce", reduce)
+    wrap(dist, "all_to_all_single", "all_to_all", a2a)
     # FSDP2's collectives on gloo (xpar_zoo.gloo_comms): counted as the all-gather and reduce-scatter they do (ring
     # model), not as the broadcasts and all-reduce they run on
-    comms = ((InPlaceAllGather, "all_gather", gather), (InPlaceReduceScatter, "reduce_scatter", scatter))
-    for cls, kind, nbytes in comms:
-        saved[cls] = cls.__call__
-
-        def counted_comm(self, *args, original=cls.__call__, signature=inspect.signature(cls.__call__), kind=kind,
-                         nbytes=nbytes, **kwargs):
-            bound = signature.bind(self, *args, **kwargs).arguments
-            totals[kind] = totals.get(kind, 0.0) + nbytes(dist.get_world_size(bound["group"]), None, bound)
-            busy.on = True
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                busy.on = False
-        cls.__call__ = counted_comm
+    wrap(InPlaceAllGather, "__call__", "all_gather", gather)
+    wrap(InPlaceReduceScatter, "__call__", "reduce_scatter", scatter)
     try:
         yield totals
     finally:
-        for name, fn in saved.items():
-            if isinstance(name, str):
-                setattr(dist, name, fn)
-            else:
-                name.__call__ = fn
+        for (owner, name), fn in saved.items():
+            setattr(owner, name, fn)
