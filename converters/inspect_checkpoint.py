@@ -46,17 +46,14 @@ def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
 
 
 def _inspect_hub(directory: Path) -> dict[str, Any]:
-    from transformers import AutoConfig
-
     from xpar_zoo.safetensors_files import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
 
     def _dtype_name(code: str) -> str:  # torch's names, so that hub and DCP reports read alike
         return str(SAFETENSORS_DTYPES[code]).removeprefix("torch.") if code in SAFETENSORS_DTYPES else code
 
-    try:
-        config = AutoConfig.from_pretrained(directory)
-    except Exception as e:
-        raise ConvertError(f"{directory / 'config.json'}: unreadable config ({type(e).__name__}: {e})") from None
+    from xpar_zoo.zoo.configs import load_config
+
+    config = load_config(directory, ConvertError)
     tensors = read_checkpoint_headers(directory)
     fmt, note = _hub_format(directory, config, tensors)
     files: dict[str, dict[str, int]] = {}
