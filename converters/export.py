@@ -83,7 +83,7 @@ def export_to_hf(
     if merge_adapter:
         from xpar_zoo.integrations.peft_files import AdapterMerge
 
-        merge = AdapterMerge(config, meta["peft"], specs)
+        merge = AdapterMerge(config, meta["peft"], specs, where=str(checkpoint))
         specs = {name: (shape, dt) for name, shape, dt in merge.outputs}
     hub = HubWriter(build_meta(config, torch.float32), config, specs, cast=cast, max_shard_bytes=shard_bytes)
 
