@@ -13,8 +13,8 @@ pytest.importorskip("peft")
 from peft import LoraConfig  # noqa: E402
 
 import xpar_zoo  # noqa: E402
-from xpar_zoo import cli  # noqa: E402
-from xpar_zoo.integrity import file_checksum  # noqa: E402
+from xpar_zoo.commands import cli  # noqa: E402
+from xpar_zoo.io.integrity import file_checksum  # noqa: E402
 from xpar_zoo.testing import parity  # noqa: E402
 
 STEP = "step-00000001"

@@ -19,7 +19,7 @@ MARKER_CODE = "import pathlib\npathlib.Path({marker!r}).write_text('custom code 
 
 SCRIPT = textwrap.dedent("""
     import contextlib, io, json, sys, traceback
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
     import xpar_zoo
 
     results = {}

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import yaml
 
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 from xpar_zoo.testing import parity
 
 MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors"}

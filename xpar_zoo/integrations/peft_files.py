@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..distributed import exact_gathers, rank
+from ..parallel.distributed import exact_gathers, rank
 from ..errors import AdapterError
 from ..parallelize import uses_peft
-from ..plan import WRAPPED_ATTR
+from ..zoo.plan import WRAPPED_ATTR
 from .peft import (FRESH_INITS, adapter_names, check_supported, is_expert_major, param_wrappers, relayout,
                    require_peft, to_expert_major, to_peft_layout, unwrapped_name)
 
@@ -130,7 +130,7 @@ def fill_adapter(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy into every local shard of ``model``'s adapter tensors its region of ``state`` (``{name in model: full
     tensor in PEFT's layout}``); expert factors are converted to the per-expert layout. Strict: every adapter
     tensor is filled."""
-    from ..loader import local_region
+    from ..hub.loader import local_region
 
     params = dict(model.named_parameters())
     missing = [n for n in adapter_keys(model) if n not in state]
@@ -301,7 +301,7 @@ def read_adapter(path: str | os.PathLike):
         tensors = load_file(str(directory / ADAPTER_WEIGHTS))
     except Exception as e:  # safetensors raises its own error types
         raise AdapterError(f"{directory / ADAPTER_WEIGHTS}: unreadable safetensors file ({e})") from None
-    from ..integrity import nonfinite_names
+    from ..io.integrity import nonfinite_names
 
     bad = nonfinite_names(sorted(tensors.items()))
     if bad:
@@ -400,7 +400,7 @@ class AdapterMerge:
         peft = require_peft()
         from peft.tuners.lora import LoraLayer, ParamWrapper
 
-        from ..loader import build_meta
+        from ..hub.loader import build_meta
 
         if not isinstance(adapters, dict) or len(adapters) != 1:
             raise AdapterError(f"{where} holds {len(adapters) if isinstance(adapters, dict) else 'no readable'} "
