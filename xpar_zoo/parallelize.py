@@ -6,7 +6,8 @@
 4. ``fsdp_layout``         FSDP units, meshes, reshard and prefetch decisions (:mod:`xpar_zoo.parallel.fsdp_layout`);
 5. ``apply_fsdp``          ``fully_shard`` planned modules (dim 0 of each slice where it divides, else dim 1),
                            decoder layers, embedding and head, then the root (on the CPU each with its
-                           collectives in place: :mod:`xpar_zoo.parallel.gloo_comms`); then reshard and prefetch;
+                           collectives in place: :mod:`xpar_zoo.parallel.gloo_comms`); then reshard and prefetch,
+                           and every unit resharded after a forward no backward follows (:func:`reshard_after_inference`);
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
                            loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`).
 
@@ -224,6 +225,24 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwarg
             module.set_modules_to_backward_prefetch([model.get_submodule(f) for f in unit.backward_prefetch])
 
 
+def reshard_after_inference(model: nn.Module) -> None:
+    """After every forward of ``model`` without gradients or in eval mode (``torch.no_grad()``, ``model.eval()``,
+    ``generate``), reshard every FSDP unit, the root and the units kept gathered for backward included: FSDP2 leaves
+    them unsharded for a backward that does not come, so ``model.parameters()`` would hand an optimizer built then
+    plain unsharded tensors outside FSDP. In training mode with gradients nothing changes (a backward regathers a
+    resharded unit, at the cost of one all-gather, should one follow an eval-mode forward)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def reshard(module: nn.Module, args, output):
+        if torch.is_grad_enabled() and module.training:
+            return None
+        for unit in units:
+            unit.reshard()
+        return None
+
+    model.register_forward_hook(reshard)  # after FSDP2's own post-forward hook, registered by fully_shard
+
+
 def uses_peft(model: nn.Module) -> bool:
     """Whether ``model`` is a PEFT model or holds PEFT tuner layers (PEFT is imported only then)."""
     return any(type(m).__module__.startswith("peft.") for m in model.modules())
@@ -314,6 +333,7 @@ def parallelize(
     apply_fsdp(model, mesh, fsdp_layout(model, plan, planned, sizes=mesh.active, shard_size=mesh.shard_size,
                                         reshard_after_forward=reshard_after_forward, prefetch=prefetch), **fsdp_kwargs)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
+    reshard_after_inference(model)
     install_global_loss(model, mesh.world_size)
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)
