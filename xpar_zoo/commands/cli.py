@@ -63,7 +63,7 @@ def _describe_model(config, name: str) -> str:
                     if getattr(config, k, None)), None)
     moe = f", {experts} experts, top-{config.num_experts_per_tok}" if experts else ""
     source = f"transformers' default {name} config" if name == config.model_type else config.model_type
-    return f"model: {name} ({source}): {config.num_hidden_layers} layers, {params / 1e9:.2f}B parameters{moe}"
+    return f"model: {name} ({source}): {config.num_hidden_layers} layers, {sizing.format_count(params)} parameters{moe}"
 
 
 def _cmd_size(args: argparse.Namespace) -> int:
