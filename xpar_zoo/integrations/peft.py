@@ -270,7 +270,7 @@ def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, saf
                               f"(xpar_zoo.save_adapter) and does not take {given}")
     from .peft_files import save_adapter
 
-    return save_adapter(model, save_directory)
+    return save_adapter(model, save_directory, force=True)  # PEFT's save_pretrained replaces an adapter
 
 
 # ---- the sizer's model ----------------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ import copy
 import json
 import math
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ from ..parallel.distributed import exact_gathers, rank
 from ..errors import AdapterError
 from ..parallelize import uses_peft
 from ..zoo.plan import WRAPPED_ATTR
-from .peft import (FRESH_INITS, adapter_names, check_supported, is_expert_major, param_wrappers, relayout,
+from .peft import (FRESH_INITS, adapter_names, base_of, check_supported, is_expert_major, param_wrappers, relayout,
                    require_peft, to_expert_major, to_peft_layout, unwrapped_name)
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -189,38 +187,65 @@ def _broadcast(obj):
     return box[0]
 
 
-def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
+def _check_adapter_output(model: nn.Module, directory: Path, force: bool) -> str | None:
+    """Why ``directory`` cannot take the adapter (checked before any gathering), or None: the base model's own
+    directory (or inside it, or holding it), a file, an existing non-empty directory without ``force``, an
+    unwritable parent."""
+    from ..io.atomic_dir import check_apart
+
+    base = getattr(getattr(base_of(model), "config", None), "name_or_path", None)
+    recorded = [getattr(c, "base_model_name_or_path", None) for c in (getattr(model, "peft_config", None) or {}).values()]
+    inputs = [p for p in (base, *recorded) if isinstance(p, str) and p and Path(p).expanduser().is_dir()]
+    try:
+        check_apart(directory, [Path(p).expanduser() for p in inputs], AdapterError)
+    except AdapterError as e:
+        return str(e).replace("replacing it with --force", "replacing it with force=True")
+    if directory.exists() and not directory.is_dir():
+        return f"{directory} exists and is not a directory"
+    if directory.is_dir() and any(directory.iterdir()) and not force:
+        return (f"{directory} already exists and is not empty; pass force=True to replace its adapter files once "
+                "the new ones are complete (the other files stay)")
+    parent = next((p for p in directory.parents if p.exists()), None)
+    if parent is None or not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot write {directory}: {parent} is not writable"
+    return None
+
+
+def save_adapter(model: nn.Module, directory: str | os.PathLike, *, force: bool = False) -> Path:
     """Write the LoRA adapter of a (parallelized) PEFT model to ``directory`` in PEFT's own format:
     ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's key names, expert adapters at their global
     shape in PEFT's layout, so that ``PeftModel.from_pretrained(base_model, directory)`` loads it in one process.
     A collective: every rank calls it, rank 0 writes, into a staging directory moved into place at the end (nothing
-    half-written). Returns the directory."""
+    half-written). The output is checked first, before any tensor is gathered: never the base model's directory
+    (or inside it); an existing non-empty directory only with ``force``, whose adapter files are then replaced once
+    the new ones are complete (its other files stay). Returns the directory."""
     from safetensors.torch import save_file
+
+    from ..io.atomic_dir import StagingDir
 
     (adapter,) = adapter_names(model) or [None]
     if adapter is None or not getattr(model, "peft_config", None):
         raise AdapterError(f"{type(model).__name__} has no PEFT adapter (peft_config) to save")
-    state = adapter_state(model)
     directory = Path(directory).expanduser().absolute()
+    refused = _broadcast(_check_adapter_output(model, directory, force) if rank() == 0 else None)
+    if refused:
+        raise AdapterError(refused)
+    state = adapter_state(model)
     error = None
     if rank() == 0:
-        staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            staging.mkdir(parents=True)
-            save_file(state, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-            config = copy.deepcopy(model.peft_config[adapter])
-            config.inference_mode = True  # as PEFT saves it
-            config.save_pretrained(str(staging))
-            directory.mkdir(parents=True, exist_ok=True)
-            for f in sorted(staging.iterdir(), key=lambda p: p.name == ADAPTER_CONFIG):  # the config last
-                os.replace(f, directory / f.name)
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            with StagingDir(directory, AdapterError, merge=lambda name: name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+                            ) as staging:
+                save_file(state, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+                config = copy.deepcopy(model.peft_config[adapter])
+                config.inference_mode = True  # as PEFT saves it
+                config.save_pretrained(str(staging))
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     error = _broadcast(error)
     if error:
-        raise AdapterError(f"saving the adapter to {directory} failed: {error}")
+        raise AdapterError(f"saving the adapter to {directory} failed (nothing was replaced): {error}")
     return directory
 
 

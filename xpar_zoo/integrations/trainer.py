@@ -268,7 +268,7 @@ class XparTrainerMixin:
         if _is_peft_model(self.model):
             from .. import save_adapter
 
-            save_adapter(self.model, output_dir)
+            save_adapter(self.model, output_dir, force=True)  # the Trainer's own directory: its files stay
         else:
             self._xpar_state.module.save_pretrained(output_dir, progress=not self.args.disable_tqdm)
         if not self.args.should_save:
