@@ -271,7 +271,7 @@ def test_the_next_save_removes_what_interrupted_saves_left(tmp_path):
 
 _FILL_UP = textwrap.dedent("""
     import json, os, resource, signal, sys
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
     from xpar_zoo.testing import parity
     import xpar_zoo
     root, ckpt, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -447,7 +447,7 @@ def test_bf16_base_with_fp32_adapters_trains(reshard_run, reference):
 
 # ---- what is refused ----------------------------------------------------------------------------------------------
 def _meta():
-    from xpar_zoo.hub.loader import build_meta
+    from xpar_zoo.zoo.registry import build_meta
 
     return build_meta(_config(), torch.float32)
 

@@ -125,7 +125,7 @@ def test_suggestions_fit_the_world_and_the_shapes():
 
 _PLAN_CLI = """
 import contextlib, io, json, sys
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 
 out = []
 for argv in json.loads(sys.argv[1]):

@@ -7,7 +7,7 @@ one of tests/test_zoo.py (``zoo_proofs`` in tests/conftest.py)."""
 import pytest
 
 from xpar_zoo.parallel.fsdp_layout import fsdp_layout
-from xpar_zoo.parallelize import match_plan
+from xpar_zoo.styles.planned import match_plan
 from xpar_zoo.zoo.registry import plan_for
 from xpar_zoo.testing import modality, parity
 from xpar_zoo.zoo.proofs import AUTO_PROVED, PROOF_WORLD, dim1_proof, proof_meshes, proved_architectures

@@ -18,10 +18,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..parallel import distributed
-from ..io.atomic_dir import durable_write
 from ..errors import CheckpointError
+from ..io.atomic_dir import durable_write
 from ..io.integrity import checksum_files, disk_full
+from ..parallel import distributed
 from ..parallel.rendezvous import meet
 from .dcp_io import RecordingFileSystem, dcp_writer, quiet_single_process
 from .json_state import to_json
@@ -142,9 +142,6 @@ class CheckpointFuture:
         if self._error:
             raise CheckpointError(f"saving {self.path} failed:\n{self._error}")
         return self.path
-
-
-DEFAULT_RENDEZVOUS_TIMEOUT = 600.0
 
 
 def save_checkpoint(

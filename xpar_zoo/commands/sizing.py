@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
-from ..parallel.mesh import validate_sizes
-from ..parallel.fsdp_layout import fsdp_layout
-from ..parallelize import check_plan_names, match_plan, whole_vocab_head_fusable
 from ..loss.fused import CE_CHUNK_ELEMENTS
+from ..parallel.fsdp_layout import fsdp_layout
+from ..parallel.mesh import validate_sizes
+from ..styles.planned import check_plan_names, match_plan, whole_vocab_head_fusable
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
 
@@ -72,7 +72,7 @@ class Estimate:
 
 def meta_model(config) -> nn.Module:
     """The transformers causal-LM of ``config`` on the meta device (no memory, exact shapes)."""
-    from ..hub.loader import build_meta
+    from ..zoo.registry import build_meta
 
     return build_meta(config, torch.float32)
 
@@ -312,7 +312,7 @@ def estimate(
 
 def candidate_meshes(config, world: int, plan: Plan | None = None, model: nn.Module | None = None) -> list[dict]:
     """Every ``{ep, replicate}`` that fits ``world`` and that ``parallelize`` would accept for the model's shapes
-    (dim 0 by ``ep``, dim 1 by ``ep_fsdp``: the same checks, :func:`~xpar_zoo.parallelize.match_plan`)."""
+    (dim 0 by ``ep``, dim 1 by ``ep_fsdp``: the same checks, :func:`~xpar_zoo.styles.planned.match_plan`)."""
     plan = plan or get_plan(config.model_type)
     model = model if model is not None else meta_model(config)
     out = []

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointMismatchError
+from ..parallel.state import Box
 from .safetensors_files import DTYPE_SIZES, LIST_LIMIT, SAFETENSORS_DTYPES, TensorInfo, listing
 
 # ---- layout -------------------------------------------------------------------------------------------------------
-Box = tuple[tuple[int, int], ...]  # one [start, stop) per dim
 
 
 @dataclass(frozen=True)

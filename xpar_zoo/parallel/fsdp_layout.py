@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..zoo.forward_source import embedding_weight_read
 from ..zoo.plan import Plan
-from ..styles.vocab import embedding_weight_read
 
 
 def planned_shard_dim(rows: int, fsdp: int) -> int:
@@ -62,7 +62,7 @@ def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     (torchtitan's layout): the embedding is then gathered only around its own forward and backward and the head
     only from its forward to its backward, instead of both for the whole step as parameters of the root. None when
     they are tied (one weight, so one unit: the root's); not the embedding when the model reads its weight outside
-    its forward (:func:`~xpar_zoo.styles.vocab.embedding_weight_read`: Gemma4's pad embedding), which the root keeps
+    its forward (:func:`~xpar_zoo.zoo.forward_source.embedding_weight_read`: Gemma4's pad embedding), which the root keeps
     gathered through its forward."""
     found = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):

@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..hub.writer import DTYPES
 from ..errors import TrainConfigError
 
 SCHEDULES = ("cosine", "linear", "constant")
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-          "fp16": "float16", "float16": "float16"}
 REQUIRED = ("model", "data", "steps", "output")
 
 
