@@ -153,6 +153,12 @@ def no_split_modules(model: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(model, "_no_split_modules", None) or ())
 
 
+def keys_to_ignore_on_load(model: nn.Module, kind: str) -> tuple[str, ...]:
+    """The model's regexes of checkpoint keys to ignore when they are ``"missing"`` or ``"unexpected"``
+    (``_keys_to_ignore_on_load_missing`` / ``_unexpected``), as transformers' loader honours them; no public getter."""
+    return tuple(getattr(model, f"_keys_to_ignore_on_load_{kind}", None) or ())
+
+
 def mark_fsdp_managed(model: nn.Module) -> None:
     """No public extension point: transformers' ``generate`` keeps the ranks in step (``synced_gpus``) only for a
     module flagged ``_is_fsdp_managed_module``, and accelerate's ``prepare`` hands back a model flagged

@@ -66,6 +66,9 @@ CHECKS = {
     "transformers _no_split_modules / _tied_weights_keys": lambda: all(
         hasattr(importlib.import_module("transformers").PreTrainedModel, n)
         for n in ("_no_split_modules", "_tied_weights_keys")),
+    "transformers _keys_to_ignore_on_load_missing / _unexpected": lambda: all(
+        hasattr(importlib.import_module("transformers").PreTrainedModel, f"_keys_to_ignore_on_load_{k}")
+        for k in ("missing", "unexpected")),
     "transformers _is_fsdp_managed_module": lambda: _source_mentions("transformers.distributed.fsdp",
                                                                      "_is_fsdp_managed_module"),
     "accelerate _is_accelerate_prepared": lambda: _source_mentions("accelerate.accelerator", "_is_accelerate_prepared"),
@@ -101,7 +104,7 @@ _PRIVATE_ATTRS = {
     "_apply_gate", "_assert_async", "_attn_implementation", "_can_set_experts_implementation",
     "_create_work_from_future", "_did_swap_in_out_features", "_experts_implementation", "_from_config",
     "_fsdp_param_group", "_get_default_group", "_get_default_store", "_get_fsdp_state", "_get_metadata_path",
-    "_init_weights", "_is_accelerate_prepared", "_is_fsdp_managed_module", "_is_hf_initialized", "_model_mapping",
+    "_init_weights", "_is_accelerate_prepared", "_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected", "_is_fsdp_managed_module", "_is_hf_initialized", "_model_mapping",
     "_no_split_modules", "_parameters", "_tied_weights_keys", "_unsharded_param",
 }
 

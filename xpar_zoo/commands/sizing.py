@@ -243,6 +243,19 @@ def estimate(
     pbytes, rbytes = DTYPE_BYTES[param_dtype], DTYPE_BYTES[reduce_dtype]
     units = fsdp_units(model, plan, world, sizes, replicate)
     est = Estimate(mesh={"world": world, "replicate": replicate, **sizes})
+    tokens = micro_batch * seq
+    _weight_memory(est, model, units, lora_rank, param_dtype, optimizer)
+    _activation_memory(est, config, model, plan, sizes, tokens, pbytes, fused_loss, recompute, lora_rank)
+    _fsdp_comm(est, units, world, pbytes, rbytes)
+    _plan_comm(est, config, model, plan, sizes, tokens, pbytes)
+    return est
+
+
+def _weight_memory(est: Estimate, model: nn.Module, units: list, lora_rank: int | None, param_dtype: str,
+                   optimizer: str) -> None:
+    """Parameters, gradients and optimizer states per rank (their shards), the unsharded units FSDP holds at once,
+    its chunk-cat temporary, and how many planned tensors each plan shards on each dim."""
+    pbytes = DTYPE_BYTES[param_dtype]
     shard_numel = sum(u.numel_padded / u.group for u in units)
     trainable = sum(u.trainable / u.group for u in units)
     if lora_rank:
@@ -265,7 +278,11 @@ def estimate(
         for dim in u.shard_dims.values():
             counts = est.placement.setdefault(u.plan_name, {})
             counts[f"dim {dim}"] = counts.get(f"dim {dim}", 0) + 1
-    tokens = micro_batch * seq
+
+
+def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, sizes: dict[str, int], tokens: int,
+                       pbytes: int, fused_loss: bool, recompute: bool, lora_rank: int | None) -> None:
+    """Activations of a micro-batch (the adapters' too), and the fused loss's temporaries where the head is fused."""
     head = sizes.get("head", 1)
     fused = head > 1 or (fused_loss and whole_vocab_head_fusable(model, plan))
     fused_head = head if fused else 0
@@ -276,6 +293,10 @@ def estimate(
         est.memory["activations (estimate)"] += lora_activation_bytes(model, config, tokens, pbytes, recompute)
     if fused_head:
         est.memory["fused loss temporaries"] = fused_loss_temporaries(config, tokens, fused_head, pbytes)
+
+
+def _fsdp_comm(est: Estimate, units: list, world: int, pbytes: int, rbytes: int) -> None:
+    """FSDP's all-gathers and reduce-scatters, HSDP's all-reduce, and the global-batch loss's target count."""
     gather = reduce = allreduce = 0.0
     for u in units:
         frac = (u.group - 1) / u.group
@@ -288,6 +309,11 @@ def estimate(
     est.comm["all_reduce (HSDP grads)"] = allreduce
     # the global-batch loss: one fp32 count of valid targets summed over the world per forward (xpar_zoo.loss.global_batch)
     est.comm["all_reduce (loss target count)"] = 2 * (world - 1) / world * 4
+
+
+def _plan_comm(est: Estimate, config, model: nn.Module, plan: Plan, sizes: dict[str, int], tokens: int,
+               pbytes: int) -> None:
+    """The extra plans' forward and backward collectives: EP's token all-to-alls, ``emb``'s and ``head``'s."""
     s = sizes.get("ep", 1)
     a2a = 0.0
     if s > 1:
@@ -307,7 +333,6 @@ def estimate(
     est.comm["all_to_all (head hidden states)"] = (
         (h - 1) * (tokens * (2 * hidden * pbytes + 8) + 8 + 4 + 4) if h > 1 else 0.0)
     est.comm["all_gather (head loss statistics)"] = (h - 1) * 2 * h * tokens * 4 if h > 1 else 0.0
-    return est
 
 
 def candidate_meshes(config, world: int, plan: Plan | None = None, model: nn.Module | None = None) -> list[dict]:
