@@ -19,6 +19,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -248,7 +249,8 @@ def _load_model(cfg: TrainConfig, mesh, rank: int) -> nn.Module:
     import xpar_zoo
 
     model = xpar_zoo.from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                                     mixed_precision=cfg.mixed_precision, progress=cfg.progress and rank == 0)
+                                     mixed_precision=cfg.mixed_precision,
+                                     progress=cfg.progress and rank == 0 and sys.stderr.isatty())
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
     if cfg.attn_implementation:
@@ -324,7 +326,7 @@ def _export(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int) -> None:
     existing export, with ``--force``, is replaced only then)."""
     target = ExportTarget(Path(cfg.export_hf))
     try:
-        model.save_pretrained(target.path, progress=cfg.progress)  # every rank: rank 0 writes
+        model.save_pretrained(target.path, progress=cfg.progress and sys.stderr.isatty())  # every rank: rank 0 writes
         if rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(target.path)
         target.commit()
