@@ -102,13 +102,15 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
 
 def _wait(procs: list[subprocess.Popen], first_rank: int) -> int:
     failed_at = None
+    first = None  # the first rank seen to fail: (index, status); ranks killed after it are not the news
     while True:
         codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            break
         bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if bad and failed_at is None:
             failed_at = time.monotonic()
+            first = next(((i, c) for i, c in bad if c not in (2, 130, 143)), None)
+        if all(c is not None for c in codes):
+            break
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
             for p in procs:
                 if p.poll() is None:
@@ -120,7 +122,7 @@ def _wait(procs: list[subprocess.Popen], first_rank: int) -> int:
     for c in (2, 130, 143):  # bad input (said by the ranks), or stopped by a signal after saving (said, too)
         if all(code in (0, c) for code in codes):
             return c
-    first = next((i, c) for i, c in enumerate(codes) if c not in (0, 2, 130, 143))
+    first = first or next((i, c) for i, c in enumerate(codes) if c not in (0, 2, 130, 143))
     how = (f"was killed by {signal.Signals(-first[1]).name}" if first[1] < 0
            else f"exited with status {first[1]}")
     print(f"xpar-zoo: error: rank {first_rank + first[0]} {how} (its output is above); the other ranks were stopped",
