@@ -61,40 +61,6 @@ def measured():
     return launch.run(_job, WORLD, MESHES)
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_sizer_predicts_collective_bytes_within_5_percent(measured, mesh):
-    sizes, replicate = MESHES[mesh]
-    est = sizing.estimate(_config(mesh), WORLD, sizes, replicate, micro_batch=BATCH, seq=SEQ, param_dtype="fp32",
-                           reduce_dtype="fp32")
-    c = est.comm
-    predicted = {"all_gather": c["all_gather (FSDP params)"] + c["all_gather (head loss statistics)"],
-                 "reduce_scatter": c["reduce_scatter (FSDP grads)"],
-                 "all_reduce": c["all_reduce (HSDP grads)"] + c["all_reduce (loss target count)"],
-                 "all_to_all": c["all_to_all (EP tokens)"] + c["all_to_all (emb ids + vectors)"]
-                 + c["all_to_all (head hidden states)"]}
-    ranks = [comm for comm, _ in measured[mesh]]
-    for kind, want in predicted.items():
-        got = sum(r.get(kind, 0.0) for r in ranks) / WORLD  # the sizer predicts the per-rank average
-        if want == 0:
-            assert got == 0, f"{kind}: measured {got} bytes, predicted none"
-        else:
-            assert abs(got - want) <= 0.05 * want, f"{kind}: measured {got:.0f} B/rank, predicted {want:.0f}"
-    total = sum(sum(r.values()) for r in ranks) / WORLD
-    assert abs(total - est.comm_total) <= 0.05 * est.comm_total
-
-
-@pytest.mark.parametrize("mesh", list(MESHES))
-def test_sizer_predicts_parameter_gradient_and_optimizer_memory_within_5_percent(measured, mesh):
-    """The exact memory terms against the bytes each rank really holds after one AdamW step (averaged over ranks;
-    the sizer counts FSDP's padding, the local shards do not)."""
-    sizes, replicate = MESHES[mesh]
-    est = sizing.estimate(_config(mesh), WORLD, sizes, replicate, optimizer="adamw")
-    predicted = {"params": est.memory["parameters (fp32 shards)"], "grads": est.memory["gradients (fp32 shards)"],
-                 "optimizer": est.memory["optimizer states (adamw)"]}
-    for kind, want in predicted.items():
-        got = sum(memory[kind] for _, memory in measured[mesh]) / WORLD
-        assert abs(got - want) <= 0.05 * want, f"{kind}: measured {got:.0f} B/rank, predicted {want:.0f}"
-
 
 @pytest.mark.parametrize("overrides,dim", [({}, 0), (dict(num_experts=6, vocab_size=126), 1)])
 def test_sizer_reports_the_fsdp_placement_and_the_dim1_chunk_cat_temporary(overrides, dim):
@@ -122,50 +88,6 @@ def test_suggestions_fit_the_world_and_the_shapes():
         ep = e.mesh.get("ep", 1)
         assert cfg.num_experts % ep == 0 and (8 // e.mesh["replicate"]) % ep == 0
 
-
-_PLAN_CLI = """
-import contextlib, io, json, sys
-from xpar_zoo import cli
-
-out = []
-for argv in json.loads(sys.argv[1]):
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        rc = cli.main(argv)
-    out.append([rc, stdout.getvalue(), stderr.getvalue()])
-print(json.dumps(out))
-"""
-
-
-def test_plan_cli_reads_a_cached_hub_config_offline_and_names_bad_models(tmp_path):
-    """``xpar-zoo size`` needs only config.json: a hub id from an offline cache works; a missing or malformed name,
-    a mesh that does not divide the world, or one whose shards parallelize would refuse, is one clear error (exit 2,
-    no traceback)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    repo, commit = "org/planned-moe", "0123456789abcdef0123456789abcdef01234567"
-    entry = tmp_path / "hf_cache" / f"models--{repo.replace('/', '--')}"
-    (entry / "refs").mkdir(parents=True)
-    (entry / "refs" / "main").write_text(commit)
-    parity.tiny_config("qwen3_moe").save_pretrained(entry / "snapshots" / commit)  # config.json only: no weights
-    cases = [(["size", repo, "--world", "4", "--ep", "2"], 0, "all_to_all (EP tokens)"),
-             (["plan", "org/not-cached", "--world", "4"], 2, "cannot get the config.json of 'org/not-cached'"),
-             (["plan", str(tmp_path), "--world", "4"], 2, "is a directory without config.json"),
-             (["plan", "bad id!!", "--world", "4"], 2, "neither a local directory nor a valid hub repo id"),
-             (["plan", "qwen3_moe", "--world", "4", "--ep", "3"], 2, "'ep' of size 3 does not divide"),
-             (["plan", "qwen3_moe", "--world", "12", "--ep", "2"], 2, "not divisible by ep_fsdp=6"),
-             (["plan", "qwen3_moe", "--world", "8", "--ep", "2", "--recompute"], 0, "activation checkpointing"),
-             (["plan", "llama", "--world", "4", "--ep", "2"], 2, "mesh uses plan(s) ['ep'] that the 'llama' plan")]
-    proc = subprocess.run([sys.executable, "-c", _PLAN_CLI, json.dumps([argv for argv, _, _ in cases])],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf_cache"), "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for (argv, want_rc, message), (rc, out, err) in zip(cases, json.loads(proc.stdout.splitlines()[-1])):
-        assert rc == want_rc and message in (out if rc == 0 else err), (argv, rc, out[-300:], err[-300:])
-        assert "Traceback" not in err, err
 
 
 # Models whose activation estimate is checked against what autograd keeps (with and without recompute).

@@ -74,7 +74,7 @@ def test_three_clipped_adamw_steps_match_single_process(results, mesh):
 @pytest.mark.parametrize("mesh,experts", [("ep2", 2), ("ep4", 2), ("ep2_strided", 2), ("ep2_replicate2", 4)])
 def test_expert_shards_hold_E_over_ep_split_again_on_dim0_by_fsdp(results, mesh, experts):
     """8 experts: ep=2 keeps 4 per rank, which FSDP splits over its 2 ranks on dim 0 (1 rank with ep=4 or HSDP);
-    tests/test_fsdp_placement.py proves dim 1 where they do not divide."""
+    tests/distributed/test_fsdp_placement.py proves dim 1 where they do not divide."""
     cfg = parity.tiny_config("qwen3_moe")
     local = results[mesh]["local"]
     assert local[f"{EXPERTS}.gate_up_proj"] == (experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)

@@ -1,5 +1,5 @@
 """Core: mixed precision under EP, and the embedding and the head as FSDP units of their own (4 gloo ranks). The
-parity of every mesh with single-process transformers is tests/test_parity.py."""
+parity of every mesh with single-process transformers is tests/distributed/test_parity.py."""
 
 from xpar_zoo.testing import launch, parity
 

@@ -1,6 +1,6 @@
-"""Vocab parallelism (emb, head) beyond mesh parity (tests/test_parity.py): the head never builds full-vocab logits,
-the loss honours ignore_index / num_items_in_batch / padding_idx and gives full logits on request, tied embeddings
-are refused under vocab plans, models that change their logits keep transformers' loss, and activation
+"""Vocab parallelism (emb, head) beyond mesh parity (tests/distributed/test_parity.py): the head never builds full-vocab
+logits, the loss honours ignore_index / num_items_in_batch / padding_idx and gives full logits on request, tied
+embeddings are refused under vocab plans, models that change their logits keep transformers' loss, and activation
 checkpointing trains exactly (4 gloo ranks, fp32)."""
 
 import pytest

@@ -7,11 +7,6 @@ back unwrapped and a plain accelerate loop trains exactly; ``accelerate launch``
 One spawned single-process job holds the references, one 4-rank job every parallel run (module fixtures), one
 ``accelerate launch`` the example."""
 
-import json
-import os
-import subprocess
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -27,7 +22,7 @@ ROWS, SEQ, ACCUM = 32, 16, 2
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # the router auxiliary loss trains too
 CHARS = "abcdefghijklmnopqrstuvwxyz .,"
 TEXT = "the cat sat on the mat, a dog ran to the park. "
-REPO = Path(__file__).resolve().parents[1]
+
 
 
 def _config(**overrides):
@@ -373,64 +368,3 @@ def test_errors_name_what_to_do(runs):
     assert "holds no complete xpar_zoo checkpoint" in errors["resume"] and "saved" in errors["resume"]
     assert "accelerate sees 1 process(es) but torch.distributed has 4" in errors["alone"]
     assert "use_cpu=True" in errors["alone"]
-
-
-def test_router_aux_loss_over_padded_rows_equals_transformers():
-    """The global router auxiliary loss weighs rows by the attention mask as transformers does (padding excluded)."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
-
-    from xpar_zoo.train.balance import global_router_aux_loss
-
-    g = torch.Generator().manual_seed(0)
-    logits = tuple(torch.randn(3 * 7, 8, generator=g) for _ in range(2))  # 2 layers, batch 3 x seq 7, 8 experts
-    mask = (torch.arange(7) < torch.tensor([[7], [4], [1]])).long()
-    share, _ = global_router_aux_loss(logits, 8, 2, mask)
-    assert share.item() == pytest.approx(load_balancing_loss_func(logits, 8, 2, mask).item(), rel=1e-6)
-    assert share.item() != pytest.approx(load_balancing_loss_func(logits, 8, 2).item(), rel=1e-3)
-
-
-def test_trainer_refuses_a_model_xpar_zoo_did_not_parallelize():
-    from xpar_zoo.integrations.trainer import XparTrainer
-
-    with pytest.raises(IntegrationError, match="trains xpar_zoo models.*Qwen3MoeForCausalLM"):
-        XparTrainer(model=parity.build_model(_config()))
-
-
-@pytest.mark.parametrize("settings, message", [
-    (dict(distributed_type="DistributedType.FSDP"), "set up for FSDP"),
-    (dict(distributed_type="DistributedType.DEEPSPEED"), "set up for DEEPSPEED"),
-    (dict(parallelism_config=types.SimpleNamespace(tp_enabled=True, cp_enabled=False, sp_enabled=False)),
-     "enables tp"),
-    (dict(scaler=object()), "fp16 mixed precision scales the loss"),
-])
-def test_check_accelerator_refuses_settings_that_would_wrap_or_scale(settings, message):
-    accelerator = types.SimpleNamespace(**{"distributed_type": "DistributedType.MULTI_CPU", "num_processes": 1,
-                                           "parallelism_config": None, "scaler": None, **settings})
-    with pytest.raises(IntegrationError, match=message):
-        check_accelerator(accelerator)
-
-
-def test_accelerate_launch_runs_the_example_script(tmp_path):
-    """ACCELERATE_USE_CPU=true accelerate launch --config_file examples/accelerate/cpu.yaml (2 processes, ep=2):
-    examples/finetune_trainer.py --sft trains TRL's SFTTrainer through the mixin and saves a model plain
-    transformers loads."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = tmp_path / "model"
-    parity.build_model(_config()).save_pretrained(model_dir)
-    _tokenizer().save_pretrained(model_dir)
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts()))
-    out = tmp_path / "out"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "examples" / "accelerate" / "cpu.yaml"), "--num_processes", "2",
-           "--main_process_port", str(launch.free_port()), str(REPO / "examples" / "finetune_trainer.py"),
-           "--model", str(model_dir), "--data", str(data), "--mesh", "ep=2", "--output", str(out), "--steps", "2",
-           "--grad-accum", "2", "--seq-len", "32", "--save-steps", "2", "--lr", "1e-3", "--sft"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-    assert report["steps"] == 2 and len(report["losses"]) == 2
-    assert (out / "checkpoint-2" / "xpar_checkpoint").is_dir()
-    AutoModelForCausalLM.from_pretrained(out)

@@ -30,3 +30,28 @@ def test_a_run_sees_an_environment_changed_after_the_server_started(monkeypatch)
     launch.run(_report, 2, "before")
     monkeypatch.setenv("XPAR_ZOO_TEST_MARK", "set by the caller")
     assert launch.run(_report, 2, "after")["XPAR_ZOO_TEST_MARK"] == "set by the caller"
+
+
+def _all_reduce_ones(tag: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    return {tag: int(ones.item())}
+
+
+def _rank_1_fails(tag: str) -> dict:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError(f"{tag}: rank 1 fails its job")
+    return _all_reduce_ones(tag)  # rank 0 waits in a collective rank 1 never joins
+
+
+def test_a_failing_job_fails_only_itself_and_the_jobs_after_it_still_run():
+    jobs = {"a": (_all_reduce_ones, ("a",)), "b": (_rank_1_fails, ("b",)), "c": (_all_reduce_ones, ("c",))}
+    outcomes = launch.run_each(jobs, 2, timeout_s=60)
+    assert outcomes["a"] == {"a": 2} and outcomes["c"] == {"c": 2}
+    assert isinstance(outcomes["b"], launch.JobFailed) and "b: rank 1 fails its job" in str(outcomes["b"])
+    assert "'b'" in str(outcomes["b"])

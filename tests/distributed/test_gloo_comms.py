@@ -125,8 +125,3 @@ def _async_unshard() -> list[str]:
 
 def test_an_asynchronous_unshard_gathers_the_full_weights():
     assert launch.run(_async_unshard, 4) == []
-
-
-def test_other_backends_keep_torchs_collectives():
-    """A tensor off the CPU (NCCL's, in a mixed ``"cpu:gloo,cuda:nccl"`` group) goes to torch's own collectives."""
-    assert not runs_on_gloo(dist.group.WORLD, torch.empty(0, device="meta"))
