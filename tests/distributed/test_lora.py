@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo import sizing
+from xpar_zoo.commands import sizing
 
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.testing.comm_bytes import count_sent_bytes
@@ -361,7 +361,7 @@ def test_merged_export_equals_peft_merge_and_unload(reshard_run, base, tmp_path)
     PEFT's own ``merge_and_unload`` of the same adapter; without the flag the export says what to do."""
     from transformers import AutoModelForCausalLM
 
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     run, root = reshard_run
     assert cli.main(["convert", "to-hf", str(root), str(tmp_path / "merged"), "--model", base, "--merge-adapter"]) == 0

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo import sizing
+from xpar_zoo.commands import sizing
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.testing.comm_bytes import count_sent_bytes
 

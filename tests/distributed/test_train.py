@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 from xpar_zoo.testing import launch, parity
-from xpar_zoo.loss import IGNORE_INDEX
+from xpar_zoo.loss.global_batch import IGNORE_INDEX
 from xpar_zoo.train import TrainConfig
 
 from xpar_zoo.train.data import PackedCorpus, read_documents, tokenize

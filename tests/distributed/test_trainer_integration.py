@@ -93,7 +93,7 @@ def _loop(model, batches, clip) -> list[float]:
     ranks) are counted first; returns the step losses (mean over ranks)."""
     import torch.distributed as dist
 
-    from xpar_zoo.loss import count_targets, global_count
+    from xpar_zoo.loss.global_batch import count_targets, global_count
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import xpar_zoo
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 from xpar_zoo.checkpoint import write_complete_marker
 from xpar_zoo.errors import CheckpointError
 from xpar_zoo.testing import parity
@@ -128,7 +128,7 @@ def test_a_flipped_byte_is_never_loaded_nor_exported(file, saved, tmp_path, caps
 
 _FILL_UP = textwrap.dedent("""
     import json, os, resource, signal, sys
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
     from xpar_zoo.testing import parity
     import xpar_zoo
     root, ckpt, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])

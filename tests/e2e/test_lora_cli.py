@@ -20,7 +20,7 @@ def base(tmp_path_factory) -> str:
 
 
 def test_plan_cli_counts_lora(capsys):
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     assert cli.main(["plan", "qwen3_moe", "--world", "8", "--ep", "4", "--lora-rank", "16"]) == 0
     out = capsys.readouterr().out

@@ -4,7 +4,7 @@ from xpar_zoo.testing import parity
 
 _PLAN_CLI = """
 import contextlib, io, json, sys
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 
 out = []
 for argv in json.loads(sys.argv[1]):

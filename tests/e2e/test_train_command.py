@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 
 from xpar_zoo.train import TrainConfig, read_config_file
 
@@ -40,7 +40,7 @@ def test_example_config_and_slurm_script():
 
     validate(cfg)
     assert cfg.mesh == {"ep": 64} and cfg.model == "Qwen/Qwen3-30B-A3B" and cfg.mixed_precision
-    from xpar_zoo.mesh import validate_sizes
+    from xpar_zoo.parallel.mesh import validate_sizes
 
     validate_sizes(64, cfg.mesh, 1)  # 8 nodes x 8 GPUs; 128 experts split 64 ways
     assert 128 % cfg.mesh["ep"] == 0

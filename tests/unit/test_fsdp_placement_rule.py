@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 import xpar_zoo
-from xpar_zoo import ExtraPlan, get_plan, sizing
+from xpar_zoo import ExtraPlan, get_plan
+from xpar_zoo.commands import sizing
 
-from xpar_zoo.fsdp_layout import fsdp_layout, planned_shard_dim
+from xpar_zoo.parallel.fsdp_layout import fsdp_layout, planned_shard_dim
 from xpar_zoo.parallelize import match_plan
 from xpar_zoo.testing import parity
 

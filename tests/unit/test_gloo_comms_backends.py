@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from xpar_zoo.gloo_comms import runs_on_gloo
+from xpar_zoo.parallel.gloo_comms import runs_on_gloo
 
 
 def test_other_backends_keep_torchs_collectives():

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 import xpar_zoo
 from xpar_zoo.testing import parity
 from xpar_zoo.errors import CheckpointMismatchError
-from xpar_zoo.hub_layout import map_hub_layout
-from xpar_zoo.safetensors_files import read_checkpoint_headers
-from xpar_zoo.loader import build_meta
+from xpar_zoo.hub.layout import map_hub_layout
+from xpar_zoo.hub.safetensors_files import read_checkpoint_headers
+from xpar_zoo.hub.loader import build_meta
 
 REPO = "org/tiny-qwen3-moe"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -151,7 +151,7 @@ def test_layout_errors_list_every_problem_at_once(checkpoints):
 
 def test_unread_buffers_come_from_the_models_own_init_or_fail_loudly():
     from xpar_zoo.errors import LoadError
-    from xpar_zoo.materialize import initialise_buffers
+    from xpar_zoo.parallel.materialize import initialise_buffers
 
     model = parity.build_model(parity.tiny_config("qwen3_moe"))
     expected = model.model.rotary_emb.inv_freq.clone()
@@ -167,7 +167,7 @@ def test_hub_download_asks_only_for_config_index_listed_shards_and_side_files(ch
     import huggingface_hub
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
-    from xpar_zoo import hub
+    from xpar_zoo.hub import resolve as hub
 
     calls = []
 

@@ -4,7 +4,7 @@ back, and output names are matched literally."""
 
 import pytest
 
-from xpar_zoo.atomic_dir import LeftoverWarning, check_output, move_into_place
+from xpar_zoo.io.atomic_dir import LeftoverWarning, check_output, move_into_place
 
 
 def test_an_old_output_renamed_aside_is_never_removed_and_the_warning_says_how_to_restore_it(tmp_path):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from xpar_zoo.testing import parity
-from xpar_zoo.loss import IGNORE_INDEX
+from xpar_zoo.loss.global_batch import IGNORE_INDEX
 from xpar_zoo.train import config_from_args, read_config_file
-from xpar_zoo.train.balance import global_router_aux_loss
+from xpar_zoo.loss.balance import global_router_aux_loss
 from xpar_zoo.train.config import add_arguments, parse_mesh
 from xpar_zoo.train.data import PackedCorpus, flatten_rows, micro_batches, read_documents
 

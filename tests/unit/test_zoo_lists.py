@@ -2,9 +2,9 @@
 not overlap, and no proved type is refused."""
 
 import xpar_zoo
-from xpar_zoo.registry import refused_architectures
+from xpar_zoo.zoo.registry import refused_architectures
 
-from xpar_zoo.testing.proofs import AUTO_PROVED, proved_architectures
+from xpar_zoo.zoo.proofs import AUTO_PROVED, proved_architectures
 
 CURATED = xpar_zoo.supported_architectures()
 PROVED = proved_architectures()
