@@ -15,6 +15,7 @@ from .parallelize import parallelize
 from .plan import ExtraPlan, Plan
 from .registry import get_plan, supported_architectures
 from .state import full_state_dict
+from .styles.sequence import data_shard, shard_sequence
 from .vocab import full_logits
 
 __version__ = "0.1.0"
@@ -26,7 +27,9 @@ __all__ = [
     "ModelStateError", "NonFiniteError", "PlanError", "PublishError", "RefusedArchitectureError", "TrainConfigError",
     "UnknownArchitectureError", "XparError",
     # the API
-    "CheckpointFuture", "ExtraPlan", "Mesh", "Plan", "clip_grad_norm_", "from_pretrained", "full_logits",
+    "CheckpointFuture", "ExtraPlan", "Mesh", "Plan", "clip_grad_norm_", "data_shard", "from_pretrained",
+    "full_logits",
     "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
-    "read_checkpoint_metadata", "save_adapter", "save_checkpoint", "supported_architectures", "verify_checkpoint",
+    "read_checkpoint_metadata", "save_adapter", "save_checkpoint", "shard_sequence", "supported_architectures",
+    "verify_checkpoint",
 ]
