@@ -53,9 +53,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..collectives import GatherRows, all_to_all
+from ..parallel.collectives import GatherRows, all_to_all
 from ..errors import BatchError, ModelStateError, PlanError
-from ..mesh import Mesh, PlanShard
+from ..parallel.mesh import Mesh, PlanShard
 
 ATTENTION_PREFIX = "xpar_seq_"
 INNER_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -351,6 +351,24 @@ def recurrent_layers(model: nn.Module) -> list[str]:
     return found
 
 
+@functools.cache
+def _dispatches(cls: type) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def attention_outside_interface(model: nn.Module) -> str | None:
+    """The first attention module class of ``model`` whose forward does not call transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (it computes attention itself: sp/cp cannot wrap it), or ``None``."""
+    for name, module in model.named_modules():
+        cls = type(module)
+        if "Attention" in cls.__name__ and not _dispatches(cls) and any(True for _ in module.parameters()):
+            return f"{cls.__name__} ({name})"
+    return None
+
+
 def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
     """Raise :class:`~xpar_zoo.errors.PlanError` (one line, naming the numbers) when ``model`` cannot run on
     ``mesh``'s sp/cp; return the inner attention implementation. Before any tensor is touched."""
@@ -369,9 +387,10 @@ def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
     if inner not in INNER_IMPLEMENTATIONS:
         raise PlanError(f"{sizes}: attention implementation {inner!r} is not supported under sp/cp; load the model "
                         f"with attn_implementation in {INNER_IMPLEMENTATIONS}")
-    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
-        raise PlanError(f"{sizes}: {type(model).__name__} does not dispatch attention through transformers' "
-                        "AttentionInterface, which sp/cp wraps")
+    direct = attention_outside_interface(model)
+    if direct:
+        raise PlanError(f"{sizes}: {direct} does not dispatch attention through transformers' AttentionInterface, "
+                        "which sp/cp wraps")
     text = _text_config(config)
     heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
     if mesh.sp > 1:
