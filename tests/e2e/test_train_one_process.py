@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 from xpar_zoo.testing import parity
 from xpar_zoo.train.metrics import read_metrics
 

@@ -7,7 +7,7 @@ import resource
 
 import pytest
 
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 from xpar_zoo.errors import TrainConfigError
 from xpar_zoo.train import TrainConfig, read_config_file
 from xpar_zoo.train.config import validate

@@ -24,13 +24,13 @@ UPDATE_FLOOR = 1e-7
 
 def tiny_config(model_type: str = "qwen3_moe", **overrides):
     """A tiny transformers config of ``model_type``: shared small dims plus the type's tiny overrides (its curated
-    plan's ``tiny``, else its entry in :data:`xpar_zoo.testing.proofs.AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
+    plan's ``tiny``, else its entry in :data:`xpar_zoo.zoo.proofs.AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
     for MoE types). A composite config (vision/audio + text) gets the small dims in its ``text_config``; its other
     sub-configs come from the overrides as dicts."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from .proofs import tiny_overrides
+    from ..zoo.proofs import tiny_overrides
 
     base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
@@ -43,9 +43,9 @@ def tiny_config(model_type: str = "qwen3_moe", **overrides):
 
 
 def build_model(config, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
-    """The transformers language model for ``config`` (:func:`xpar_zoo.registry.model_class`: causal LM, or the
+    """The transformers language model for ``config`` (:func:`xpar_zoo.zoo.registry.model_class`: causal LM, or the
     config's own multimodal class) with weights drawn from ``seed`` (identical on every rank)."""
-    from ..registry import model_class
+    from ..zoo.registry import model_class
 
     torch.manual_seed(seed)
     kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
@@ -95,15 +95,16 @@ class RunRecord:
     local_shapes: dict[str, tuple[int, ...]]  # this rank's local shard shapes (parallel run only)
 
 
-def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | None = None) -> dict:
+def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | range | None = None) -> dict:
     """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.batches`) of ``step``:
     ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process
-    reference."""
+    reference, a ``range`` those of its micro-batches (a data shard of several, see :func:`train_parallel`)."""
     if not extra:
         return {}
-    if rank is not None:
+    if isinstance(rank, int):
         return dict(extra[step][rank])
-    return {k: torch.cat([e[k] for e in extra[step]]) for k in extra[step][0]}
+    parts = extra[step] if rank is None else [extra[step][r] for r in rank]
+    return {k: torch.cat([e[k] for e in parts]) for k in parts[0]}
 
 
 def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0,
@@ -132,12 +133,14 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
                    seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False,
                    labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None) -> RunRecord:
     """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``kernels`` for
-    :func:`xpar_zoo.moe.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
+    :func:`xpar_zoo.styles.experts.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
     decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
     :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
-    batch's. Every rank calls it; rank 0's record is complete."""
+    batch's. Every rank calls it; rank 0's record is complete. With sp/cp a rank reads its data shard
+    (:func:`xpar_zoo.data_shard`: ``world/count`` consecutive micro-batches of ``data[step]`` at once, the same on
+    every rank of a sequence group, passed whole)."""
     import xpar_zoo
-    from xpar_zoo.moe import set_experts_kernels
+    from xpar_zoo.styles.experts import set_experts_kernels
 
     mesh = xpar_zoo.Mesh(**mesh_kwargs)
     model = build_model(config, seed)
@@ -148,10 +151,14 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     rank = dist.get_rank()
     labels = make_labels(data) if labels is None else labels
+    index, count = xpar_zoo.data_shard(model)
+    per = data.shape[1] // count
+    mine = range(index * per, (index + 1) * per)
     losses, norms = [], []
     for step in range(data.shape[0]):
-        ids = data[step, rank]
-        loss = model(input_ids=ids, labels=labels[step, rank], **step_inputs(extra, step, rank)).loss
+        ids = data[step, mine.start:mine.stop].reshape(-1, data.shape[-1])
+        step_labels = labels[step, mine.start:mine.stop].reshape(-1, data.shape[-1])
+        loss = model(input_ids=ids, labels=step_labels, **step_inputs(extra, step, mine)).loss
         loss.backward()
         norm = xpar_zoo.clip_grad_norm_(model, max_norm if max_norm else float("inf"))
         opt.step()

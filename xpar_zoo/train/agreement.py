@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..distributed import all_gather, is_distributed
+from ..parallel.distributed import all_gather, is_distributed
 from ..errors import TrainConfigError
 from .config import LAUNCHER_FLAGS, TrainConfig
 

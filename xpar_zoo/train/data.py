@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from ..loss import IGNORE_INDEX
+from ..loss.global_batch import IGNORE_INDEX
 from .config import DEFAULT_MAX_LINE_BYTES, INT64_MAX
 
 NATIVE_SUFFIXES = (".jsonl", ".json", ".txt")
