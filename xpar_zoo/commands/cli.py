@@ -149,8 +149,17 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ..train import config_from_args, run
+    from ..train.launcher import launch, launched_by_us
+    from ..train.stop import Stopped
 
-    run(config_from_args(args))
+    cfg = config_from_args(args)  # every setting checked before any rank starts
+    if args.nproc_per_node is not None and not launched_by_us():
+        return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
+                      args.master_port)
+    try:
+        run(cfg)
+    except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
+        return e.code
     return 0
 
 
@@ -254,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except KeyboardInterrupt:
