@@ -180,8 +180,11 @@ def check_long_context(config, world: int, replicate: int, seq: int, sp: int = 1
     if sp * cp == 1:
         return
     shard = world // replicate
+    what = f"sp={sp}" if cp == 1 else f"cp={cp}" if sp == 1 else f"sp·cp={sp}·{cp}={sp * cp}"
+    if sp * cp > shard:
+        raise MeshError(f"{what} is larger than the ranks of a replica ({shard}: world {world} / replicate "
+                        f"{replicate})")
     if shard % (sp * cp):
-        what = f"sp={sp}" if cp == 1 else f"cp={cp}" if sp == 1 else f"sp·cp={sp}·{cp}={sp * cp}"
         raise MeshError(f"{what} does not divide the ranks of a replica ({shard}: world {world} / replicate "
                         f"{replicate}); the ranks of one sequence group must all be in one replica")
     refusal = sequence_refusal(config, attention)
