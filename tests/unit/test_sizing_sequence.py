@@ -126,7 +126,7 @@ def test_parameter_memory_does_not_change_with_sp_or_cp():
 
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(world=8, sp=3), MeshError, "sp=3 does not divide the ranks of a replica (8"),
-    (dict(world=8, sp=2, cp=2, replicate=4), MeshError, "sp·cp=2·2=4 is larger than the ranks of a replica (2"),
+    (dict(world=8, sp=2, cp=2, replicate=4), MeshError, "sp·cp=2·2=4 does not divide the ranks of a replica (2"),
     (dict(world=12, sp=2, cp=4), MeshError, "sp·cp=2·4=8 does not divide the ranks of a replica (12"),
     (dict(world=16, sp=16), PlanError, "sp=16 does not divide the 8 query heads of qwen3_moe; use sp=8, cp=2"),
     (dict(world=12, sp=6), PlanError, "sp=6 does not divide the 8 query heads"),

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import BatchError, MeshError, PlanError
-from ..parallel.mesh import validate_sizes
+from ..errors import BatchError, PlanError
+from ..parallel.mesh import validate_sequence_sizes, validate_sizes
 from ..parallel.fsdp_layout import fsdp_layout
 from ..parallelize import check_plan_names, match_plan, whole_vocab_head_fusable
 from ..loss.fused import CE_CHUNK_ELEMENTS
+from ..styles.sequence import (ATTENTION_LAYER_TYPES, INNER_IMPLEMENTATIONS, check_sequence_length,
+                               kv_repeat)
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
 
@@ -115,29 +117,17 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
 # The attention implementations the sizer models (transformers' names): sdpa and the flash kernels keep no score
 # matrix; eager keeps its softmax (fp32) and, in a lower compute dtype, the copy its second matmul reads.
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-# What the sp/cp attention wraps (xpar_zoo's sequence styles); the flash kernels are sized, not yet wrapped.
-SEQUENCE_ATTENTION = ("sdpa", "eager")
+# What the sp/cp attention wraps (xpar_zoo.styles.sequence); the flash kernels are sized, not yet wrapped.
+SEQUENCE_ATTENTION = INNER_IMPLEMENTATIONS
 
 
 def sequence_parts(seq: int, sp: int = 1, cp: int = 1) -> int:
     """The equal parts a row of ``seq`` tokens is cut into for ``sp`` Ulysses and ``cp`` context ranks: ``2·cp·sp``
     with cp (each cp rank keeps a head and a tail chunk, cut again over sp), ``sp`` without; raise
-    :class:`~xpar_zoo.errors.BatchError` naming the numbers when ``seq`` does not divide by it."""
-    parts = 2 * cp * sp if cp > 1 else sp
-    if seq % parts:
-        why = f"2·cp·sp = 2·{cp}·{sp} = {parts}" if cp > 1 else f"sp={sp}"
-        raise BatchError(f"sequence length {seq} does not divide by {why}; pad the rows to a multiple of {parts}")
-    return parts
-
-
-def kv_repeat(query_heads: int, kv_heads: int, sp: int) -> int:
-    """How many times each key/value head is repeated before Ulysses' all-to-all, so that the key/value heads
-    divide by ``sp`` and still divide the query heads (1: none); :class:`~xpar_zoo.errors.PlanError` when no
-    repetition does."""
-    for r in range(1, query_heads // kv_heads + 1):
-        if (kv_heads * r) % sp == 0 and query_heads % (kv_heads * r) == 0:
-            return r
-    raise PlanError(f"cannot spread {kv_heads} key/value heads over sp={sp} for {query_heads} query heads")
+    :class:`~xpar_zoo.errors.BatchError` naming the numbers when ``seq`` does not divide by it (the rule of
+    :func:`xpar_zoo.styles.sequence.check_sequence_length`)."""
+    check_sequence_length(seq, sp, cp)
+    return 2 * cp * sp if cp > 1 else sp
 
 
 def attention_heads(config, sp: int = 1) -> tuple[int, int]:
@@ -158,7 +148,7 @@ def sequence_refusal(config, attention: str = "sdpa") -> str | None:
     attention that need whole sequences (hybrid linear-attention / SSM models), or an attention that sp/cp does
     not wrap."""
     kinds = [k for k in dict.fromkeys(getattr(config, "layer_types", None) or ())
-             if k not in ("full_attention", "sliding_attention", "attention")]
+             if k not in ATTENTION_LAYER_TYPES]
     if kinds:
         return (f"{config.model_type} has layers of type {', '.join(map(repr, kinds))} that need the whole "
                 "sequence per head on one rank; sp and cp are refused for hybrid linear-attention/SSM models")
@@ -174,19 +164,9 @@ def check_long_context(config, world: int, replicate: int, seq: int, sp: int = 1
     tokens of ``config``'s model on ``world`` ranks: the same rules as ``xpar_zoo.Mesh`` and ``parallelize``."""
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise PlanError(f"attention {attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
-    for name, size in (("sp", sp), ("cp", cp)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise MeshError(f"{name} must be a positive integer, got {size!r}")
+    validate_sequence_sizes(world, replicate, sp, cp)
     if sp * cp == 1:
         return
-    shard = world // replicate
-    what = f"sp={sp}" if cp == 1 else f"cp={cp}" if sp == 1 else f"sp·cp={sp}·{cp}={sp * cp}"
-    if sp * cp > shard:
-        raise MeshError(f"{what} is larger than the ranks of a replica ({shard}: world {world} / replicate "
-                        f"{replicate})")
-    if shard % (sp * cp):
-        raise MeshError(f"{what} does not divide the ranks of a replica ({shard}: world {world} / replicate "
-                        f"{replicate}); the ranks of one sequence group must all be in one replica")
     refusal = sequence_refusal(config, attention)
     if refusal:
         raise PlanError(f"sp={sp}, cp={cp}: {refusal}")
