@@ -124,8 +124,9 @@ def can_set_experts_implementation(model: nn.Module) -> bool:
 
 
 def attn_implementation(config) -> str | None:
-    """The attention implementation a loaded model resolved (``config._attn_implementation``; no public getter)."""
-    return config._attn_implementation
+    """The attention implementation a config resolved (``config._attn_implementation``, ``None`` where it has none;
+    no public getter)."""
+    return getattr(config, "_attn_implementation", None)
 
 
 def from_config(model_class: type, config, **kwargs) -> nn.Module:
