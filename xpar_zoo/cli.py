@@ -150,7 +150,15 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train import config_from_args, run
 
-    run(config_from_args(args))
+    cfg = config_from_args(args)
+    if args.dry_run:
+        from .train.dry_run import dry_run
+
+        report = dry_run(cfg)
+        if os.environ.get("RANK", "0") == "0":
+            print(report)
+        return 0
+    run(cfg)
     return 0
 
 

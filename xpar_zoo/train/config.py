@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TrainConfigError
+from . import sft_config
 
 SCHEDULES = ("cosine", "linear", "constant")
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
           "fp16": "float16", "float16": "float16"}
-REQUIRED = ("model", "data", "steps", "output")
+REQUIRED = ("model", "data", "output")  # and steps or epochs
 
 
 @dataclass
@@ -57,6 +58,22 @@ class TrainConfig:
     tensorboard: bool = True
     progress: bool = True
     timeout_minutes: float = 30.0
+    # fine-tuning (xpar_zoo.train.sft_config): conversations, epochs, LoRA, evaluation, reporting
+    epochs: int | None = None
+    loss_on: str | None = None
+    truncate: str | None = None
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+    lora_experts: bool = True
+    adapter: str | None = None
+    export_adapter: str | None = None
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_batches: int | None = None
+    save_best: bool = False
+    report_to: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The settings as JSON data (saved in checkpoints and printed at start)."""
@@ -101,6 +118,8 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     """``value`` of key ``name`` checked and converted to the field's type."""
     if name == "mesh":
         return parse_mesh(value, where)
+    if name == "lora_targets" and isinstance(value, (list, tuple)):  # YAML: a list of module names
+        value = ",".join(map(str, value))
     if name == "adam_betas":
         parts = value.split(",") if isinstance(value, str) else value
         try:
@@ -205,6 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="TensorBoard events in OUTPUT/tensorboard when tensorboard is installed (default on)")
     a("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bar on rank 0 (default on)")
     a("--timeout-minutes", type=float, default=S, help="process-group timeout (default 30)")
+    sft_config.add_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -223,10 +243,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def validate(cfg: TrainConfig) -> None:
     """Raise :class:`TrainConfigError` on any setting that cannot work."""
     missing = [f"--{n}" for n in REQUIRED if getattr(cfg, n) in (None, "")]
+    if cfg.steps is None and cfg.epochs is None:
+        missing.append("--steps (or --epochs)")
     if missing:
         raise TrainConfigError(f"missing setting(s): {', '.join(missing)} (flags or keys of --config)")
+    sft_config.validate(cfg)
     for name in ("steps", "seq_len", "micro_batch", "grad_accum"):
-        if getattr(cfg, name) < 1:
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise TrainConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.seq_len < 2:
         raise TrainConfigError(f"seq_len must be at least 2, got {cfg.seq_len}")
@@ -242,10 +265,11 @@ def validate(cfg: TrainConfig) -> None:
         raise TrainConfigError(f"min_lr_ratio must be at most 1, got {cfg.min_lr_ratio}")
     if cfg.schedule not in SCHEDULES:
         raise TrainConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.warmup > cfg.steps:
-        raise TrainConfigError(f"warmup ({cfg.warmup}) is longer than the run (steps {cfg.steps})")
-    if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
-        raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
+    if cfg.steps is not None:  # --epochs: checked again once the data gives the steps
+        if cfg.warmup > cfg.steps:
+            raise TrainConfigError(f"warmup ({cfg.warmup}) is longer than the run (steps {cfg.steps})")
+        if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
+            raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
     if cfg.keep_last is not None and cfg.keep_last < 1:
         raise TrainConfigError(f"keep_last must be at least 1, got {cfg.keep_last}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:

@@ -107,6 +107,19 @@ def _datasets_records(path: Path) -> Iterator[tuple[str, dict]]:
         yield f"{path}[{n}]", record
 
 
+def iter_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` of every record of a JSONL file or of what ``datasets`` reads locally (``where`` names the
+    file and line or record); ``.txt`` files hold documents, not records."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    if path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
+        return _jsonl_records(path)
+    if path.is_dir() or path.suffix.lower() in DATASETS_BUILDERS:
+        return _datasets_records(path)
+    raise DataError(f"{path}: records come from .jsonl, .parquet, .arrow, .csv or a datasets directory")
+
+
 def read_documents(path: str | os.PathLike, text_field: str = "text") -> Documents:
     """The documents in ``path`` (see the module docstring for the formats); empty documents are skipped. Raises
     :class:`DataError` naming the file (and line or record) on anything unreadable."""
