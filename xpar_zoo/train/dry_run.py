@@ -52,8 +52,8 @@ def dry_run(cfg: TrainConfig) -> str:
             held = load_corpus(data_cfg, config.vocab_size, cfg.eval_data)[0]
     cfg, corpus = resolve_epochs(cfg, corpus, tokenizer, world)
     per_step = rows_per_step(world, cfg.micro_batch, cfg.grad_accum)
-    lines = ["xpar-zoo train --dry-run (no weights loaded)", "settings:",
-             json.dumps(cfg.to_json(), indent=1, sort_keys=True)]
+    lines = ["xpar-zoo train --dry-run (no weights loaded)", "settings:"]
+    lines += [f"  {k}: {json.dumps(v)}" for k, v in sorted(cfg.to_json().items())]
     mesh = ", ".join(f"{k}={v}" for k, v in cfg.mesh.items()) or "FSDP only"
     lines.append(f"mesh: {mesh} over {world} rank(s) (WORLD_SIZE), dense parameters FSDP-sharded over "
                  f"{world // replicate} x {replicate} replica(s)")
