@@ -32,8 +32,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from xpar_zoo import loss_triton as lt  # noqa: E402
-from xpar_zoo import moe_triton as mt  # noqa: E402
+from xpar_zoo.kernels import loss_triton as lt  # noqa: E402
+from xpar_zoo.kernels import moe_triton as mt  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",

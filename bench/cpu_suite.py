@@ -16,7 +16,7 @@ activations and the loss do). The stacks run alternately, ``--rounds`` times eac
 rounds of the worst rank's; ratios are xpar_zoo / transformers. ``--stacks`` may add ``xpar_zoo_dim1``: ours with
 every planned slice forced onto FSDP dim 1, the placement before issue 23, to measure what dim 1 costs in the
 same run; and ``xpar_zoo_gloo_copies``: ours with gloo's own all-gather and reduce-scatter (each stages a copy of the
-unsharded buffer) instead of :mod:`xpar_zoo.gloo_comms`.
+unsharded buffer) instead of :mod:`xpar_zoo.parallel.gloo_comms`.
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
 
     rank = dist.get_rank()
     if which == "xpar_zoo_dim1":  # the placement before issue 23, for comparison (this process only)
-        from xpar_zoo import fsdp_layout
+        from xpar_zoo.parallel import fsdp_layout
 
         fsdp_layout.planned_shard_dim = lambda rows, fsdp: 1
-    if which == "xpar_zoo_gloo_copies":  # FSDP2's default collectives, before xpar_zoo.gloo_comms (this process only)
+    if which == "xpar_zoo_gloo_copies":  # FSDP2's default collectives, before xpar_zoo.parallel.gloo_comms (this process only)
         # the module parallelize: `from xpar_zoo import parallelize` gives the function xpar_zoo exports
         sys.modules["xpar_zoo.parallelize"].use_in_place_collectives = lambda module: None
     ours = which.startswith("xpar_zoo")

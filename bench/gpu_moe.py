@@ -6,7 +6,7 @@ side by side in one run, plus a 4-layer Qwen3-30B-A3B-shaped model's training to
     python bench/gpu_moe.py --loss-only 2048,1024,50000 --fp32   # the loss section alone (e.g. on the CPU)
     TRITON_INTERPRET=1 python bench/gpu_moe.py --smoke   # the same, with the Triton kernels interpreted on the CPU
 
-Implementations: ``xpar_zoo`` (the Triton kernels of ``xpar_zoo.moe_triton``, with the best tiles of a short
+Implementations: ``xpar_zoo`` (the Triton kernels of ``xpar_zoo.kernels.moe_triton``, with the best tiles of a short
 sweep run first), ``xpar_zoo_torch`` (our torch path: grouped_mm and torch routing), transformers'
 ``grouped_mm`` and ``eager``. Also timed: each Triton kernel alone (where the time goes), the raw
 ``torch._grouped_mm`` GEMMs on pre-permuted balanced rows, and a dense bf16 matmul (the roofline).
@@ -42,20 +42,20 @@ def _import_experts_path():
     installed ``xpar_zoo.converters`` mapping); the experts path and the fused loss need neither, so there the
     package is entered without running its ``__init__``."""
     try:
-        import xpar_zoo.moe  # noqa: F401
+        import xpar_zoo.styles.experts  # noqa: F401
     except ImportError:
         for name in [m for m in sys.modules if m == "xpar_zoo" or m.startswith("xpar_zoo.")]:
             del sys.modules[name]
         package = types.ModuleType("xpar_zoo")
         package.__path__ = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "xpar_zoo")]
         sys.modules["xpar_zoo"] = package
-        import xpar_zoo.moe  # noqa: F401
-    return sys.modules["xpar_zoo.moe"]
+        import xpar_zoo.styles.experts  # noqa: F401
+    return sys.modules["xpar_zoo.styles.experts"]
 
 
 set_experts_kernels = _import_experts_path().set_experts_kernels
-from xpar_zoo.fused_loss import fused_linear_cross_entropy  # noqa: E402
-from xpar_zoo.vocab import install_fused_loss  # noqa: E402  (after the package entry)
+from xpar_zoo.loss.fused import fused_linear_cross_entropy  # noqa: E402
+from xpar_zoo.styles.vocab import install_fused_loss  # noqa: E402  (after the package entry)
 
 IMPLS = ("xpar_zoo", "xpar_zoo_torch", "grouped_mm", "eager")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -161,7 +161,7 @@ TILE_CANDIDATES = [
 
 
 def _moe_inputs(args, device, dtype, tokens):
-    from xpar_zoo import moe_triton
+    from xpar_zoo.kernels import moe_triton
 
     h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
     g = torch.Generator(device=device).manual_seed(3)

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from xpar_zoo.atomic_dir import StagingDir, check_apart, check_output
+from xpar_zoo.io.atomic_dir import StagingDir, check_apart, check_output
 from xpar_zoo.checkpoint import (iter_model_tensors, model_tensor_specs, read_checkpoint_metadata, resolve_checkpoint,
                                  verify_checkpoint)
 from xpar_zoo.errors import CheckpointError, ConvertError
-from xpar_zoo.hub import SIDE_FILES, resolve
-from xpar_zoo.hub_writer import HubWriter, parse_dtype, parse_size
-from xpar_zoo.loader import build_meta
+from xpar_zoo.hub.resolve import SIDE_FILES, resolve
+from xpar_zoo.hub.writer import HubWriter, parse_dtype, parse_size
+from xpar_zoo.hub.loader import build_meta
 
 EXPORT_INFO_FILE = "xpar_export.json"
 

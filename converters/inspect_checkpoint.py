@@ -32,8 +32,8 @@ def _dtype_name(dtype) -> str:
 def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
     """``(format, note)``: per-expert when transformers' conversion rules fuse any key, from a meta-device model."""
     try:
-        from xpar_zoo.hub_layout import map_hub_layout
-        from xpar_zoo.loader import build_meta
+        from xpar_zoo.hub.layout import map_hub_layout
+        from xpar_zoo.hub.loader import build_meta
 
         import torch
 
@@ -48,7 +48,7 @@ def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
 def _inspect_hub(directory: Path) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from xpar_zoo.safetensors_files import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
+    from xpar_zoo.hub.safetensors_files import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
 
     def _dtype_name(code: str) -> str:  # torch's names, so that hub and DCP reports read alike
         return str(SAFETENSORS_DTYPES[code]).removeprefix("torch.") if code in SAFETENSORS_DTYPES else code

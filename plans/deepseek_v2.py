@@ -1,7 +1,7 @@
 """DeepSeek-V2: MLA attention, routed experts fused ``[E, 2I, H]`` / ``[E, H, I]`` plus shared experts (plain
 FSDP), group-limited greedy routing."""
 
-from xpar_zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
+from xpar_zoo.zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
 
 PLAN = Plan(
     model_type="deepseek_v2",

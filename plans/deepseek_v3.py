@@ -2,7 +2,7 @@
 ``[E, 2I, H]`` / ``[E, H, I]`` plus shared experts (plain FSDP), group-limited routing with an
 ``e_score_correction_bias`` buffer."""
 
-from xpar_zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
+from xpar_zoo.zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
 
 PLAN = Plan(
     model_type="deepseek_v3",

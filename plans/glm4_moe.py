@@ -1,7 +1,7 @@
 """GLM-4.5 (glm4_moe): first layers dense, routed experts fused ``[E, 2I, H]`` / ``[E, H, I]`` plus shared experts,
 partial rotary embeddings."""
 
-from xpar_zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
+from xpar_zoo.zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
 
 PLAN = Plan(
     model_type="glm4_moe",

@@ -2,7 +2,7 @@
 ``down_proj [E, I, H]``, and per-expert biases ``[E, 2I]`` / ``[E, H]`` — all split on dim 0 by EP. The hub stores
 them fused already (MXFP4 blocks/scales on the official checkpoints)."""
 
-from xpar_zoo.plan import Plan, embedding, experts, lm_head
+from xpar_zoo.zoo.plan import Plan, embedding, experts, lm_head
 
 PLAN = Plan(
     model_type="gpt_oss",

@@ -1,7 +1,7 @@
 """Mistral (dense): vocab-parallel input embedding (``emb``) and output head with vocab-parallel cross-entropy
 (``head``), both ``[V, H]`` split on dim 0; everything else plain FSDP2."""
 
-from xpar_zoo.plan import Plan, embedding, lm_head
+from xpar_zoo.zoo.plan import Plan, embedding, lm_head
 
 PLAN = Plan(
     model_type="mistral",

@@ -1,7 +1,7 @@
 """Mixtral: fused experts ``[E, 2I, H]`` / ``[E, H, I]`` in memory; the hub stores
 ``block_sparse_moe.experts.{j}.w1/w3/w2`` per expert (transformers' conversion rules map them)."""
 
-from xpar_zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
+from xpar_zoo.zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
 
 PLAN = Plan(
     model_type="mixtral",

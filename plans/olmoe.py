@@ -1,6 +1,6 @@
 """OLMoE: fused experts ``[E, 2I, H]`` / ``[E, H, I]``; q/k norms in attention."""
 
-from xpar_zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
+from xpar_zoo.zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
 
 PLAN = Plan(
     model_type="olmoe",

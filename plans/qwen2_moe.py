@@ -1,7 +1,7 @@
 """Qwen2-MoE: routed experts fused ``[E, 2I, H]`` / ``[E, H, I]``, plus a dense shared expert and its sigmoid gate
 (both stay plain FSDP)."""
 
-from xpar_zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
+from xpar_zoo.zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
 
 PLAN = Plan(
     model_type="qwen2_moe",

@@ -1,6 +1,6 @@
 """Qwen3-MoE: fused experts ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; hub keys per expert."""
 
-from xpar_zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
+from xpar_zoo.zoo.plan import Plan, embedding, experts, fused_expert_layouts, lm_head
 
 PLAN = Plan(
     model_type="qwen3_moe",

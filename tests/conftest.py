@@ -18,7 +18,7 @@ def zoo_proofs(request, tmp_path_factory) -> dict:
     ``zoo_job(tmp_path_factory) -> (fn, args)`` (tests/test_zoo.py, tests/test_zoo_placement.py), and all of them run
     in one launched run (one start, one import of every architecture per rank). ``{module name: rank 0's result}``."""
     from xpar_zoo.testing import launch
-    from xpar_zoo.testing.proofs import PROOF_WORLD
+    from xpar_zoo.zoo.proofs import PROOF_WORLD
 
     modules = {item.module for item in request.session.items if "zoo_proofs" in getattr(item, "fixturenames", ())}
     jobs = {m.__name__: m.zoo_job(tmp_path_factory) for m in sorted(modules, key=lambda m: m.__name__)}

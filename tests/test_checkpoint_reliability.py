@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import xpar_zoo
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 from xpar_zoo.checkpoint import CheckpointWarning, write_complete_marker
 from xpar_zoo.errors import CheckpointError, NonFiniteError
 from xpar_zoo.testing import launch, parity

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 from xpar_zoo.testing import launch, parity
 
 WORLD = 4
@@ -94,7 +94,7 @@ def test_a_killed_export_leaves_no_output_and_the_earlier_one_intact(exported):
     script = textwrap.dedent(f"""
         import time
         from xpar_zoo import cli
-        from xpar_zoo.hub_writer import HubWriter
+        from xpar_zoo.hub.writer import HubWriter
         real = HubWriter.add
         def slow(*a, **k):
             time.sleep(0.05); return real(*a, **k)

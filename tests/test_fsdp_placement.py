@@ -1,5 +1,5 @@
 """FSDP2 shards a planned tensor's local slice on dim 0 where it divides by ``<plan>_fsdp`` and on dim 1 where it
-does not, decided per tensor (:func:`xpar_zoo.fsdp_layout.planned_shard_dim`). Training equals single-process
+does not, decided per tensor (:func:`xpar_zoo.parallel.fsdp_layout.planned_shard_dim`). Training equals single-process
 transformers on both placements (4 gloo ranks, fp32), and checkpoints reshard across them on different world sizes.
 
 The meshes of tests/test_parity.py and the zoo hold 8 experts and 128 vocab rows, whose slices divide: dim 0. Here
@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 import xpar_zoo
-from xpar_zoo import ExtraPlan, get_plan, sizing
+from xpar_zoo import ExtraPlan, get_plan
+from xpar_zoo.commands import sizing
 from xpar_zoo.checkpoint import checkpoint_name
-from xpar_zoo.fsdp_layout import fsdp_layout, planned_shard_dim
+from xpar_zoo.parallel.fsdp_layout import fsdp_layout, planned_shard_dim
 from xpar_zoo.parallelize import match_plan
 from xpar_zoo.testing import launch, parity
 
@@ -189,14 +190,14 @@ def _load_hub_checkpoint(directory: str) -> dict:
 
 
 def _regions() -> list:
-    """Every rank's :func:`~xpar_zoo.loader.local_region` of an ``[8, 3]`` DTensor on a 2 × 2 mesh: as FSDP2 shards
+    """Every rank's :func:`~xpar_zoo.hub.loader.local_region` of an ``[8, 3]`` DTensor on a 2 × 2 mesh: as FSDP2 shards
     an ep slice on dim 0 (strided over the first mesh dim, then split over the second), and interleaved."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from xpar_zoo.loader import local_region
+    from xpar_zoo.hub.loader import local_region
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "ep"))
     out = []

@@ -13,7 +13,7 @@ import xpar_zoo
 from xpar_zoo.errors import BatchError, KernelError
 from xpar_zoo.testing import parity
 from xpar_zoo.errors import PlanError
-from xpar_zoo.vocab import install_fused_loss
+from xpar_zoo.styles.vocab import install_fused_loss
 
 BATCH, SEQ = 3, 11
 
@@ -118,7 +118,7 @@ def test_heads_it_cannot_fuse_are_refused_clearly():
 @pytest.mark.parametrize("vocab", [200, 5000], ids=["one_block", "two_blocks"])
 def test_triton_chunk_kernels_match_torch(vocab):
     """The Triton kernels (interpreted, fp32) on a chunk whose rows own their target or not (vocab-parallel)."""
-    from xpar_zoo import loss_triton
+    from xpar_zoo.kernels import loss_triton
 
     g = torch.Generator().manual_seed(1)
     z = torch.randn(7, vocab, generator=g) * 4
@@ -146,7 +146,7 @@ def test_triton_kernels_refuse_cpu_tensors_without_the_interpreter(monkeypatch):
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_the_standalone_function_matches_torch_cross_entropy(kernels):
-    from xpar_zoo.fused_loss import fused_linear_cross_entropy
+    from xpar_zoo.loss.fused import fused_linear_cross_entropy
 
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(2, 9, 16, generator=g, requires_grad=True)
@@ -169,7 +169,7 @@ def test_the_standalone_function_matches_torch_cross_entropy(kernels):
 def test_under_autocast_the_head_computes_like_nn_linear_would(hidden_dtype, weight_dtype):
     """Mixed input dtypes under ``torch.autocast``: one compute dtype (autocast's), gradients in each input's own
     dtype, close to transformers' way (logits by autocast, fp32 cross-entropy) within bf16 tolerance."""
-    from xpar_zoo.fused_loss import fused_linear_cross_entropy
+    from xpar_zoo.loss.fused import fused_linear_cross_entropy
 
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(3, 7, 32, generator=g).to(hidden_dtype).requires_grad_()
@@ -187,7 +187,7 @@ def test_under_autocast_the_head_computes_like_nn_linear_would(hidden_dtype, wei
 
 
 def test_a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss():
-    from xpar_zoo.fused_loss import fused_linear_cross_entropy
+    from xpar_zoo.loss.fused import fused_linear_cross_entropy
 
     hidden, weight = torch.randn(4, 8), torch.randn(50, 8)
     with pytest.raises(RuntimeError, match=r"outside the vocabulary \[0, 50\)"):
@@ -198,7 +198,7 @@ def test_a_target_outside_the_vocabulary_is_an_error_not_a_silent_loss():
 def test_the_torch_path_holds_one_chunk_of_logits_at_a_time(tmp_path):
     """The log-sum-exp and the softmax reuse the chunk's own logits in place: forward and backward together peak
     at one chunk of fp32 logits (plus the small gradients), where ``torch.logsumexp`` alone makes a second."""
-    from xpar_zoo.fused_loss import fused_linear_cross_entropy
+    from xpar_zoo.loss.fused import fused_linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     tokens, vocab = 1024, 2048

@@ -32,7 +32,7 @@ def _accumulation(cfg, data, labels) -> dict:
     import torch.distributed as dist
 
     import xpar_zoo
-    from xpar_zoo.loss import count_targets
+    from xpar_zoo.loss.global_batch import count_targets
 
     rank = dist.get_rank()
     n_items = int(count_targets(labels))  # every valid target of every rank and micro-batch of the step

@@ -1,4 +1,4 @@
-"""FSDP2's collectives on gloo, in place (:mod:`xpar_zoo.gloo_comms`): the same bits as gloo's own
+"""FSDP2's collectives on gloo, in place (:mod:`xpar_zoo.parallel.gloo_comms`): the same bits as gloo's own
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, without the staging copy of the whole unsharded buffer that
 gloo makes, and installed on every FSDP unit of a CPU model by ``parallelize``."""
 
@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo.gloo_comms import InPlaceAllGather, InPlaceReduceScatter, runs_on_gloo
+from xpar_zoo.parallel.gloo_comms import InPlaceAllGather, InPlaceReduceScatter, runs_on_gloo
 from xpar_zoo.testing import launch, parity
 
 DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # FSDP2 gathers mixed-dtype units as uint8

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 import xpar_zoo
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.errors import CheckpointMismatchError
-from xpar_zoo.hub_layout import map_hub_layout
-from xpar_zoo.safetensors_files import read_checkpoint_headers
-from xpar_zoo.loader import build_meta
+from xpar_zoo.hub.layout import map_hub_layout
+from xpar_zoo.hub.safetensors_files import read_checkpoint_headers
+from xpar_zoo.hub.loader import build_meta
 
 WORLD = 4
 REPO = "org/tiny-qwen3-moe"
@@ -175,9 +175,9 @@ class _CountingSafeOpen:
 def _job(out_dir: str, dirs: dict, loads: list, bad: list) -> dict:
     import torch.distributed as dist
 
-    import xpar_zoo.loader
+    import xpar_zoo.hub.loader
 
-    xpar_zoo.loader.safe_open = _CountingSafeOpen
+    xpar_zoo.hub.loader.safe_open = _CountingSafeOpen
     rank = dist.get_rank()
     results = {}
     for case, ckpt, mesh_kwargs, dtype, revision in loads:
@@ -391,7 +391,7 @@ def test_layout_errors_list_every_problem_at_once(checkpoints):
 
 def test_unread_buffers_come_from_the_models_own_init_or_fail_loudly():
     from xpar_zoo.errors import LoadError
-    from xpar_zoo.materialize import initialise_buffers
+    from xpar_zoo.parallel.materialize import initialise_buffers
 
     model = parity.build_model(parity.tiny_config("qwen3_moe"))
     expected = model.model.rotary_emb.inv_freq.clone()
@@ -407,7 +407,7 @@ def test_hub_download_asks_only_for_config_index_listed_shards_and_side_files(ch
     import huggingface_hub
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
-    from xpar_zoo import hub
+    from xpar_zoo.hub import resolve as hub
 
     calls = []
 

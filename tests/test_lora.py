@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo import sizing
+from xpar_zoo.commands import sizing
 from xpar_zoo.errors import AdapterError, KernelError
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.testing.comm_bytes import count_sent_bytes
@@ -359,7 +359,7 @@ def test_expert_adapters_in_the_experts_path_equal_peft_folding_them_into_the_we
     transposed with biases (gpt_oss), shared experts (deepseek_v3), other module names (granitemoe)."""
     import copy
 
-    from xpar_zoo.moe import EXPERTS_IMPLEMENTATION
+    from xpar_zoo.styles.experts import EXPERTS_IMPLEMENTATION
 
     cfg, plan = parity.tiny_config(arch), xpar_zoo.get_plan(arch)
     targets = sorted({p.rpartition("*.")[2] for e in plan.extra.values() if e.style == "experts" for p in e.params
@@ -407,7 +407,7 @@ def test_merged_export_equals_peft_merge_and_unload(reshard_run, base, tmp_path)
     PEFT's own ``merge_and_unload`` of the same adapter; without the flag the export says what to do."""
     from transformers import AutoModelForCausalLM
 
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     run, root = reshard_run
     assert cli.main(["convert", "to-hf", str(root), str(tmp_path / "merged"), "--model", base, "--merge-adapter"]) == 0
@@ -447,7 +447,7 @@ def test_bf16_base_with_fp32_adapters_trains(reshard_run, reference):
 
 # ---- what is refused ----------------------------------------------------------------------------------------------
 def _meta():
-    from xpar_zoo.loader import build_meta
+    from xpar_zoo.hub.loader import build_meta
 
     return build_meta(_config(), torch.float32)
 
@@ -492,7 +492,7 @@ def test_adapter_files_that_do_not_fit_are_named(tmp_path, base):
 
 
 def test_triton_experts_kernels_refuse_expert_adapters():
-    from xpar_zoo.moe import set_experts_kernels
+    from xpar_zoo.styles.experts import set_experts_kernels
 
     model, _ = attach_adapter(_meta(), peft_config=lora_config())
     hf, _ = prepare(model, xpar_zoo.get_plan("qwen3_moe"))
@@ -501,7 +501,7 @@ def test_triton_experts_kernels_refuse_expert_adapters():
 
 
 def test_plan_cli_counts_lora(capsys):
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     assert cli.main(["plan", "qwen3_moe", "--world", "8", "--ep", "4", "--lora-rank", "16"]) == 0
     out = capsys.readouterr().out
@@ -526,8 +526,8 @@ def test_sizer_lora_holds_the_base_in_its_dtype_and_trains_the_adapters_in_fp32(
 def test_sizer_activation_estimate_with_lora_is_an_upper_bound(dtype):
     """With LoRA the activation term is a full fine-tune's plus the adapters' own values: an upper bound of what
     autograd keeps (a frozen weight's input is not kept), within 2× of it."""
-    import xpar_zoo.moe  # noqa: F401  (the experts implementation the parallel model uses)
-    from xpar_zoo.vocab import install_fused_loss
+    import xpar_zoo.styles.experts  # noqa: F401  (the experts implementation the parallel model uses)
+    from xpar_zoo.styles.vocab import install_fused_loss
 
     cfg = parity.tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=128, vocab_size=2048)
     model = get_peft_model(parity.build_model(cfg, experts_implementation="xpar_zoo").to(dtype),

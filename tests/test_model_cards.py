@@ -6,10 +6,10 @@ import pathlib
 import pytest
 
 import xpar_zoo
-from xpar_zoo import cli
-from xpar_zoo.model_cards import family_status, render
-from xpar_zoo.registry import refused_architectures
-from xpar_zoo.testing.proofs import (AUTO_PROVED, describe_mesh, proof_meshes, proved_architectures,
+from xpar_zoo.commands import cli
+from xpar_zoo.commands.model_cards import family_status, render
+from xpar_zoo.zoo.registry import refused_architectures
+from xpar_zoo.zoo.proofs import (AUTO_PROVED, describe_mesh, proof_meshes, proved_architectures,
                                      transformers_moe_families)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

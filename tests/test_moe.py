@@ -4,9 +4,9 @@ single-process experts forward equals transformers' eager experts; the default g
 import pytest
 import torch
 
-from xpar_zoo import moe
+from xpar_zoo.styles import experts as moe
 from xpar_zoo.testing import parity
-from xpar_zoo.moe import (EXPERTS_IMPLEMENTATION, GatedDown, SiluGate, grouped_linear, grouped_mm_loop,
+from xpar_zoo.styles.experts import (EXPERTS_IMPLEMENTATION, GatedDown, SiluGate, grouped_linear, grouped_mm_loop,
                           grouped_mm_supported)
 
 

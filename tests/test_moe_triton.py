@@ -10,10 +10,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 from xpar_zoo.errors import KernelError
 from xpar_zoo.testing import launch, parity
-from xpar_zoo.moe import (
+from xpar_zoo.styles.experts import (
     EXPERTS_IMPLEMENTATION, standard_swiglu, triton_module_for, grouped_linear, set_experts_kernels,
 )
-from xpar_zoo import moe_triton
+from xpar_zoo.kernels import moe_triton
 
 # (tokens, hidden, intermediate, experts, top-k, dead experts): groups spanning several 16-row tiles, sizes that are
 # not multiples of a tile, experts that receive nothing, a single token.

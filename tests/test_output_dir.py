@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from xpar_zoo.atomic_dir import LOCK_FILE, LeftoverWarning, StagingDir, check_output, move_into_place
+from xpar_zoo.io.atomic_dir import LOCK_FILE, LeftoverWarning, StagingDir, check_output, move_into_place
 
 
 def _abandoned_staging(out_dir):
     """A staging directory whose writer (another process) has exited: its lock file is there, unlocked."""
-    code = ("import sys; from pathlib import Path; from xpar_zoo.atomic_dir import StagingDir; "
+    code = ("import sys; from pathlib import Path; from xpar_zoo.io.atomic_dir import StagingDir; "
             "s = StagingDir(Path(sys.argv[1])); (s.path / 'part').write_text('x'); print(s.path.name)")
     out = subprocess.run([sys.executable, "-c", code, str(out_dir)], capture_output=True, text=True, check=True)
     return out_dir.parent / out.stdout.strip()

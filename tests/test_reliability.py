@@ -330,18 +330,18 @@ def _watch_unpickling() -> None:
 def _load_job(dirs: dict, cases: list) -> dict:
     import torch.distributed as dist
 
-    import xpar_zoo.loader
+    import xpar_zoo.hub.loader
 
     rank = dist.get_rank()
     os.chdir(dirs["root"])  # relative names resolve there
-    xpar_zoo.loader.safe_open = _counting_safe_open
-    real_parallelize = xpar_zoo.loader.parallelize
+    xpar_zoo.hub.loader.safe_open = _counting_safe_open
+    real_parallelize = xpar_zoo.hub.loader.parallelize
 
     def counting_parallelize(*args, **kwargs):
         _Watch.parallelized += 1
         return real_parallelize(*args, **kwargs)
 
-    xpar_zoo.loader.parallelize = counting_parallelize
+    xpar_zoo.hub.loader.parallelize = counting_parallelize
     _watch_unpickling()
     out = {}
     for kind in cases:
@@ -421,7 +421,7 @@ def _siblings(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("command", ["to-hf", "to-dcp"])
 def test_convert_refuses_an_existing_output_without_force(command, dcp_checkpoint, checkpoints, tmp_path, capsys):
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     source = str(dcp_checkpoint) if command == "to-hf" else checkpoints[1]["hub"]
     out = tmp_path / "out"
@@ -435,7 +435,7 @@ def test_convert_refuses_an_existing_output_without_force(command, dcp_checkpoin
 @pytest.mark.parametrize("command", ["to-hf", "to-dcp"])
 def test_convert_refuses_an_unwritable_output_before_work(command, dcp_checkpoint, checkpoints, tmp_path, capsys):
     """A path under a regular file can be written by nobody, root included (permission bits do not stop root)."""
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     source = str(dcp_checkpoint) if command == "to-hf" else checkpoints[1]["hub"]
     blocker = tmp_path / "a_file"
@@ -446,7 +446,7 @@ def test_convert_refuses_an_unwritable_output_before_work(command, dcp_checkpoin
 
 
 def test_convert_refuses_a_read_only_parent(dcp_checkpoint, tmp_path, capsys):
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     parent = tmp_path / "ro"
     parent.mkdir()
@@ -497,7 +497,7 @@ def test_force_never_deletes_nor_writes_into_the_input(command, source, out, how
                                                         tmp_path, capsys):
     """`--force` replaces the output: an output that is, contains or lies inside the input is refused before
     anything is written (once `to-hf ROOT ROOT --force` exited 0 with the checkpoints gone)."""
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     shutil.copytree(dcp_checkpoint.parent, tmp_path / "root")
     shutil.copytree(checkpoints[1]["hub"], tmp_path / "hub")
@@ -512,7 +512,7 @@ def test_to_dcp_inspect_and_publish_refuse_overlapping_offsets(checkpoints, tmp_
     """One tensor pointing at another's bytes: to-dcp's fast reader once copied them into the wrong tensor."""
     from huggingface_hub import HfApi
 
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     _, dirs, facts = checkpoints
     bad, want = dirs["offsets_overlap"], f"tensor {facts['offsets_overlap']['key']}: data_offsets"
@@ -528,7 +528,7 @@ def test_to_dcp_inspect_and_publish_refuse_overlapping_offsets(checkpoints, tmp_
 
 
 def test_index_without_weight_map_is_named_by_inspect(checkpoints, capsys):
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     for kind in ("index_not_json", "index_no_weight_map"):
         assert cli.main(["convert", "inspect", checkpoints[1][kind]]) == 2
@@ -540,7 +540,7 @@ def test_nothing_published_names_the_local_file_system(checkpoints, tmp_path, mo
     uploaded file (the card included) holds the local paths."""
     from huggingface_hub import HfApi
 
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     private = tmp_path / "home" / "alice" / "secret-project"
     hub = private / "base-model"
@@ -564,7 +564,7 @@ def test_nothing_published_names_the_local_file_system(checkpoints, tmp_path, mo
 def test_publish_refuses_an_export_that_records_a_local_path(checkpoints, tmp_path, monkeypatch, capsys):
     from huggingface_hub import HfApi
 
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     folder = tmp_path / "old-export"
     shutil.copytree(checkpoints[1]["hub"], folder)
@@ -585,7 +585,7 @@ def test_a_hub_id_whose_org_is_a_local_directory_resolves_from_the_cache(checkpo
     (entry / "refs" / "main").write_text(commit)
     shutil.copytree(checkpoints[1]["hub"], entry / "snapshots" / commit)
     (tmp_path / "work" / "org").mkdir(parents=True)
-    script = ("from xpar_zoo.hub import resolve\nprint(resolve('org/tiny').origin)\ntry:\n    resolve('org/other')\n"
+    script = ("from xpar_zoo.hub.resolve import resolve\nprint(resolve('org/tiny').origin)\ntry:\n    resolve('org/other')\n"
               "except Exception as e:\n    print(type(e).__name__, e)\n")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path / "work", capture_output=True, text=True,
@@ -599,7 +599,7 @@ def test_a_hub_id_whose_org_is_a_local_directory_resolves_from_the_cache(checkpo
 
 
 def test_cli_number_options_name_themselves(checkpoints, tmp_path, capsys):
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
 
     assert cli.main(["convert", "to-dcp", checkpoints[1]["hub"], str(tmp_path / "o"), "--batch-size", "lots"]) == 2
     assert "cannot parse --batch-size 'lots'" in capsys.readouterr().err
@@ -670,7 +670,7 @@ JOB_BOUND_S = 90
 def _one_rank_fails_in_load(hub: str, how: str) -> None:
     import torch.distributed as dist
 
-    import xpar_zoo.loader
+    import xpar_zoo.hub.loader
 
     if dist.get_rank() == 1:
         def fail(*args, **kwargs):
@@ -678,7 +678,7 @@ def _one_rank_fails_in_load(hub: str, how: str) -> None:
                 os._exit(1)
             time.sleep(10 * RANK_TIMEOUT_S)  # hangs: never reaches the next collective
 
-        xpar_zoo.loader.build_meta = fail
+        xpar_zoo.hub.loader.build_meta = fail
     xpar_zoo.from_pretrained(hub, mesh=xpar_zoo.Mesh(ep=2), progress=False)
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo import sizing
+from xpar_zoo.commands import sizing
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.testing.comm_bytes import count_sent_bytes
 
@@ -184,8 +184,8 @@ def test_activation_estimate_is_within_10_percent_of_what_autograd_saves(arch, d
     """The activation term (a per-module formula, not a count) against the storages autograd really keeps, fp32,
     no recomputation, with transformers' loss ([T, V] logits) and with the fused whole-vocab head (its gradients
     made in forward): measured 0.97–1.00× of them on these models."""
-    import xpar_zoo.moe  # noqa: F401  (the experts implementation the parallel model uses)
-    from xpar_zoo.vocab import install_fused_loss
+    import xpar_zoo.styles.experts  # noqa: F401  (the experts implementation the parallel model uses)
+    from xpar_zoo.styles.vocab import install_fused_loss
 
     cfg = parity.tiny_config(arch, num_hidden_layers=2, **dims)
     model = parity.build_model(cfg, experts_implementation="xpar_zoo" if arch.endswith("moe") else None)
@@ -243,8 +243,8 @@ def test_activation_estimate_with_recompute_is_within_10_percent(arch, dims):
     hooks): what is kept from forward to backward plus the largest recomputed layer, against the sizer's
     ``recompute`` estimate (4 layers, so the kept inputs are a visible share); the fused head as parallelize gives
     it. Measured 0.995–1.03× of them."""
-    import xpar_zoo.moe  # noqa: F401
-    from xpar_zoo.vocab import install_fused_loss
+    import xpar_zoo.styles.experts  # noqa: F401
+    from xpar_zoo.styles.vocab import install_fused_loss
 
     cfg = parity.tiny_config(arch, num_hidden_layers=4, **dims)
     model = parity.build_model(cfg, experts_implementation="xpar_zoo" if arch.endswith("moe") else None)

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 import xpar_zoo
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.checkpoint import iter_model_tensors, latest_checkpoint, read_checkpoint_metadata
 
@@ -157,7 +157,7 @@ def test_sigkill_during_to_dcp_leaves_no_output_and_the_earlier_one_intact(tiny,
     left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".fresh.tmp-")]  # the interrupted temp dir
     assert left
     # A staging directory whose writer is alive (here: this process holds its lock) is only warned about.
-    from xpar_zoo.atomic_dir import LeftoverWarning, StagingDir
+    from xpar_zoo.io.atomic_dir import LeftoverWarning, StagingDir
 
     running = StagingDir(fresh)
     with pytest.warns(LeftoverWarning) as warned:

@@ -18,11 +18,11 @@ import sys
 import pytest
 import torch
 
-from xpar_zoo import cli
+from xpar_zoo.commands import cli
 from xpar_zoo.testing import launch, parity
-from xpar_zoo.loss import IGNORE_INDEX
+from xpar_zoo.loss.global_batch import IGNORE_INDEX
 from xpar_zoo.train import TrainConfig, config_from_args, read_config_file
-from xpar_zoo.train.balance import global_router_aux_loss
+from xpar_zoo.loss.balance import global_router_aux_loss
 from xpar_zoo.train.config import add_arguments, parse_mesh
 from xpar_zoo.train.data import PackedCorpus, flatten_rows, micro_batches, read_documents, tokenize
 from xpar_zoo.train.metrics import read_metrics
@@ -451,7 +451,7 @@ def test_example_config_and_slurm_script():
 
     validate(cfg)
     assert cfg.mesh == {"ep": 64} and cfg.model == "Qwen/Qwen3-30B-A3B" and cfg.mixed_precision
-    from xpar_zoo.mesh import validate_sizes
+    from xpar_zoo.parallel.mesh import validate_sizes
 
     validate_sizes(64, cfg.mesh, 1)  # 8 nodes x 8 GPUs; 128 experts split 64 ways
     assert 128 % cfg.mesh["ep"] == 0

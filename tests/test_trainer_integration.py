@@ -98,7 +98,7 @@ def _loop(model, batches, clip) -> list[float]:
     ranks) are counted first; returns the step losses (mean over ranks)."""
     import torch.distributed as dist
 
-    from xpar_zoo.loss import count_targets, global_count
+    from xpar_zoo.loss.global_batch import count_targets, global_count
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -379,7 +379,7 @@ def test_router_aux_loss_over_padded_rows_equals_transformers():
     """The global router auxiliary loss weighs rows by the attention mask as transformers does (padding excluded)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    from xpar_zoo.train.balance import global_router_aux_loss
+    from xpar_zoo.loss.balance import global_router_aux_loss
 
     g = torch.Generator().manual_seed(0)
     logits = tuple(torch.randn(3 * 7, 8, generator=g) for _ in range(2))  # 2 layers, batch 3 x seq 7, 8 experts

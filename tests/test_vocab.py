@@ -43,7 +43,7 @@ def _semantics(cfg) -> dict:
     import torch.distributed as dist
 
     import xpar_zoo
-    from xpar_zoo.vocab import full_logits
+    from xpar_zoo.styles.vocab import full_logits
 
     rank = dist.get_rank()
     ids = parity.make_batches(cfg.vocab_size, 1, WORLD, seed=3)[0]  # [world, batch, seq]
@@ -105,7 +105,7 @@ def _job() -> dict:
     # A vocabulary size (200) that no other dimension of the tiny model can produce by accident.
     ids = parity.make_batches(cfg.vocab_size, 1, WORLD, batch=3, seq=7, seed=4)[0, rank]  # 21 tokens per rank
     traced = parity.tiny_config("qwen3_moe", vocab_size=TRACE_VOCAB)
-    from xpar_zoo.vocab import install_fused_loss
+    from xpar_zoo.styles.vocab import install_fused_loss
 
     for name, mesh_kwargs, fused in [("traced_head", {"emb": 2, "head": 2}, True),
                                      ("traced_fused", {"emb": 2}, True), ("traced_plain", {"emb": 2}, False)]:

@@ -1,23 +1,23 @@
 """The zoo with FSDP2 on dim 1: every architecture of tests/test_zoo.py (whose meshes leave planned slices divisible
 by their FSDP ranks, so FSDP2 shards them on dim 0) also trains exactly like single-process transformers when its
-planned slices do not divide and go on dim 1 (:func:`xpar_zoo.testing.proofs.dim1_proof`: 6 experts, 130 vocab
+planned slices do not divide and go on dim 1 (:func:`xpar_zoo.zoo.proofs.dim1_proof`: 6 experts, 130 vocab
 rows, its plans at size 2 on 4 gloo ranks, fp32, one SGD step). One 4-rank job runs them all, the
 one of tests/test_zoo.py (``zoo_proofs`` in tests/conftest.py)."""
 
 import pytest
 
-from xpar_zoo.fsdp_layout import fsdp_layout
+from xpar_zoo.parallel.fsdp_layout import fsdp_layout
 from xpar_zoo.parallelize import match_plan
-from xpar_zoo.registry import plan_for
+from xpar_zoo.zoo.registry import plan_for
 from xpar_zoo.testing import modality, parity
-from xpar_zoo.testing.proofs import AUTO_PROVED, PROOF_WORLD, dim1_proof, proof_meshes, proved_architectures
+from xpar_zoo.zoo.proofs import AUTO_PROVED, PROOF_WORLD, dim1_proof, proof_meshes, proved_architectures
 
 ARCHS = proved_architectures()
 
 
 def _placements(arch: str, mesh: dict, overrides: dict) -> set[tuple[int, int]]:
     """``(dim, FSDP ranks)`` of every planned tensor of ``arch`` under ``mesh`` (the layout on a meta model)."""
-    from xpar_zoo import sizing
+    from xpar_zoo.commands import sizing
 
     model = sizing.meta_model(parity.tiny_config(arch, **overrides))
     plan = plan_for(model)

@@ -2,22 +2,33 @@
 
 from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
                          save_checkpoint, verify_checkpoint)
-from .clip import clip_grad_norm_
+from .parallel.clip import clip_grad_norm_
 from .errors import (AdapterError, BatchError, CheckpointError, CheckpointMismatchError, CheckpointWarning,
                      ConvertError, DataError, HubResolutionError, IntegrationError, KernelError, LeftoverWarning,
                      LoadError, MeshError, ModelStateError, NonFiniteError, PlanError, PublishError,
                      RefusedArchitectureError, TrainConfigError, UnknownArchitectureError, XparError)
 from .integrations.peft_files import save_adapter
-from .loader import from_pretrained
-from .materialize import materialize
-from .mesh import Mesh
+from .hub.loader import from_pretrained
+from .parallel.materialize import materialize
+from .parallel.mesh import Mesh
 from .parallelize import parallelize
-from .plan import ExtraPlan, Plan
-from .registry import get_plan, supported_architectures
-from .state import full_state_dict
-from .vocab import full_logits
+from .zoo.plan import ExtraPlan, Plan
+from .zoo.registry import get_plan, supported_architectures
+from .parallel.state import full_state_dict
+from .styles.vocab import full_logits
+from .version import __version__
 
-__version__ = "0.1.0"
+# The documented module paths ``xpar_zoo.moe``, ``xpar_zoo.registry`` and ``xpar_zoo.vocab`` (e.g.
+# ``xpar_zoo.moe.set_experts_kernels``) name the modules where the code lives, the same module objects, so that
+# ``import xpar_zoo.moe`` works and patching one reaches the code.
+import sys as _sys  # noqa: E402
+
+from .styles import experts as moe, vocab  # noqa: E402
+from .zoo import registry  # noqa: E402
+
+for _name, _module in {"moe": moe, "registry": registry, "vocab": vocab}.items():
+    _sys.modules[f"{__name__}.{_name}"] = _module
+del _name, _module
 
 __all__ = [
     # errors and warnings

@@ -3,12 +3,12 @@
 1. ``plan_parameters``     match the plan against the model and check every size — before any tensor is touched;
 2. ``split_planned``       each planned tensor becomes a DTensor split on dim 0 over its plan's ranks;
 3. ``install_styles``      planned modules get their forward style (EP dispatch, vocab-parallel lookup, …);
-4. ``fsdp_layout``         FSDP units, meshes, reshard and prefetch decisions (:mod:`xpar_zoo.fsdp_layout`);
+4. ``fsdp_layout``         FSDP units, meshes, reshard and prefetch decisions (:mod:`xpar_zoo.parallel.fsdp_layout`);
 5. ``apply_fsdp``          ``fully_shard`` planned modules (dim 0 of each slice where it divides, else dim 1),
                            decoder layers, embedding and head, then the root (on the CPU each with its
-                           collectives in place: :mod:`xpar_zoo.gloo_comms`); then reshard and prefetch;
+                           collectives in place: :mod:`xpar_zoo.parallel.gloo_comms`); then reshard and prefetch;
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
-                           loss its share of the global-batch mean (:mod:`xpar_zoo.loss`).
+                           loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`).
 
 Why each step is as it is: ``docs/design.md``, "parallelize and the placement of planned tensors".
 """
@@ -26,17 +26,17 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import ModelStateError, PlanError
-from .mesh import Mesh, check_same_on_all_ranks
-from .fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout, planned_shard_dim
-from .gathered import install_gathered
-from .gloo_comms import use_in_place_collectives
-from .hub_save import install_save_pretrained
-from .loss import install_global_loss
-from .materialize import check_materialized, meta_tensors, unread_buffers
-from .moe import EXPERTS_IMPLEMENTATION, install_expert_parallel
-from .plan import Plan, match_parameters, owner_module
-from .registry import plan_for
-from .vocab import (check_embedding, check_head, fusable_head, install_fused_loss, install_vocab_embedding,
+from .parallel.mesh import Mesh, check_same_on_all_ranks
+from .parallel.fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout, planned_shard_dim
+from .styles.gathered import install_gathered
+from .parallel.gloo_comms import use_in_place_collectives
+from .hub.save_pretrained import install_save_pretrained
+from .loss.global_batch import install_global_loss
+from .parallel.materialize import check_materialized, meta_tensors, unread_buffers
+from .styles.experts import EXPERTS_IMPLEMENTATION, install_expert_parallel
+from .zoo.plan import Plan, match_parameters, owner_module
+from .zoo.registry import plan_for
+from .styles.vocab import (check_embedding, check_head, fusable_head, install_fused_loss, install_vocab_embedding,
                     install_vocab_lm_head)
 
 logger = logging.getLogger(__name__)
@@ -181,15 +181,15 @@ def install_styles(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -
 def whole_vocab_head_fusable(model: nn.Module, plan: Plan) -> bool:
     """Whether ``parallelize``'s default fused loss applies to ``model``'s whole-vocab head (on a mesh without a
     ``head`` plan): the plan defines a head plan (the architecture's head is proved to take it) and the head is
-    fusable (:func:`~xpar_zoo.vocab.fusable_head`). The sizer asks the same."""
+    fusable (:func:`~xpar_zoo.styles.vocab.fusable_head`). The sizer asks the same."""
     return any(p.style == "lm_head" for p in plan.extra.values()) and fusable_head(model) is not None
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwargs) -> None:
-    """``fully_shard`` every unit of :func:`~xpar_zoo.fsdp_layout.fsdp_layout` in its order, then set its reshard
+    """``fully_shard`` every unit of :func:`~xpar_zoo.parallel.fsdp_layout.fsdp_layout` in its order, then set its reshard
     and prefetch decisions. Planned units go over their plan's mesh, each parameter on its ``shard_dim``, with the
     gradient divide factor of the whole world. On the CPU every unit gathers and reduces through
-    :mod:`xpar_zoo.gloo_comms` (in place, without gloo's staging copies)."""
+    :mod:`xpar_zoo.parallel.gloo_comms` (in place, without gloo's staging copies)."""
     for unit in units:
         module = model.get_submodule(unit.fqn)
         if unit.kind == "planned":
@@ -253,7 +253,7 @@ def unmanaged_parameters(model: nn.Module) -> list[str]:
 
 def check_ready(model: nn.Module) -> None:
     """Raise :class:`~xpar_zoo.errors.ModelStateError` when a parallelized model cannot run exactly: tensors still on
-    meta or buffers never initialised (see :mod:`xpar_zoo.materialize`), or trainable parameters that
+    meta or buffers never initialised (see :mod:`xpar_zoo.parallel.materialize`), or trainable parameters that
     ``parallelize`` does not manage (:func:`unmanaged_parameters`). ``parallelize`` runs it before every forward."""
     check_materialized(model)
     unmanaged = unmanaged_parameters(model)
@@ -278,19 +278,19 @@ def parallelize(
 ) -> nn.Module:
     """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (planned slices on
     dim 0 where it divides, else dim 1) to a transformers model in place; returns it. ``plan`` defaults to the
-    registry's plan for the model (:func:`~xpar_zoo.registry.plan_for`: curated, else derived from transformers'
+    registry's plan for the model (:func:`~xpar_zoo.zoo.registry.plan_for`: curated, else derived from transformers'
     declarations); ``mixed_precision=True`` means bf16 parameters with fp32 gradient reduction.
 
     ``fused_loss`` (default): where the mesh has no ``head`` plan but the plan defines one (so the architecture's
     head is proved to take it), the whole-vocab head gets the fused linear + cross-entropy of
-    :func:`~xpar_zoo.vocab.install_fused_loss` — no ``[tokens, V]`` logits with labels (``out.logits`` is ``None``
+    :func:`~xpar_zoo.styles.vocab.install_fused_loss` — no ``[tokens, V]`` logits with labels (``out.logits`` is ``None``
     unless asked for with :func:`~xpar_zoo.full_logits`). ``fused_loss=False`` keeps transformers' loss; to choose
-    its chunk size or kernels, call :func:`~xpar_zoo.vocab.install_fused_loss` on the model before this.
+    its chunk size or kernels, call :func:`~xpar_zoo.styles.vocab.install_fused_loss` on the model before this.
 
     With labels, ``out.loss`` on each rank is its share of the mean over every valid target of every rank's
     micro-batch (the mean of ``out.loss`` over the ranks is that global mean, and the gradients are exactly its
     gradients); ``num_items_in_batch`` sets the global count explicitly (gradient accumulation): see
-    :mod:`xpar_zoo.loss`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint."""
+    :mod:`xpar_zoo.loss.global_batch`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint."""
     outer = model
     if uses_peft(model):  # LoRA applied before parallelize: the transformers model inside, its plan under PEFT's names
         from .integrations.peft import base_of, prepare

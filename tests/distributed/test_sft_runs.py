@@ -52,7 +52,7 @@ def files(tmp_path_factory):
 def _job(files, out):
     import torch.distributed as dist
 
-    from xpar_zoo import cli
+    from xpar_zoo.commands import cli
     from xpar_zoo.train import loop
 
     rank = dist.get_rank()

@@ -9,7 +9,7 @@ with the optimizer state, each rank's RNG state and the user's JSON state, writt
 - :mod:`.dcp_io`     safe DCP reading (no code from ``.metadata``), checksummed writing, streaming full tensors;
 - :mod:`.json_state` and :mod:`.rng`: the non-tensor state.
 
-Every rank calls both (:mod:`xpar_zoo.rendezvous`); the root must be one filesystem that every rank sees. The
+Every rank calls both (:mod:`xpar_zoo.parallel.rendezvous`); the root must be one filesystem that every rank sees. The
 protocol, the checksums and the safe unpickler: ``docs/design.md``, "Checkpoints".
 """
 

@@ -20,9 +20,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from ..batching import byte_batches
+from ..io.batching import byte_batches
 from ..errors import CheckpointError
-from ..integrity import RecordingStream
+from ..io.integrity import RecordingStream
 from .layout import resolve_checkpoint
 
 MODEL_KEY = "model"

@@ -26,9 +26,9 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..atomic_dir import durable_write, fsync_dir, remove_aside
+from ..io.atomic_dir import durable_write, fsync_dir, remove_aside
 from ..errors import CheckpointError, CheckpointWarning
-from ..integrity import CHECKSUM, file_checksum
+from ..io.integrity import CHECKSUM, file_checksum
 
 FORMAT = "xpar_zoo.checkpoint/1"
 STEP_PREFIX = "step-"

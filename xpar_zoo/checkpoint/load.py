@@ -14,11 +14,11 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-from .. import distributed
+from ..parallel import distributed
 from ..errors import CheckpointError
-from ..integrity import CHECKSUM, verify_files
-from ..materialize import check_materialized
-from ..rendezvous import meet
+from ..io.integrity import CHECKSUM, verify_files
+from ..parallel.materialize import check_materialized
+from ..parallel.rendezvous import meet
 from .dcp_io import SafeLoadPlanner, SafeReader, quiet_single_process, read_dcp_metadata
 from .json_state import from_json
 from .layout import EXTRA_FILE, FORMAT, META_FILE, complete_record, resolve_checkpoint

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..atomic_dir import durable_write
+from ..io.atomic_dir import durable_write
 from ..errors import CheckpointError
 from .layout import RNG_DIR
 

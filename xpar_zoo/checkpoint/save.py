@@ -18,11 +18,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import distributed
-from ..atomic_dir import durable_write
+from ..parallel import distributed
+from ..io.atomic_dir import durable_write
 from ..errors import CheckpointError
-from ..integrity import checksum_files, disk_full
-from ..rendezvous import meet
+from ..io.integrity import checksum_files, disk_full
+from ..parallel.rendezvous import meet
 from .dcp_io import RecordingFileSystem, dcp_writer, quiet_single_process
 from .json_state import to_json
 from .layout import (DCP_METADATA, EXTRA_FILE, META_FILE, TMP_PREFIX, checkpoint_name, choose_step, clear_leftovers,
@@ -173,7 +173,7 @@ def save_checkpoint(
     (default 600, below the process group's own timeout; set it above the longest time your ranks can drift
     apart) for the others to call too, then all ranks check that they were given the same optimizer (class or
     none), ``step``, ``async_save``, ``keep_last`` and ``allow_nonfinite`` — a rank that calls alone, or ranks that
-    disagree, get a :class:`CheckpointError` instead of a hang (:mod:`xpar_zoo.rendezvous`). ``path`` and
+    disagree, get a :class:`CheckpointError` instead of a hang (:mod:`xpar_zoo.parallel.rendezvous`). ``path`` and
     ``extra_state`` are rank 0's. ``trainable_only=True`` leaves the frozen parameters out (a LoRA run: the adapters,
     the buffers and the optimizer; load it with ``load_checkpoint(..., trainable_only=True)`` into the same base)."""
     root = Path(path)

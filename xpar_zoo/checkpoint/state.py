@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-from .. import distributed
+from ..parallel import distributed
 from ..errors import CheckpointError
-from ..integrity import nonfinite_names
+from ..io.integrity import nonfinite_names
 from .dcp_io import NAMES_SHOWN, MODEL_KEY, OPTIM_KEY, listing, plain_name
 from .json_state import from_json, to_json
 from .layout import FORMAT
@@ -131,7 +131,7 @@ def metadata_record(model: nn.Module, step: int, optimizer, scalars: dict, param
                     trainable_only: bool = False) -> dict:
     """The checkpoint's ``xpar_checkpoint.json``: format, step, versions, model class and config, mesh and plans,
     the optimizer's class, parameter groups and scalar state."""
-    from .. import __version__
+    from ..version import __version__
 
     try:
         import transformers

@@ -4,7 +4,7 @@
 - :func:`~xpar_zoo.integrations.peft_files.attach_adapter` applies PEFT to the meta model inside
   ``xpar_zoo.from_pretrained(peft_config=…, adapter=…)``; or call ``peft.get_peft_model`` on a model built on meta
   and give it to :func:`xpar_zoo.parallelize`.
-- Expert adapters run inside the EP dispatch (:func:`xpar_zoo.moe.install_expert_adapter`), stored expert-major
+- Expert adapters run inside the EP dispatch (:func:`xpar_zoo.styles.experts.install_expert_adapter`), stored expert-major
   (:func:`to_expert_major`) so the plan splits them with their experts.
 - :func:`~xpar_zoo.integrations.peft_files.save_adapter` and ``adapter=`` use PEFT's own files, at global shapes
   (:mod:`xpar_zoo.integrations.peft_files`).
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..collectives import to_local
+from ..parallel.collectives import to_local
 from ..errors import AdapterError, ModelStateError
-from ..plan import ExtraPlan, Plan, WRAPPED_ATTR, match_parameters, matches
+from ..zoo.plan import ExtraPlan, Plan, WRAPPED_ATTR, match_parameters, matches
 
 # Initialisations that need no base weights (PEFT's own reset_lora_parameters); the others read the base.
 FRESH_INITS = (True, False, "gaussian")
@@ -91,9 +91,9 @@ def relayout(wrapper: nn.Module) -> None:
 
 # ---- the forward ------------------------------------------------------------------------------------------------
 def _expert_lora(wrapper: nn.Module):
-    """The :data:`xpar_zoo.moe.ExpertAdapter` of one ``ParamWrapper``: ``Σ s·(x A_eᵀ) B_eᵀ`` over its active
+    """The :data:`xpar_zoo.styles.experts.ExpertAdapter` of one ``ParamWrapper``: ``Σ s·(x A_eᵀ) B_eᵀ`` over its active
     adapters, in the rows' dtype (as PEFT folds the factors in the weight's), or ``None`` while disabled."""
-    from ..moe import grouped_linear
+    from ..styles.experts import grouped_linear
 
     def adapter(x: torch.Tensor, counts: torch.Tensor, first: int, num: int) -> torch.Tensor | None:
         if wrapper.disable_adapters:
@@ -228,7 +228,7 @@ def prepare(model: nn.Module, plan: Plan) -> tuple[nn.Module, Plan]:
     """Make a model with PEFT layers ready for the core of ``parallelize``: checks (:func:`check_supported`), expert
     adapters stored per expert and run inside the experts path, the plan matched to PEFT's names
     (:func:`adapter_plan`). Returns the transformers model to parallelize and its plan."""
-    from ..moe import install_expert_adapter
+    from ..styles.experts import install_expert_adapter
 
     check_supported(model)
     hf = base_of(model)

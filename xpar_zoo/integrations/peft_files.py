@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..distributed import exact_gathers, rank
+from ..parallel.distributed import exact_gathers, rank
 from ..errors import AdapterError
 from ..parallelize import uses_peft
-from ..plan import WRAPPED_ATTR
+from ..zoo.plan import WRAPPED_ATTR
 from .peft import (FRESH_INITS, adapter_names, check_supported, is_expert_major, param_wrappers, relayout,
                    require_peft, to_expert_major, to_peft_layout, unwrapped_name)
 
@@ -59,7 +59,7 @@ def fill_adapter(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy into every local shard of ``model``'s adapter tensors its region of ``state`` (``{name in model: full
     tensor in PEFT's layout}``); expert factors are converted to the per-expert layout. Strict: every adapter
     tensor is filled."""
-    from ..loader import local_region
+    from ..hub.loader import local_region
 
     params = dict(model.named_parameters())
     missing = [n for n in adapter_keys(model) if n not in state]
@@ -316,7 +316,7 @@ class AdapterMerge:
         peft = require_peft()
         from peft.tuners.lora import LoraLayer, ParamWrapper
 
-        from ..loader import build_meta
+        from ..hub.loader import build_meta
 
         if len(adapters) != 1:
             raise AdapterError(f"the checkpoint holds {len(adapters)} adapters ({', '.join(adapters)}); xpar_zoo "

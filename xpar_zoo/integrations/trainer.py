@@ -28,10 +28,10 @@ from torch import nn
 from transformers import Trainer
 
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ..clip import clip_grad_norm_
+from ..parallel.clip import clip_grad_norm_
 from ..errors import IntegrationError
-from ..loss import IGNORE_INDEX
-from ..vocab import full_logits
+from ..loss.global_batch import IGNORE_INDEX
+from ..styles.vocab import full_logits
 from .accelerate import check_accelerator, parallelized_module
 
 XPAR_CHECKPOINT_DIR = "xpar_checkpoint"  # inside the Trainer's checkpoint-N: the DCP checkpoint of model + optimizer
@@ -133,7 +133,7 @@ def _aux_coef(module: nn.Module) -> float:
 def _global_aux_share(module: nn.Module, out: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """This rank's share of the router load-balancing loss over every rank's tokens (its mean over the ranks is
     what transformers computes on the whole batch in one process), in place of the model's per-rank one."""
-    from ..train.balance import global_router_aux_loss
+    from ..loss.balance import global_router_aux_loss
 
     if not out.get("router_logits"):
         raise IntegrationError("the model returned an aux_loss without its router_logits; cannot compute the router "

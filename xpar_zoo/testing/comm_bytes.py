@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from ..gloo_comms import InPlaceAllGather, InPlaceReduceScatter
+from ..parallel.gloo_comms import InPlaceAllGather, InPlaceReduceScatter
 
 
 @contextlib.contextmanager
@@ -69,7 +69,7 @@ def count_sent_bytes(totals: dict) -> Iterator[dict]:
     wrap(dist, "all_gather", "all_gather", gather_list)
     wrap(dist, "all_reduce", "all_reduce", reduce)
     wrap(dist, "all_to_all_single", "all_to_all", a2a)
-    # FSDP2's collectives on gloo (xpar_zoo.gloo_comms): counted as the all-gather and reduce-scatter they do (ring
+    # FSDP2's collectives on gloo (xpar_zoo.parallel.gloo_comms): counted as the all-gather and reduce-scatter they do (ring
     # model), not as the broadcasts and all-reduce they run on
     wrap(InPlaceAllGather, "__call__", "all_gather", gather)
     wrap(InPlaceReduceScatter, "__call__", "reduce_scatter", scatter)

@@ -24,13 +24,13 @@ UPDATE_FLOOR = 1e-7
 
 def tiny_config(model_type: str = "qwen3_moe", **overrides):
     """A tiny transformers config of ``model_type``: shared small dims plus the type's tiny overrides (its curated
-    plan's ``tiny``, else its entry in :data:`xpar_zoo.testing.proofs.AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
+    plan's ``tiny``, else its entry in :data:`xpar_zoo.zoo.proofs.AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
     for MoE types). A composite config (vision/audio + text) gets the small dims in its ``text_config``; its other
     sub-configs come from the overrides as dicts."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from .proofs import tiny_overrides
+    from ..zoo.proofs import tiny_overrides
 
     base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
@@ -43,9 +43,9 @@ def tiny_config(model_type: str = "qwen3_moe", **overrides):
 
 
 def build_model(config, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
-    """The transformers language model for ``config`` (:func:`xpar_zoo.registry.model_class`: causal LM, or the
+    """The transformers language model for ``config`` (:func:`xpar_zoo.zoo.registry.model_class`: causal LM, or the
     config's own multimodal class) with weights drawn from ``seed`` (identical on every rank)."""
-    from ..registry import model_class
+    from ..zoo.registry import model_class
 
     torch.manual_seed(seed)
     kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
@@ -132,12 +132,12 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
                    seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False,
                    labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None) -> RunRecord:
     """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``kernels`` for
-    :func:`xpar_zoo.moe.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
+    :func:`xpar_zoo.styles.experts.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
     decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
     :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
     batch's. Every rank calls it; rank 0's record is complete."""
     import xpar_zoo
-    from xpar_zoo.moe import set_experts_kernels
+    from xpar_zoo.styles.experts import set_experts_kernels
 
     mesh = xpar_zoo.Mesh(**mesh_kwargs)
     model = build_model(config, seed)

@@ -4,7 +4,7 @@ xpar_zoo plan, under torchrun on one node or many. See the README's "Training".
 - :mod:`~xpar_zoo.train.config`  the settings (YAML file + flags), validated before any work;
 - :mod:`~xpar_zoo.train.data`    reading, tokenizing, packing documents into rows, dealing rows to the ranks;
 - :mod:`~xpar_zoo.train.loop`    setup, the optimizer step, checkpoints and resume, export;
-- :mod:`~xpar_zoo.train.balance` expert load, the router auxiliary loss over the global batch, the bias update;
+- :mod:`~xpar_zoo.loss.balance` expert load, the router auxiliary loss over the global batch, the bias update;
 - :mod:`~xpar_zoo.train.metrics` ``metrics.jsonl``, the progress bar, TensorBoard.
 """
 
@@ -34,6 +34,6 @@ def run(cfg: TrainConfig) -> TrainResult:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m xpar_zoo.train ARGS`` = ``xpar-zoo train ARGS``."""
-    from ..cli import main as cli_main
+    from ..commands.cli import main as cli_main
 
     return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])

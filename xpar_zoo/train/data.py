@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from ..loss import IGNORE_INDEX
+from ..loss.global_batch import IGNORE_INDEX
 
 NATIVE_SUFFIXES = (".jsonl", ".json", ".txt")
 DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}

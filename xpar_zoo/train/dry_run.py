@@ -17,8 +17,8 @@ def _model_config(cfg: TrainConfig):
 
     if cfg.model == TINY_MODEL:
         return tiny_config(len(tiny_tokenizer()))
-    from ..hub import resolve_config
-    from ..loader import load_config
+    from ..hub.resolve import resolve_config
+    from ..hub.loader import load_config
 
     return load_config(resolve_config(cfg.model).parent)
 
@@ -29,8 +29,8 @@ def dry_run(cfg: TrainConfig) -> str:
     import dataclasses
     import tempfile
 
-    from .. import sizing
-    from ..mesh import validate_sizes
+    from ..commands import sizing
+    from ..parallel.mesh import validate_sizes
     from .data import rows_per_step
     from .loop import load_corpus, resolve_epochs
     from .sft_config import lora_enabled, lora_targets
@@ -71,7 +71,7 @@ def dry_run(cfg: TrainConfig) -> str:
     lora = {}
     if lora_enabled(cfg) and cfg.lora_rank is not None:
         from ..integrations.peft import expert_parameters
-        from ..registry import get_plan
+        from ..zoo.registry import get_plan
 
         lora = dict(lora_rank=cfg.lora_rank, lora_modules=lora_targets(cfg),
                     lora_parameters=expert_parameters(get_plan(config.model_type)) if cfg.lora_experts else [])

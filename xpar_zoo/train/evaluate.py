@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..loss import count_targets, global_count
+from ..loss.global_batch import count_targets, global_count
 from .data import flatten_rows
 from .packing import padding_rows
 

@@ -3,7 +3,7 @@
 One optimizer step on every rank:
 
 1. take this rank's ``grad_accum`` micro-batches of the step (:mod:`xpar_zoo.train.data`) and count the valid
-   targets of all of them over every rank (:func:`xpar_zoo.loss.global_count`, one all-reduce);
+   targets of all of them over every rank (:func:`xpar_zoo.loss.global_batch.global_count`, one all-reduce);
 2. forward and backward each micro-batch with ``num_items_in_batch`` = that count, so the accumulated gradients
    are exactly those of the step's global-batch mean; FSDP reduce-scatters only after the last micro-batch
    (``set_requires_gradient_sync``); with a router auxiliary loss, each micro-batch adds its global-batch share;
@@ -29,11 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
-from ..clip import clip_grad_norm_
-from ..distributed import run_everywhere
+from ..parallel.clip import clip_grad_norm_
+from ..parallel.distributed import run_everywhere
 from ..errors import DataError, TrainConfigError
-from ..loss import count_targets, global_count
-from .balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
+from ..loss.global_batch import count_targets, global_count
+from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
 from . import sft_config
 from .chat import conversation_corpus, load_examples, pad_token_id
 from .config import DTYPES, TrainConfig, validate
@@ -146,8 +146,8 @@ def best_eval_loss(output: Path, step: int) -> float:
 
 
 def _model_config(name: str):
-    from ..hub import resolve_config
-    from ..loader import load_config
+    from ..hub.resolve import resolve_config
+    from ..hub.loader import load_config
 
     return load_config(resolve_config(name).parent)
 
@@ -339,7 +339,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     the same settings. Returns the trained model and the last step's metrics."""
     import xpar_zoo
 
-    from ..mesh import init_single_process
+    from ..parallel.mesh import init_single_process
 
     if not dist.is_initialized() and not init_distributed(cfg.timeout_minutes):
         init_single_process()

@@ -25,7 +25,7 @@ def from_pretrained_kwargs(cfg, model_config) -> dict:
     from peft import LoraConfig
 
     from ..integrations.peft import expert_parameters
-    from ..registry import get_plan
+    from ..zoo.registry import get_plan
 
     experts = expert_parameters(get_plan(model_config.model_type)) if cfg.lora_experts else []
     config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank,
@@ -43,7 +43,7 @@ def export_merged(model: nn.Module, directory: str | os.PathLike, progress: bool
     hub's own format, from the live shards. A collective; rank 0 writes."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from ..hub_save import save_pretrained
+    from ..hub.save_pretrained import save_pretrained
     from ..integrations.peft_files import AdapterMerge, adapter_metadata
 
     specs = {n: (tuple(t.shape), t.dtype) for n, t in get_model_state_dict(model).items()}

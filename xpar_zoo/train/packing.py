@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from ..loss import IGNORE_INDEX
+from ..loss.global_batch import IGNORE_INDEX
 
 
 def best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:

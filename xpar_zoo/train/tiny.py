@@ -57,7 +57,7 @@ def tiny_config(vocab_size: int):
     """The transformers config of ``tiny-qwen3-moe``: 2 layers of hidden size 64, 8 experts, top-2."""
     from transformers import Qwen3MoeConfig
 
-    from ..registry import get_plan
+    from ..zoo.registry import get_plan
 
     dims = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,

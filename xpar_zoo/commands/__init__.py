@@ -1,0 +1,1 @@
+"""The ``xpar-zoo`` command line: cli (the entry point), demo, sizing, model cards, publish."""

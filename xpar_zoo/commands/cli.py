@@ -1,0 +1,280 @@
+"""The ``xpar-zoo`` command line (also ``python -m xpar_zoo``)."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import sys
+from pathlib import Path
+
+from ..errors import XparError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors as one line, like every other CLI error: ``xpar-zoo: error: …`` (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"xpar-zoo: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from .model_cards import render, render_list
+
+    sys.stdout.write(render() if args.markdown else render_list())
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return 0 if run_demo(world=args.world, ep=args.ep, steps=args.steps) else 1
+
+
+def load_model_config(name: str):
+    """A model_type (transformers' default config of that architecture), or a local dir / hub id with config.json."""
+    from transformers import AutoConfig
+
+    from ..zoo.registry import supported_architectures
+
+    from ..hub.resolve import resolve_config
+
+    if name in supported_architectures():
+        return AutoConfig.for_model(name)
+    if "/" not in name and re.fullmatch(r"[\w.-]+", name) and not Path(name).exists():
+        from ..errors import UnknownArchitectureError
+
+        close = difflib.get_close_matches(name, supported_architectures(), n=3)
+        raise UnknownArchitectureError(
+            f"unknown model type {name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+            + "; see `xpar-zoo list`, or give a local directory or a hub id (org/name) with config.json")
+    return AutoConfig.from_pretrained(resolve_config(name).parent)
+
+
+def _describe_model(config, name: str) -> str:
+    """``NAME: model_type, L layers, P parameters (E experts, top-k)`` of the model the sizer sizes."""
+    from . import sizing
+
+    params = sum(p.numel() for p in sizing.meta_model(config).parameters())
+    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, k, None)), None)
+    moe = f", {experts} experts, top-{config.num_experts_per_tok}" if experts else ""
+    source = f"transformers' default {name} config" if name == config.model_type else config.model_type
+    return f"model: {name} ({source}): {config.num_hidden_layers} layers, {params / 1e9:.2f}B parameters{moe}"
+
+
+def _cmd_size(args: argparse.Namespace) -> int:
+    import json
+
+    from . import sizing
+
+    config = load_model_config(args.model)
+    common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
+                  recompute=args.recompute)
+    if args.lora_rank is not None:
+        parameters = args.lora_parameters
+        modules = args.lora_modules.split(",") if args.lora_modules else None
+        common.update(lora_rank=args.lora_rank, lora_modules=modules,
+                      lora_parameters=None if parameters is None else [p for p in parameters.split(",") if p != "none"])
+    if args.ep is not None or args.emb or args.head or args.replicate != 1 or not args.suggest:
+        sizes = {k: v for k, v in (("ep", args.ep), ("emb", args.emb), ("head", args.head)) if v and v > 1}
+        estimates = [sizing.estimate(config, args.world, sizes, args.replicate, **common)]
+    else:
+        budget = args.memory_gib * 2**30 if args.memory_gib else None
+        estimates = sizing.suggest(config, args.world, memory_budget=budget, **common)
+    if args.json:
+        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "memory": e.memory, "comm": e.comm}
+                          for e in estimates], indent=2))
+    else:
+        print(_describe_model(config, args.model))
+        print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "
+              f"{args.dtype} compute, {args.optimizer}" + (", activation checkpointing" if args.recompute else "")
+              + (f", LoRA rank {args.lora_rank} (frozen base)" if args.lora_rank else ""))
+        for e in estimates:
+            print(sizing.format_estimate(e))
+            if args.memory_gib and e.memory_total > args.memory_gib * 2**30:
+                print(f"  (over the {args.memory_gib:g} GiB budget: no mesh of {args.world} ranks fits)")
+    return 0
+
+
+def _cmd_to_hf(args: argparse.Namespace) -> int:
+    from xpar_zoo.converters.export import export_to_hf
+
+    out = export_to_hf(args.dcp_dir, args.out_dir, model=args.model, dtype=args.dtype,
+                       max_shard_size=args.max_shard_size, force=args.force, merge_adapter=args.merge_adapter)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_to_dcp(args: argparse.Namespace) -> int:
+    from xpar_zoo.converters.to_dcp import convert_to_dcp
+    from xpar_zoo.hub.writer import parse_size
+
+    out = convert_to_dcp(args.name_or_dir, args.out_dir, revision=args.revision, force=args.force,
+                         max_bytes=parse_size(args.batch_size, "--batch-size"))
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from xpar_zoo.converters.inspect_checkpoint import damage, format_report, inspect_checkpoint
+
+    from ..hub.resolve import HubResolutionError, resolve
+
+    path = args.path
+    if not Path(path).exists() and "/" in path and not path.startswith((".", "/", "~")):
+        path = resolve(path, args.revision).directory  # a hub id: its snapshot (cached, or downloaded)
+    elif args.revision:
+        raise HubResolutionError(f"--revision {args.revision!r} was given but {path} is a local path")
+    info = inspect_checkpoint(path, verify=args.verify)
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    damaged = damage(info)
+    if damaged:
+        print(f"xpar-zoo: error: damaged checkpoint files: {'; '.join(damaged)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from .publish import publish
+
+    url = publish(args.dir, args.repo_id, private=args.private, revision=args.revision, token=args.token,
+                  base_model=args.base_model, overwrite_card=args.overwrite_card, dry_run=args.dry_run)
+    print(url if args.dry_run else f"published {args.dir} to {args.repo_id}: {url}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ..train import config_from_args, run
+
+    cfg = config_from_args(args)
+    if args.dry_run:
+        from ..train.dry_run import dry_run
+
+        report = dry_run(cfg)
+        if os.environ.get("RANK", "0") == "0":
+            print(report)
+        return 0
+    run(cfg)
+    return 0
+
+
+def _add_train(sub) -> None:
+    from ..train.config import add_arguments
+
+    p = sub.add_parser("train", help="train a model (under torchrun for several ranks): data, packing, accumulation, "
+                                     "checkpoints and exact resume, metrics, load balancing",
+                       description="Train NAME_OR_DIR on --data with its xpar_zoo plan on --mesh; settings from "
+                                   "--config (YAML) and flags (flags win). Launch with torchrun for several ranks.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_train)
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="xpar-zoo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="architectures: proved (with their plans and meshes) and refused (with the reason)")
+    p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.set_defaults(func=_cmd_list)
+    p = sub.add_parser("demo", help="train a tiny qwen3_moe on CPU ranks and compare with transformers")
+    p.add_argument("--world", type=int, default=4, help="number of CPU ranks (default 4)")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("convert", help="convert checkpoints between the hub's format and xpar_zoo DCP")
+    convert = p.add_subparsers(dest="convert_command", required=True)
+    c = convert.add_parser("to-hf", help="an xpar_zoo DCP checkpoint -> hub-format safetensors + index + config")
+    c.add_argument("dcp_dir", help="a step-N checkpoint directory, or a root (its newest complete checkpoint)")
+    c.add_argument("out_dir")
+    c.add_argument("--model", help="source hub id or directory: generation/tokenizer files (and config if missing)")
+    c.add_argument("--dtype", help="cast floating tensors: bf16, fp16, fp32")
+    c.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    c.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    c.add_argument("--merge-adapter", action="store_true",
+                   help="a checkpoint of a PEFT LoRA model: merge the adapter into the weights (W + s·BA)")
+    c.set_defaults(func=_cmd_to_hf)
+    c = convert.add_parser("to-dcp", help="a hub checkpoint (per-expert or fused) -> xpar_zoo DCP, global fused layout")
+    c.add_argument("name_or_dir", help="hub id or local directory with config.json and safetensors")
+    c.add_argument("out_dir", help="checkpoint root to create (holds step-00000000)")
+    c.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    c.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    c.add_argument("--batch-size", default="1GiB", help="tensors assembled and written at a time (default 1GiB)")
+    c.set_defaults(func=_cmd_to_dcp)
+    c = convert.add_parser("inspect", help="format, architecture, parameters, dtypes, shards of a checkpoint")
+    c.add_argument("path", help="hub-format directory or hub id (org/name), xpar_zoo checkpoint (step dir or root) "
+                                "or DCP directory")
+    c.add_argument("--revision", help="hub revision of a hub id (branch, tag or commit)")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.add_argument("--verify", action="store_true",
+                   help="read every file of an xpar_zoo checkpoint and check it against the checksums recorded at "
+                        "save (exit status 2 when one is damaged)")
+    c.set_defaults(func=_cmd_inspect)
+    p = sub.add_parser("publish", help="validate a hub-format folder, write its model card, upload it to the hub")
+    p.add_argument("dir", help="hub-format folder (e.g. from convert to-hf)")
+    p.add_argument("repo_id", help="hub repository id (org/name)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--revision", help="branch to upload to (created if missing)")
+    p.add_argument("--token", help="hub token (default: the logged-in one)")
+    p.add_argument("--base-model", help="hub id of the base model, for the card (default: from xpar_export.json)")
+    p.add_argument("--overwrite-card", action="store_true", help="replace an existing README.md")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and show the card and the files; write nothing, contact no hub")
+    p.set_defaults(func=_cmd_publish)
+    p = sub.add_parser("size", aliases=["plan"],
+                       help="per-rank memory and per-step communication of a mesh; suggest meshes")
+    p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
+    p.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
+    p.add_argument("--ep", type=_positive_int, help="expert-parallel size (omit with --suggest to rank meshes)")
+    p.add_argument("--emb", type=_positive_int, help="vocab-parallel embedding size")
+    p.add_argument("--head", type=_positive_int, help="vocab-parallel lm_head size")
+    p.add_argument("--replicate", type=_positive_int, default=1, help="HSDP replicas")
+    p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per rank per step")
+    p.add_argument("--seq", type=_positive_int, default=4096, help="sequence length")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="compute dtype")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
+    p.add_argument("--recompute", action="store_true",
+                   help="activation checkpointing of every decoder layer (model.activation_checkpointing_enable())")
+    p.add_argument("--lora-rank", type=_positive_int, help="PEFT LoRA of this rank: count the frozen base, the "
+                   "adapters, their gradients and optimizer states")
+    p.add_argument("--lora-modules", help="LoRA target_modules, comma-separated (default: every linear but the head)")
+    p.add_argument("--lora-parameters", help="LoRA target_parameters, comma-separated, or none (default: the fused "
+                   "experts tensors)")
+    p.add_argument("--suggest", action="store_true", help="rank the meshes that fit --world")
+    p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_size)
+    _add_train(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
+    except XparError as e:  # bad input: the message names the problem; no traceback
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank raises it: rank 0 says it once
+            print(f"xpar-zoo: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

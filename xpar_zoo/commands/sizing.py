@@ -1,0 +1,366 @@
+"""The mesh sizer behind ``xpar-zoo size``: per-rank memory and per-step communication of a model on a mesh,
+computed from the real model built on the meta device (exact parameter counts per FSDP unit and per plan, from the
+same :mod:`~xpar_zoo.parallel.fsdp_layout` that ``parallelize`` applies), and a ranking of the meshes that fit a world size.
+
+Communication is the bytes each rank sends per training step, per collective (FSDP all-gather and reduce-scatter,
+HSDP all-reduce, EP all-to-all, ``emb`` and ``head`` exchanges). Memory is the sharded parameters, gradients and
+optimizer states, the gathered units, FSDP2's chunk-cat temporary for dim-1 tensors and an activation estimate
+(:func:`activation_bytes`); each estimate names the dim FSDP2 shards each plan's tensors on
+(:func:`~xpar_zoo.parallel.fsdp_layout.planned_shard_dim`). The model term by term, and its measured accuracy:
+``docs/design.md``, "Sizing".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import PlanError
+from ..parallel.mesh import validate_sizes
+from ..parallel.fsdp_layout import fsdp_layout
+from ..parallelize import check_plan_names, match_plan, whole_vocab_head_fusable
+from ..loss.fused import CE_CHUNK_ELEMENTS
+from ..zoo.plan import Plan, match_parameters
+from ..zoo.registry import get_plan
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+@dataclass
+class Unit:
+    """One FSDP communication group: ``numel_padded`` elements all-gathered over ``group`` ranks."""
+
+    name: str
+    numel: int
+    numel_padded: int
+    group: int
+    replicate: int
+    root: bool = False
+    gathers: int = 2  # per step: forward and backward; 1 where parameters stay unsharded after forward
+    trainable_padded: int | None = None  # of numel_padded, what requires grad (None: all of it)
+    dim1_numel: int = 0  # elements of its tensors FSDP2 shards on dim 1 (a chunk-cat copy per gather / reduce)
+    plan_name: str | None = None
+    shard_dims: dict[str, int] = field(default_factory=dict)  # planned units: {parameter FQN: FSDP shard dim}
+
+    @property
+    def trainable(self) -> int:
+        return self.numel_padded if self.trainable_padded is None else self.trainable_padded
+
+
+@dataclass
+class Estimate:
+    """Per-rank memory (bytes) and per-step communication (bytes sent per rank, by collective)."""
+
+    mesh: dict
+    memory: dict[str, float] = field(default_factory=dict)
+    comm: dict[str, float] = field(default_factory=dict)
+    lora: dict | None = None  # with LoRA: its rank and the adapter's parameter count
+    placement: dict[str, dict[str, int]] = field(default_factory=dict)  # plan -> {"dim 0": tensors, "dim 1": …}
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def comm_total(self) -> float:
+        return sum(self.comm.values())
+
+
+def meta_model(config) -> nn.Module:
+    """The transformers causal-LM of ``config`` on the meta device (no memory, exact shapes)."""
+    from ..hub.loader import build_meta
+
+    return build_meta(config, torch.float32)
+
+
+def _padded(shape: torch.Size, ranks: int) -> int:
+    if not shape:
+        return ranks
+    return math.ceil(shape[0] / ranks) * ranks * math.prod(shape[1:])
+
+
+def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], replicate: int) -> list[Unit]:
+    """The FSDP units ``parallelize`` builds for this mesh (the same :func:`~xpar_zoo.parallel.fsdp_layout.fsdp_layout`),
+    with their sizes (no process group needed)."""
+    shard = world // replicate
+    active = {n: s for n, s in sizes.items() if s > 1}
+    params = dict(model.named_parameters())
+    units = []
+    for u in fsdp_layout(model, plan, match_plan(model, plan, active, shard), sizes=active, shard_size=shard):
+        if u.kind == "planned":
+            s = active[u.plan_name]
+            local = {f: torch.Size([params[f].shape[0] // s, *params[f].shape[1:]]) for f in u.params}
+
+            def padded(names, u=u, local=local, s=s):  # dim-1 shards are even (checked); dim 0 pads the local slice
+                return sum(local[f].numel() if u.shard_dim(f) else _padded(local[f], shard // s) for f in names)
+            units.append(Unit(u.fqn, sum(n.numel() for n in local.values()), padded(u.params), shard // s, replicate,
+                              gathers=1 + u.reshard_after_forward, plan_name=u.plan_name,
+                              dim1_numel=sum(n.numel() for f, n in local.items() if u.shard_dim(f)),
+                              shard_dims={f: u.shard_dim(f) for f in u.params},
+                              trainable_padded=padded([f for f in u.params if params[f].requires_grad])))
+        else:
+            units.append(Unit(u.fqn or "<root>", sum(params[f].numel() for f in u.params),
+                              sum(_padded(params[f].shape, shard) for f in u.params), shard, replicate,
+                              root=u.kind == "root", gathers=1 + u.reshard_after_forward,
+                              trainable_padded=sum(_padded(params[f].shape, shard) for f in u.params
+                                                   if params[f].requires_grad)))
+    return units
+
+
+def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
+                     qk_norm: bool = False, recompute: bool = False) -> float:
+    """An activation estimate per rank: the values autograd keeps per token, counted per module of a standard
+    decoder layer (memory-efficient attention, so no ``seq²`` scores), times ``dtype_bytes``. With ``q`` / ``kv``
+    the query / key-value widths: two RMSNorms ``4H``; attention ``H + 2q + 2kv`` (``+ 2q + 2kv`` with
+    ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead ``H + 2E + k·(2H + 2I)`` (the router's input and
+    scores; per routed row its input, ``[gate; up]`` — the activation is recomputed in backward, on the torch path
+    and in the Triton kernels alike — and the output the combine weighs) plus its shared experts' MLP; the final
+    norm ``2H``. With ``recompute`` (activation checkpointing of every decoder layer, e.g.
+    ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
+    layer at a time holds all of its values again while it is recomputed: the peak.
+
+    The loss: with a fused head over a group of ``fused_head`` ranks (1: the whole vocab, ``parallelize``'s
+    default), the head's gradients made in forward — ``[s·T, H]`` hidden states' and ``[V/s, H]`` weight's — and,
+    for ``s > 1``, the group's gathered hidden states; ``fused_head=0`` (transformers' loss): ``T·V`` fp32 logits."""
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    attention = h + 2 * q + 2 * kv + (2 * q + 2 * kv if qk_norm else 0)
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0
+    if top_k:
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts",
+                                                     "moe_num_experts") if getattr(config, k, None)), 0)
+        shared = (getattr(config, "shared_expert_intermediate_size", None)
+                  or (getattr(config, "n_shared_experts", None) or 0) * inter)
+        mlp = h + 2 * experts + top_k * (2 * h + 2 * inter) + (h + 4 * shared if shared else 0)
+    else:
+        mlp = h + 4 * config.intermediate_size
+    layer = 4 * h + attention + mlp
+    layers = config.num_hidden_layers
+    # recompute: the other layers' inputs, and one layer's values (its input among them) while it is recomputed
+    values = (max(layers - 1, 0) * h + (layer if layers else 0) if recompute else layers * layer) + 2 * h
+    s = fused_head
+    if s == 0:
+        loss = tokens * config.vocab_size * 4
+    else:
+        loss = (s * tokens * h * (1 if s == 1 else 2) + config.vocab_size // s * h) * dtype_bytes
+    return tokens * values * dtype_bytes + loss
+
+
+def lora_activation_bytes(model: nn.Module, config, tokens: int, dtype_bytes: int, recompute: bool = False
+                          ) -> float:
+    """What LoRA adds to :func:`activation_bytes` for a model with PEFT layers: per token and adapted dense linear,
+    its ``r`` fp32 low-rank values and, where the base computes in another dtype, the fp32 copy of its input that
+    PEFT makes; per routed row and adapted experts tensor, its ``r`` low-rank values, and the activation
+    ``act(gate)·up`` (``I``) that the down projection's adapter needs (without one it is recomputed). With
+    ``recompute``: one layer's worth. The sum with :func:`activation_bytes` (a full fine-tune's) is an upper bound:
+    a frozen weight's input is not kept for its gradient (how far above: docs/design.md, "Sizing")."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0
+    values = 0.0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        rank = sum(module.r.values())
+        if isinstance(module, ParamWrapper):
+            down = module.parameter_name == "down_proj"
+            values += top_k * (rank + (module.in_features if down else 0)) * dtype_bytes
+        else:
+            values += (rank + (module.in_features if dtype_bytes != 4 else 0)) * 4
+    return tokens * values / (config.num_hidden_layers if recompute else 1)
+
+
+def fused_loss_temporaries(config, tokens: int, group: int, dtype_bytes: int) -> float:
+    """What the fused head holds only while it runs (at the activation peak, on top of what autograd keeps): the
+    fp32 ``[V/s, H]`` weight-gradient accumulator, each chunk's ``[V/s, H]`` partial product (not in fp32, where it
+    accumulates inside the GEMM), and one chunk of logits (CUDA's chunk size) as fp32 plus its softmax gradient."""
+    rows = config.vocab_size // group
+    weight = rows * config.hidden_size
+    chunk = min(CE_CHUNK_ELEMENTS["cuda"], group * tokens * rows)
+    return weight * (4 + (dtype_bytes if dtype_bytes != 4 else 0)) + chunk * (4 + dtype_bytes)
+
+
+def _moe_layers(model: nn.Module, plan: Plan) -> list[tuple[str, int, int]]:
+    """``(experts module, E, H)`` for every experts module the ``ep`` plan covers."""
+    if "ep" not in plan.extra:
+        return []
+    out = {}
+    for fqn in match_parameters(model, plan.extra["ep"].params):
+        mod = fqn.rpartition(".")[0]
+        module = model.get_submodule(mod)
+        down = getattr(module, "down_proj", None)
+        if not isinstance(down, torch.Tensor):  # an adapter's factor (planned with its experts)
+            continue
+        hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None) or down.shape[1]
+        out[mod] = (mod, down.shape[0], hidden)
+    return list(out.values())
+
+
+def estimate(
+    config,
+    world: int,
+    sizes: dict[str, int] | None = None,
+    replicate: int = 1,
+    *,
+    micro_batch: int = 1,
+    seq: int = 4096,
+    param_dtype: str = "bf16",
+    reduce_dtype: str = "fp32",
+    optimizer: str = "adamw",
+    recompute: bool = False,
+    fused_loss: bool = True,
+    plan: Plan | None = None,
+    model: nn.Module | None = None,
+    lora_rank: int | None = None,
+    lora_modules: list[str] | str | None = None,
+    lora_parameters: list[str] | None = None,
+) -> Estimate:
+    """Per-rank memory and per-step communication of ``config`` on a mesh of ``world`` ranks with extra-plan
+    ``sizes`` and ``replicate`` (HSDP). Master weights, gradients and optimizer states are fp32; ``recompute``:
+    activation checkpointing of every decoder layer (see :func:`activation_bytes`); ``fused_loss`` as
+    :func:`~xpar_zoo.parallelize` takes it.
+
+    ``lora_rank``: PEFT LoRA of that rank on ``lora_modules`` (default: every linear but the head) and on the fused
+    expert tensors ``lora_parameters`` (default: every tensor of the plan's experts plans; ``[]``: none), as
+    :func:`xpar_zoo.from_pretrained` (``peft_config=``) builds it: the frozen base is held in ``param_dtype``, the
+    adapters in fp32 with their gradients and optimizer states; only the adapters are reduce-scattered."""
+    sizes = dict(sizes or {})
+    validate_sizes(world, sizes, replicate)
+    plan = plan or get_plan(config.model_type)
+    check_plan_names([n for n, s in sizes.items() if s > 1], plan)
+    if lora_rank is not None:
+        from ..integrations.peft import lora_meta_model
+
+        model, plan = lora_meta_model(meta_model(config), plan, lora_rank, lora_modules, lora_parameters)
+    model = model if model is not None else meta_model(config)
+    pbytes, rbytes = DTYPE_BYTES[param_dtype], DTYPE_BYTES[reduce_dtype]
+    units = fsdp_units(model, plan, world, sizes, replicate)
+    est = Estimate(mesh={"world": world, "replicate": replicate, **sizes})
+    shard_numel = sum(u.numel_padded / u.group for u in units)
+    trainable = sum(u.trainable / u.group for u in units)
+    if lora_rank:
+        est.lora = {"rank": lora_rank, "adapter parameters": sum(p.numel() for p in model.parameters()
+                                                                 if p.requires_grad)}
+        est.memory[f"frozen base ({param_dtype} shards)"] = (shard_numel - trainable) * pbytes
+        est.memory["adapters (fp32 shards)"] = trainable * 4
+    else:
+        est.memory["parameters (fp32 shards)"] = shard_numel * 4
+    est.memory["gradients (fp32 shards)"] = trainable * 4
+    states = f"optimizer states ({optimizer}, adapters)" if lora_rank else f"optimizer states ({optimizer})"
+    est.memory[states] = trainable * 4 * OPTIMIZER_STATES[optimizer]
+    biggest = max((u.numel_padded for u in units if not u.root), default=0)
+    root = next(u for u in units if u.root)
+    est.memory["unsharded parameters (2 units + root)"] = (2 * biggest + root.numel_padded) * pbytes
+    chunk_cat = max((u.dim1_numel for u in units), default=0)
+    if chunk_cat:
+        est.memory["FSDP chunk-cat temporary (dim-1 shards)"] = chunk_cat * pbytes
+    for u in units:
+        for dim in u.shard_dims.values():
+            counts = est.placement.setdefault(u.plan_name, {})
+            counts[f"dim {dim}"] = counts.get(f"dim {dim}", 0) + 1
+    tokens = micro_batch * seq
+    head = sizes.get("head", 1)
+    fused = head > 1 or (fused_loss and whole_vocab_head_fusable(model, plan))
+    fused_head = head if fused else 0
+    qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
+    est.memory["activations (estimate)"] = activation_bytes(config, tokens, pbytes, fused_head, qk_norm,
+                                                            recompute)
+    if lora_rank:
+        est.memory["activations (estimate)"] += lora_activation_bytes(model, config, tokens, pbytes, recompute)
+    if fused_head:
+        est.memory["fused loss temporaries"] = fused_loss_temporaries(config, tokens, fused_head, pbytes)
+    gather = reduce = allreduce = 0.0
+    for u in units:
+        frac = (u.group - 1) / u.group
+        gather += (1 if u.root else u.gathers) * frac * u.numel_padded * pbytes
+        reduce += frac * u.trainable * rbytes
+        if u.replicate > 1:
+            allreduce += 2 * (u.replicate - 1) / u.replicate * (u.trainable / u.group) * rbytes
+    est.comm["all_gather (FSDP params)"] = gather
+    est.comm["reduce_scatter (FSDP grads)"] = reduce
+    est.comm["all_reduce (HSDP grads)"] = allreduce
+    # the global-batch loss: one fp32 count of valid targets summed over the world per forward (xpar_zoo.loss.global_batch)
+    est.comm["all_reduce (loss target count)"] = 2 * (world - 1) / world * 4
+    s = sizes.get("ep", 1)
+    a2a = 0.0
+    if s > 1:
+        top_k = config.num_experts_per_tok
+        for _, experts, hidden in _moe_layers(model, plan):
+            a2a += 4 * (s - 1) / s * tokens * top_k * hidden * pbytes + (s - 1) / s * experts * 8
+    est.comm["all_to_all (EP tokens)"] = a2a
+    hidden = config.hidden_size
+    e = sizes.get("emb", 1)
+    # emb: int64 ids to the row owners, vectors back, their gradients to the owners; plus the per-owner counts.
+    est.comm["all_to_all (emb ids + vectors)"] = (
+        (e - 1) / e * tokens * (8 + 2 * hidden * pbytes) + (e - 1) * 8 if e > 1 else 0.0)
+    h = sizes.get("head", 1)
+    # head: every rank's hidden states (and int64 targets) sent to the h-1 others, the hidden-state gradients sent
+    # back, the row counts, the fp32 loss denominator and the fp32 upstream gradient; [2, h·tokens] fp32 statistics
+    # all-gathered.
+    est.comm["all_to_all (head hidden states)"] = (
+        (h - 1) * (tokens * (2 * hidden * pbytes + 8) + 8 + 4 + 4) if h > 1 else 0.0)
+    est.comm["all_gather (head loss statistics)"] = (h - 1) * 2 * h * tokens * 4 if h > 1 else 0.0
+    return est
+
+
+def candidate_meshes(config, world: int, plan: Plan | None = None, model: nn.Module | None = None) -> list[dict]:
+    """Every ``{ep, replicate}`` that fits ``world`` and that ``parallelize`` would accept for the model's shapes
+    (dim 0 by ``ep``, dim 1 by ``ep_fsdp``: the same checks, :func:`~xpar_zoo.parallelize.match_plan`)."""
+    plan = plan or get_plan(config.model_type)
+    model = model if model is not None else meta_model(config)
+    out = []
+    for replicate in [r for r in range(1, world + 1) if world % r == 0]:
+        shard = world // replicate
+        for ep in [e for e in range(1, shard + 1) if shard % e == 0] if "ep" in plan.extra else [1]:
+            try:
+                match_plan(model, plan, {"ep": ep} if ep > 1 else {}, shard)
+            except PlanError:
+                continue
+            out.append({"replicate": replicate, "ep": ep})
+    return out
+
+
+def suggest(config, world: int, *, memory_budget: float | None = None, top: int = 5, **kwargs) -> list[Estimate]:
+    """The best meshes for ``world`` ranks: those within ``memory_budget`` bytes per rank (if given), by per-step
+    communication, then memory."""
+    model = meta_model(config)
+    plan = kwargs.pop("plan", None) or get_plan(config.model_type)
+    ests = []
+    for cand in candidate_meshes(config, world, plan=plan, model=model):
+        sizes = {"ep": cand["ep"]} if cand["ep"] > 1 else {}
+        ests.append(estimate(config, world, sizes, cand["replicate"], plan=plan, model=model, **kwargs))
+    fits = [e for e in ests if memory_budget is None or e.memory_total <= memory_budget] or ests
+    return sorted(fits, key=lambda e: (e.comm_total, e.memory_total))[:top]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_estimate(est: Estimate) -> str:
+    """A human-readable table of one estimate."""
+    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({est.lora['adapter parameters'] / 1e6:.1f}M "
+                                   "adapter parameters)" if est.lora else "")]
+    if est.placement:
+        shown = "; ".join(f"{name}: " + ", ".join(f"{n} tensor{'s' * (n != 1)} on {dim}"
+                                                for dim, n in sorted(dims.items()))
+                          for name, dims in est.placement.items())
+        lines.append(f"  FSDP shards planned tensors (of their local slice): {shown}")
+    lines.append("  memory per rank:")
+    lines += [f"    {k:<40} {format_bytes(v):>12}" for k, v in est.memory.items()]
+    lines.append(f"    {'total':<40} {format_bytes(est.memory_total):>12}")
+    lines.append("  communication per step (bytes sent per rank):")
+    lines += [f"    {k:<40} {format_bytes(v):>12}" for k, v in est.comm.items() if v]
+    lines.append(f"    {'total':<40} {format_bytes(est.comm_total):>12}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Durable files: atomic output directories (staging, lock, fsync), checksums and integrity, byte batching."""

@@ -1,0 +1,2 @@
+"""Forward styles that ``parallelize`` installs per extra plan: experts (EP dispatch over fused ``[E, H, I]``
+tensors), vocab (``emb`` / ``head``), gathered (weights all-gathered before use)."""
