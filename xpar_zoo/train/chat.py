@@ -147,13 +147,14 @@ def _spans_to_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int
     return mask
 
 
-def prefix_spans(tokenizer, ex: Example, text: str) -> list[tuple[int, int]]:
-    """The character span of every assistant turn in the rendered ``text``: from the end of the rendering of the
+def prefix_spans(tokenizer, ex: Example, text: str, first: int = 0) -> list[tuple[int, int]]:
+    """The character span of every assistant turn (from message ``first`` on) in the rendered ``text``: from the end
+    of the rendering of the
     turns before it with the generation prompt to the end of the rendering up to it. :class:`DataError` when the
     template does not render the conversation turn by turn (a prefix renders differently once turns follow)."""
     spans = []
     for i, m in enumerate(ex.messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < first:
             continue
         if i == 0:
             raise DataError(f"{ex.where}: the conversation starts with an assistant turn, which a chat template without "
@@ -215,7 +216,8 @@ def render(tokenizer, ex: Example, loss_on: str, markers: bool | None = None) ->
                             "apply_chat_template")
         mask = np.asarray(hf["assistant_masks"], dtype=bool)
     else:
-        mask = _trim_after_eos(ids, _spans_to_mask(offsets, prefix_spans(tokenizer, ex, text)), eos)
+        first = ex.completion_from if loss_on == "completion" else 0
+        mask = _trim_after_eos(ids, _spans_to_mask(offsets, prefix_spans(tokenizer, ex, text, first)), eos)
     if loss_on == "completion":
         prompt = _render(tokenizer, ex.messages[:ex.completion_from], ex.tools, generation_prompt=True)
         if not text.startswith(prompt):
