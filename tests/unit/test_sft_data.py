@@ -232,3 +232,20 @@ def test_step_line_has_a_progress_bar_and_an_eta():
     line = step_line(record, total=20, elapsed_s=10.0, steps_done=5)
     assert line == ("step  5/20 [#####---------------]  25% loss 2.5000 lr 1.00e-04 5.1k tok/s 0.50 s/step "
                     "eval_loss 2.2500 ETA 0:00:30")
+
+
+def test_report_to_wandb_logs_train_and_eval_offline(tmp_path, monkeypatch):
+    """`--report-to wandb` under WANDB_MODE=offline: the run is written locally, train/ and eval/ keys logged."""
+    from xpar_zoo.train.config import TrainConfig
+    from xpar_zoo.train.reporting import Reporter
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = TrainConfig(model="m", data="d", output=str(tmp_path), steps=2)
+    report = Reporter(cfg, tmp_path, active=True, start_step=0, total_steps=2, wandb=True)
+    report.write({"step": 1, "loss": 2.0, "lr": 1e-3, "eval_loss": 1.5, "expert_load": [{"layer": 0}]})
+    report.write({"step": 2, "loss": 1.0, "lr": 1e-3})
+    report.close()
+    (run,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    data = run.read_bytes()  # wandb's record log: the keys as text
+    assert b"train/loss" in data and b"eval/loss" in data and b"expert_load" not in data
