@@ -8,7 +8,9 @@
                            decoder layers, embedding and head, then the root (on the CPU each with its
                            collectives in place: :mod:`xpar_zoo.parallel.gloo_comms`); then reshard and prefetch;
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
-                           loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`).
+                           loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`);
+7. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
+                           full-length rows (:mod:`xpar_zoo.styles.sequence`; checked in step 1).
 
 Why each step is as it is: ``docs/design.md``, "parallelize and the placement of planned tensors".
 """
@@ -36,6 +38,7 @@ from .parallel.materialize import check_materialized, meta_tensors, unread_buffe
 from .styles.experts import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .zoo.plan import Plan, match_parameters, owner_module
 from .zoo.registry import plan_for
+from .styles.sequence import check_sequence_parallel, install_sequence_parallel
 from .styles.vocab import (check_embedding, check_head, fusable_head, install_fused_loss, install_vocab_embedding,
                     install_vocab_lm_head)
 
@@ -301,6 +304,7 @@ def parallelize(
                              "reshard_after_forward": reshard_after_forward, "prefetch": prefetch,
                              "fused_loss": fused_loss}, "parallelize arguments", PlanError)
     planned = plan_parameters(model, mesh, plan)
+    inner_attention = check_sequence_parallel(model, mesh) if mesh.sequence_size > 1 else None
     unset = tuple(sorted(unread_buffers(model))) if meta_tensors(model) else ()
     if mixed_precision is True:
         mixed_precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -315,6 +319,8 @@ def parallelize(
                                         reshard_after_forward=reshard_after_forward, prefetch=prefetch), **fsdp_kwargs)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
     install_global_loss(model, mesh.world_size)
+    if inner_attention is not None:  # outermost: the global-batch loss counts this rank's split targets
+        install_sequence_parallel(model, mesh, inner_attention)
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)
     model._is_fsdp_managed_module = True  # transformers' generate then keeps the ranks in step (synced_gpus)

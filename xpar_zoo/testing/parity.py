@@ -95,15 +95,16 @@ class RunRecord:
     local_shapes: dict[str, tuple[int, ...]]  # this rank's local shard shapes (parallel run only)
 
 
-def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | None = None) -> dict:
+def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | range | None = None) -> dict:
     """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.batches`) of ``step``:
     ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process
-    reference."""
+    reference, a ``range`` those of its micro-batches (a data shard of several, see :func:`train_parallel`)."""
     if not extra:
         return {}
-    if rank is not None:
+    if isinstance(rank, int):
         return dict(extra[step][rank])
-    return {k: torch.cat([e[k] for e in extra[step]]) for k in extra[step][0]}
+    parts = extra[step] if rank is None else [extra[step][r] for r in rank]
+    return {k: torch.cat([e[k] for e in parts]) for k in parts[0]}
 
 
 def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0,
@@ -135,7 +136,9 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     :func:`xpar_zoo.styles.experts.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
     decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
     :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
-    batch's. Every rank calls it; rank 0's record is complete."""
+    batch's. Every rank calls it; rank 0's record is complete. With sp/cp a rank reads its data shard
+    (:func:`xpar_zoo.data_shard`: ``world/count`` consecutive micro-batches of ``data[step]`` at once, the same on
+    every rank of a sequence group, passed whole)."""
     import xpar_zoo
     from xpar_zoo.styles.experts import set_experts_kernels
 
@@ -148,10 +151,14 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     rank = dist.get_rank()
     labels = make_labels(data) if labels is None else labels
+    index, count = xpar_zoo.data_shard(model)
+    per = data.shape[1] // count
+    mine = range(index * per, (index + 1) * per)
     losses, norms = [], []
     for step in range(data.shape[0]):
-        ids = data[step, rank]
-        loss = model(input_ids=ids, labels=labels[step, rank], **step_inputs(extra, step, rank)).loss
+        ids = data[step, mine.start:mine.stop].reshape(-1, data.shape[-1])
+        step_labels = labels[step, mine.start:mine.stop].reshape(-1, data.shape[-1])
+        loss = model(input_ids=ids, labels=step_labels, **step_inputs(extra, step, mine)).loss
         loss.backward()
         norm = xpar_zoo.clip_grad_norm_(model, max_norm if max_norm else float("inf"))
         opt.step()

@@ -1,6 +1,6 @@
 """What the zoo's parity tests prove: the meshes each architecture is trained on (4 ranks), the tiny configs of the
 types proved through the automatic plan, and which transformers MoE families exist at all. One source of truth for
-tests/test_zoo*.py and MODEL_CARDS.md.
+tests/distributed/test_zoo*.py and MODEL_CARDS.md.
 
 An automatic-plan type is proved on FSDP, ``ep=2`` and ``ep=2, emb=2, head=2``; a plan that ``parallelize`` refuses
 for the type (its :attr:`Proof.without`, e.g. ``head`` for a model that softcaps its logits) is left out of the
@@ -299,7 +299,7 @@ def _mesh_name(kwargs: dict) -> str:
 
 
 def proof_meshes(model_type: str) -> dict[str, dict]:
-    """``{mesh name: Mesh kwargs}`` that tests/test_zoo.py proves for ``model_type``."""
+    """``{mesh name: Mesh kwargs}`` that tests/distributed/test_zoo.py proves for ``model_type``."""
     from .registry import _curated
 
     plan = _curated().get(model_type)
@@ -310,9 +310,9 @@ def proof_meshes(model_type: str) -> dict[str, dict]:
     return {_mesh_name(m): m for m in meshes}
 
 
-# The meshes above leave every planned slice divisible by its FSDP ranks (8 experts, 128 vocab rows), so FSDP2 shards
-# it on dim 0. Each type is also proved with FSDP2 on dim 1 (tests/test_zoo_placement.py): its tiny config with 6
-# experts and 130 vocab rows (slices of 3 experts and 65 rows over 2 FSDP ranks) on its plans of size 2.
+# The meshes above leave every planned slice divisible by its FSDP ranks (8 experts, 128 vocab rows), so FSDP2 shards it
+# on dim 0. Each type is also proved with FSDP2 on dim 1 (tests/distributed/test_zoo_placement.py): its tiny config with
+# 6 experts and 130 vocab rows (slices of 3 experts and 65 rows over 2 FSDP ranks) on its plans of size 2.
 DIM1_VOCAB = 130
 # Other sizes that must follow the vocab: gemma4's per-layer embedding is indexed by the same ids, inkling2's head
 # has unpadded_vocab_size rows.
