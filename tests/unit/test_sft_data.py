@@ -249,3 +249,27 @@ def test_report_to_wandb_logs_train_and_eval_offline(tmp_path, monkeypatch):
     (run,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     data = run.read_bytes()  # wandb's record log: the keys as text
     assert b"train/loss" in data and b"eval/loss" in data and b"expert_load" not in data
+
+
+def test_eval_loss_is_the_token_weighted_mean_and_eval_batches_takes_the_first_k(tokenizer, shipped):
+    """One process, a plain transformers model: eval_loss over every held-out row is the mean over all their
+    targets (not the mean of per-batch means); --eval-batches K takes the first K batches of rows."""
+    from transformers import AutoModelForCausalLM
+
+    from xpar_zoo.train.evaluate import Evaluator
+    from xpar_zoo.train.tiny import tiny_config
+
+    ids, masks, _ = render_all(tokenizer, shipped[:40], "messages", "assistant", 256, None, "data")
+    corpus = ConversationCorpus(ids, masks, seq_len=256, seed=0, pad_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(len(tokenizer)), dtype=torch.float32).train()
+    rows = corpus.rows(0, corpus.rows_per_epoch)
+    with torch.no_grad():
+        want = model(**rows, use_cache=False).loss.item()
+        first = model(**corpus.rows(0, 2), use_cache=False).loss.item()
+    common = dict(world=1, rank=0, micro_batch=2, flatten=False, device=torch.device("cpu"), pad_id=0)
+    got = Evaluator(corpus, max_batches=None, **common)(model)
+    assert corpus.rows_per_epoch % 2 == 1  # the last batch holds a padding row
+    assert abs(got["eval_loss"] - want) < 1e-5 and got["eval_targets"] == corpus.num_targets
+    assert abs(Evaluator(corpus, max_batches=1, **common)(model)["eval_loss"] - first) < 1e-5
+    assert model.training  # back in training mode

@@ -65,5 +65,8 @@ class Reporter:
 
     def close(self) -> None:
         if self._run is not None:
+            import wandb
+
             self._run.finish()
             self._run = None
+            wandb.teardown()  # the run's records written out (the service flushes and stops)
