@@ -220,7 +220,7 @@ def fill_local_shards(model: nn.Module, layout: HubLayout, directory: str | Path
         for read in layout.reads(name, region):
             work[read.source.file].append((read, local))
     total = sum(r.nbytes for reads in work.values() for r, _ in reads)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading shards", disable=not progress or distributed.rank() != 0)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading rank 0's shards", disable=not progress or distributed.rank() != 0)
     nbytes = nreads = 0
     directory = Path(directory)
     with torch.no_grad(), bar:

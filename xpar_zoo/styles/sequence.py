@@ -372,7 +372,7 @@ def attention_outside_interface(model: nn.Module) -> str | None:
 def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
     """Raise :class:`~xpar_zoo.errors.PlanError` (one line, naming the numbers) when ``model`` cannot run on
     ``mesh``'s sp/cp; return the inner attention implementation. Before any tensor is touched."""
-    sizes = f"sp={mesh.sp}, cp={mesh.cp}"
+    sizes = ", ".join(f"{d}={n}" for d, n in (("sp", mesh.sp), ("cp", mesh.cp)) if n > 1)
     config = model.config
     if any(getattr(config, k, None) is not None for k in getattr(config, "sub_configs", {}) if k != "text_config"):
         raise PlanError(f"{sizes}: {type(model).__name__} is multimodal; long context supports text-only causal LMs")

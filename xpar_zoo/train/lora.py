@@ -11,7 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
-from .sft_config import lora_enabled, lora_targets
+from .sft_config import lora_targets
 
 
 def from_pretrained_kwargs(cfg, model_config) -> dict:
@@ -51,26 +51,14 @@ def export_merged(model: nn.Module, directory: str | os.PathLike, progress: bool
     return save_pretrained(model, directory, merge=merge, progress=progress)
 
 
-def export(cfg, model: nn.Module, tokenizer, rank: int) -> list[str]:
-    """The exports a run asks for at its end (every rank calls): ``--export-hf`` (merged for LoRA) and
-    ``--export-adapter``, the tokenizer beside each. Returns what was written, for the log."""
+def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, rank: int) -> Path:
+    """``--export-adapter``: PEFT's adapter files (and the tokenizer) in ``directory``. A collective."""
     import torch.distributed as dist
 
-    written = []
-    if cfg.export_hf:
-        if is_lora(model):
-            export_merged(model, cfg.export_hf)
-        else:
-            model.save_pretrained(cfg.export_hf)  # every rank: the hub's own format, rank 0 writes
-        written.append(f"the {'merged ' if is_lora(model) else ''}model in the hub's format to {cfg.export_hf}")
-    if cfg.export_adapter and lora_enabled(cfg):
-        from ..integrations.peft_files import save_adapter
+    from ..integrations.peft_files import save_adapter
 
-        save_adapter(model, cfg.export_adapter)
-        written.append(f"the LoRA adapter (PEFT's files) to {cfg.export_adapter}")
+    save_adapter(model, directory)
     if rank == 0 and tokenizer is not None:
-        for directory in (cfg.export_hf, cfg.export_adapter):
-            if directory:
-                tokenizer.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
     dist.barrier()
-    return written
+    return Path(directory)
