@@ -160,6 +160,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from ..train.stop import Stopped
 
     cfg = config_from_args(args)  # every setting checked before any rank starts
+    if args.dry_run:
+        from ..train.dry_run import dry_run
+
+        report = dry_run(cfg)
+        if os.environ.get("RANK", "0") == "0":
+            print(report)
+        return 0
     if args.nproc_per_node is not None and not launched_by_us():
         return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
                       args.master_port)
