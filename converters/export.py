@@ -22,7 +22,7 @@ from xpar_zoo.checkpoint import (iter_model_tensors, model_tensor_specs, read_ch
 from xpar_zoo.errors import CheckpointError, ConvertError
 from xpar_zoo.hub.resolve import SIDE_FILES, resolve
 from xpar_zoo.hub.writer import HubWriter, parse_dtype, parse_size
-from xpar_zoo.hub.loader import build_meta
+from xpar_zoo.zoo.registry import build_meta
 from xpar_zoo.zoo.configs import read_config_json
 
 EXPORT_INFO_FILE = "xpar_export.json"
@@ -73,6 +73,9 @@ def export_to_hf(
     if source_dir is not None:
         read_config_json(source_dir, ConvertError)  # its custom code (auto_map), checked even where unused
     config = _config_from(meta, source_dir)
+    if meta.get("trainable_only"):
+        raise ConvertError(f"{checkpoint} holds only the trained parameters (a LoRA run's adapters, not the base): "
+                           "export with `xpar-zoo train --export-hf DIR` (merged) or --export-adapter DIR")
     specs = model_tensor_specs(checkpoint)
     if meta.get("peft") and not merge_adapter:
         raise ConvertError(f"{checkpoint} holds a PEFT adapter ({', '.join(meta['peft'])}): pass --merge-adapter for "
