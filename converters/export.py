@@ -22,7 +22,7 @@ from xpar_zoo.checkpoint import (iter_model_tensors, model_tensor_specs, read_ch
 from xpar_zoo.errors import CheckpointError, ConvertError
 from xpar_zoo.hub.resolve import SIDE_FILES, resolve
 from xpar_zoo.hub.writer import HubWriter, parse_dtype, parse_size
-from xpar_zoo.hub.loader import build_meta
+from xpar_zoo.zoo.registry import build_meta
 
 EXPORT_INFO_FILE = "xpar_export.json"
 

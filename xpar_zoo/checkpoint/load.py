@@ -14,9 +14,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-from ..parallel import distributed
 from ..errors import CheckpointError
 from ..io.integrity import CHECKSUM, verify_files
+from ..parallel import distributed
 from ..parallel.materialize import check_materialized
 from ..parallel.rendezvous import meet
 from .dcp_io import SafeLoadPlanner, SafeReader, quiet_single_process, read_dcp_metadata

@@ -18,10 +18,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..parallel import distributed
-from ..io.atomic_dir import durable_write
 from ..errors import CheckpointError
+from ..io.atomic_dir import durable_write
 from ..io.integrity import checksum_files, disk_full
+from ..parallel import distributed
 from ..parallel.rendezvous import meet
 from .dcp_io import RecordingFileSystem, dcp_writer, quiet_single_process
 from .json_state import to_json
@@ -144,9 +144,6 @@ class CheckpointFuture:
         return self.path
 
 
-DEFAULT_RENDEZVOUS_TIMEOUT = 600.0
-
-
 def save_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -187,11 +184,32 @@ def save_checkpoint(
         raise CheckpointError(f"keep_last must be a positive integer or None, got {keep_last!r}")
     ctl = control(model)
     wait_pending(ctl)
-    rank = distributed.rank()
     msd, osd = state_dicts(model, optimizer, trainable_only)  # collective
-
+    extra_json = _checked_values(root, extra, msd, osd, allow_nonfinite)
+    n, tmp = distributed.run_everywhere(lambda: _new_step_dir(root, step, extra), rank0_only=True)
+    tmp, final = Path(tmp), root / checkpoint_name(n)
+    _write_side_files(tmp, final, root, model, n, optimizer, osd, extra_json, trainable_only)
+    writer, written = dcp_writer(tmp)
+    state = dcp_state(msd, osd)
+    if async_save:
+        return _save_in_background(ctl, state, writer, written, tmp, final, keep_last)
     error = None
-    try:  # checks of this rank's values, before anything is written
+    try:
+        with quiet_single_process():  # returns on every rank once every rank's files are written
+            dcp.save(state, storage_writer=writer, no_dist=not distributed.is_distributed())
+    except (Exception, CheckpointException) as e:  # DCP raises the same failure on every rank
+        error = _write_error(e, root, written.errors)
+    error = finish_save(tmp, final, keep_last, error, None, written.checksums)
+    if error:
+        raise CheckpointError(f"saving {final} failed (nothing was kept):\n{error}")
+    return final
+
+
+def _checked_values(root: Path, extra: dict, msd: dict, osd: dict | None, allow_nonfinite: bool) -> Any:
+    """``extra`` as JSON, after the checks of this rank's values (JSON-able, finite unless allowed), before anything
+    is written; a failure on any rank raises on every rank."""
+    error = extra_json = None
+    try:
         extra_json = to_json(extra, "extra_state")
         if not allow_nonfinite and (bad := nonfinite_message(msd, osd)):
             raise CheckpointError(f"{bad}; pass allow_nonfinite=True to save them anyway")
@@ -200,25 +218,31 @@ def save_checkpoint(
     error = distributed.every_error(error)
     if error:
         raise CheckpointError(f"not saving under {root}:\n{error}")
+    return extra_json
 
-    def prepare() -> tuple[int, str]:  # rank 0: the step and a fresh .tmp- directory for it
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            clear_leftovers(root)
-            n = choose_step(root, step, extra)
-            final = root / checkpoint_name(n)
-            if final.exists() and incomplete_reason(final) is None:
-                raise CheckpointError(f"checkpoint {final} already exists; pass another step or remove it")
-            tmp = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
-            tmp.mkdir()
-        except Exception as e:
-            raise CheckpointError(_write_error(e, root if root.is_dir() else root.parent)) from None
-        return n, str(tmp)
 
-    n, tmp = distributed.run_everywhere(prepare, rank0_only=True)
-    tmp = Path(tmp)
-    final = root / checkpoint_name(n)
+def _new_step_dir(root: Path, step: int | None, extra: dict) -> tuple[int, str]:
+    """Rank 0: the step and a fresh ``.tmp-`` directory for it (leftovers of interrupted saves removed first)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        clear_leftovers(root)
+        n = choose_step(root, step, extra)
+        final = root / checkpoint_name(n)
+        if final.exists() and incomplete_reason(final) is None:
+            raise CheckpointError(f"checkpoint {final} already exists; pass another step or remove it")
+        tmp = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+    except Exception as e:
+        raise CheckpointError(_write_error(e, root if root.is_dir() else root.parent)) from None
+    return n, str(tmp)
 
+
+def _write_side_files(tmp: Path, final: Path, root: Path, model: nn.Module, n: int,
+                      optimizer: torch.optim.Optimizer | None, osd: dict | None, extra_json: Any,
+                      trainable_only: bool = False) -> None:
+    """Every rank's RNG state, and rank 0's metadata record and extra state, into ``tmp``; on a failure anywhere
+    ``tmp`` is removed and every rank raises."""
+    rank = distributed.rank()
     error = None
     try:
         save_rng(tmp, rank)
@@ -235,28 +259,18 @@ def save_checkpoint(
             remove(tmp)
         raise CheckpointError(f"saving {final} failed before writing tensors (nothing was kept):\n{error}")
 
-    writer, written = dcp_writer(tmp)
-    state = dcp_state(msd, osd)
-    if async_save:
-        if distributed.is_distributed() and ctl.group is None:
-            ctl.group = dist.new_group(backend="gloo")
-        handle = CheckpointFuture(tmp, final, keep_last, ctl.group, written)
-        with quiet_single_process():
-            fut = dcp.async_save(state, storage_writer=writer, process_group=ctl.group,
-                                 no_dist=not distributed.is_distributed())
-        fut.add_done_callback(handle._on_saved)
-        ctl.pending = handle
-        return handle
 
-    error = None
-    try:
-        with quiet_single_process():  # returns on every rank once every rank's files are written
-            dcp.save(state, storage_writer=writer, no_dist=not distributed.is_distributed())
-    except (Exception, CheckpointException) as e:  # DCP raises the same failure on every rank
-        error = _write_error(e, root, written.errors)
-    error = finish_save(tmp, final, keep_last, error, None, written.checksums)
-    if error:
-        raise CheckpointError(f"saving {final} failed (nothing was kept):\n{error}")
-    return final
+def _save_in_background(ctl, state: dict, writer, written, tmp: Path, final: Path,
+                        keep_last: int | None) -> CheckpointFuture:
+    """Start DCP's asynchronous save of ``state`` on a gloo group of its own; the future commits when it is done."""
+    if distributed.is_distributed() and ctl.group is None:
+        ctl.group = dist.new_group(backend="gloo")
+    handle = CheckpointFuture(tmp, final, keep_last, ctl.group, written)
+    with quiet_single_process():
+        fut = dcp.async_save(state, storage_writer=writer, process_group=ctl.group,
+                             no_dist=not distributed.is_distributed())
+    fut.add_done_callback(handle._on_saved)
+    ctl.pending = handle
+    return handle
 
 

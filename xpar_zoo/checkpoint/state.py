@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-from ..parallel import distributed
 from ..errors import CheckpointError
 from ..io.integrity import nonfinite_names
+from ..parallel import distributed
 from .dcp_io import NAMES_SHOWN, MODEL_KEY, OPTIM_KEY, listing, plain_name
 from .json_state import from_json, to_json
 from .layout import FORMAT
@@ -172,7 +172,7 @@ def metadata_record(model: nn.Module, step: int, optimizer, scalars: dict, param
 
 def _adapter_metadata(model: nn.Module) -> dict | None:
     """The PEFT adapter configs of a model that carries one (``xpar-zoo convert to-hf --merge-adapter`` reads them)."""
-    from ..parallelize import uses_peft
+    from ..integrations.peft import uses_peft
 
     if not uses_peft(model):
         return None

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parallel import distributed
-from ..io.atomic_dir import StagingDir
 from ..errors import ModelStateError
+from ..io.atomic_dir import StagingDir
+from ..parallel import distributed
+from ..parallel.materialize import check_materialized
 from .safetensors_files import INDEX_FILE, SINGLE_FILE
 from .writer import HubWriter, parse_dtype, parse_size
-from ..parallel.materialize import check_materialized
 
 
 def _is_weight_file(name: str) -> bool:
@@ -41,7 +41,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     written instead (a PEFT model). Returns the directory."""
     from tqdm.auto import tqdm
 
-    from .loader import build_meta
+    from ..zoo.registry import build_meta
 
     if not safe_serialization or push_to_hub or state_dict is not None or kwargs:
         given = sorted(k for k, v in {"safe_serialization=False": not safe_serialization, "push_to_hub": push_to_hub,

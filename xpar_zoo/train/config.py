@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..hub.writer import DTYPES
 from ..errors import TrainConfigError
 from . import sft_config
 
@@ -31,8 +32,6 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "expert_bias_update_rate": (0, None), "router_aux_loss_coef": (0, None),
     "timeout_minutes": (1e-3, 525_600),  # a year: torch's timeout (a timedelta, then milliseconds) overflows past that
 }
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-          "fp16": "float16", "float16": "float16"}
 REQUIRED = ("model", "data", "output")  # and steps or epochs
 
 

@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat import attn_implementation
 from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..errors import DataError, TrainConfigError
+from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
+from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
-from ..errors import DataError, TrainConfigError
-from ..loss.global_batch import count_targets, global_count
-from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
 from .agreement import check_same_settings, resume_changes
 from .config import DTYPES, TrainConfig
 from . import sft_config
@@ -293,11 +294,11 @@ class _Run:
 def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
     """The model from ``cfg.model`` on ``mesh`` (``peft``: ``from_pretrained``'s LoRA arguments), in training mode
     with the run's attention and recompute settings."""
-    import xpar_zoo
+    from ..hub.loader import from_pretrained
 
-    model = xpar_zoo.from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                                     mixed_precision=cfg.mixed_precision,
-                                     progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
+    model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
+                            mixed_precision=cfg.mixed_precision,
+                            progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
     if cfg.attn_implementation:
@@ -409,7 +410,7 @@ def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
     process, said as such: start ranks, or train without the mesh)."""
     from ..errors import MeshError
     from ..parallel.mesh import validate_sizes
-    from ..parallelize import check_plan_names
+    from ..styles.planned import check_plan_names
     from ..zoo.registry import get_plan
 
     sizes = dict(cfg.mesh)
@@ -431,9 +432,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     launcher's environment when needed; a plain process runs as world 1). A collective: every rank calls it with
     the same settings (checked first). Returns the trained model and the last step's metrics. Raises
     :class:`~xpar_zoo.train.stop.Stopped` after saving when SIGINT or SIGTERM stopped it."""
-    import xpar_zoo
-
-    from ..parallel.mesh import init_single_process
+    from ..parallel.mesh import Mesh, init_single_process
 
     if not dist.is_initialized() and not init_distributed(cfg.timeout_minutes):
         init_single_process()
@@ -455,13 +454,13 @@ def train(cfg: TrainConfig) -> TrainResult:
     if ckpt is not None:
         run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
     sizes = dict(cfg.mesh)
-    mesh = xpar_zoo.Mesh(replicate=sizes.pop("replicate", 1), **sizes)
+    mesh = Mesh(replicate=sizes.pop("replicate", 1), **sizes)
 
     peft = from_pretrained_kwargs(cfg, model_config)
     if peft:
         torch.manual_seed(cfg.seed)  # a new adapter is drawn from --seed (rank 0's RNG)
     model = _load_model(cfg, mesh, rank, **peft)
-    attn = model.config._attn_implementation
+    attn = attn_implementation(model.config)
     load = ExpertLoad(model, device)
     biases = correction_biases(model, load) if cfg.expert_bias_update_rate else []
     if cfg.expert_bias_update_rate and not biases:
