@@ -1,6 +1,6 @@
 """``xpar-zoo train --dry-run``: the resolved settings, the mesh, the data's token and target counts and the sizer's
-memory estimate, printed without loading any weight or starting a process group (under torchrun: the launcher's
-world size, rank 0 prints)."""
+memory estimate, printed without loading any weight or starting a process group or any rank (the world: the
+ranks ``--nproc-per-node`` × ``--nnodes`` would start, else under torchrun its world size, rank 0 printing)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def _model_config(cfg: TrainConfig):
     return load_config(resolve_config(cfg.model).parent)
 
 
-def dry_run(cfg: TrainConfig) -> str:
-    """The report of ``--dry-run`` (see the module docstring); raises what the run would raise on bad settings or
-    data."""
+def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
+    """The report of ``--dry-run`` (see the module docstring) for ``world`` ranks (default: the launcher's
+    ``WORLD_SIZE``, else 1); raises what the run would raise on bad settings or data."""
     import dataclasses
     import tempfile
 
@@ -36,7 +36,7 @@ def dry_run(cfg: TrainConfig) -> str:
     from .sft_config import lora_enabled, lora_targets
     from .tiny import TINY_MODEL, tiny_tokenizer
 
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
     sizes = dict(cfg.mesh)
     replicate = sizes.pop("replicate", 1)
     validate_sizes(world, sizes, replicate)
@@ -55,7 +55,7 @@ def dry_run(cfg: TrainConfig) -> str:
     lines = ["xpar-zoo train --dry-run (no weights loaded)", "settings:"]
     lines += [f"  {k}: {json.dumps(v)}" for k, v in sorted(cfg.to_json().items())]
     mesh = ", ".join(f"{k}={v}" for k, v in cfg.mesh.items()) or "FSDP only"
-    lines.append(f"mesh: {mesh} over {world} rank(s) (WORLD_SIZE), dense parameters FSDP-sharded over "
+    lines.append(f"mesh: {mesh} over {world} rank(s), dense parameters FSDP-sharded over "
                  f"{world // replicate} x {replicate} replica(s)")
     lines.append(f"model: {config.model_type}, {config.num_hidden_layers} layers, vocabulary {config.vocab_size}")
     data = getattr(corpus, "summary", "") or (f"{cfg.data}: {corpus.num_tokens} tokens (text: every token but a "

@@ -72,8 +72,8 @@ class MetricsLog:
     """Rank 0's sinks for the per-step metrics; on other ranks every method does nothing."""
 
     def __init__(self, output: Path, *, active: bool, start_step: int, total_steps: int, progress: bool,
-                 tensorboard: bool, log_every: int = 10, terminal: bool | None = None):
-        self.active = active
+                 tensorboard: bool, log_every: int = 10, terminal: bool | None = None, plain_lines: bool = True):
+        self.active, self.plain_lines = active, plain_lines
         self.path = output / METRICS_FILE
         self.total_steps, self.log_every = total_steps, log_every
         self._bar = self._tb = None
@@ -103,7 +103,7 @@ class MetricsLog:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                                   tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             self._bar.update(1)
-        elif record["step"] % self.log_every == 0 or record["step"] == self.total_steps:
+        elif self.plain_lines and (record["step"] % self.log_every == 0 or record["step"] == self.total_steps):
             print(step_line(record, self.total_steps), flush=True)
         if self._tb is not None:
             step = record["step"]
