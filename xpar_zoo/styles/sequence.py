@@ -29,7 +29,8 @@ the whole row. The mask is built here from the *global* token indices, never fro
 would build for a shard: causal, a ``sliding_window`` (as transformers passes it), packed documents (a new document
 starts where ``position_ids`` do not step by one, transformers' own rule, so no token attends across a boundary,
 across cp chunks too) and padding. Boolean for ``sdpa``, additive for ``eager``; its size is ``[b, 1, S/cp, S]``
-per forward (built once per window, shared by the layers). The model applies RoPE before attention with the local
+per forward (built once per window, shared by the layers). Where it would be the plain causal mask of a whole row
+(no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). The model applies RoPE before attention with the local
 ``position_ids``, which hold global positions.
 
 **Hybrid models** (linear attention, SSM layers: qwen3_next's gated delta net, minimax's lightning attention, mamba
@@ -180,6 +181,14 @@ class _Forward:
     key_valid: torch.Tensor | None
     masks: dict = field(default_factory=dict)
 
+    def plain_causal(self, causal: bool, window: int | None, keys: int) -> bool:
+        """Whether the mask is the plain causal one of queries and keys both in row order (no cp, no packed
+        documents, no padding, no window shorter than the row)."""
+        if "in_order" not in self.masks:  # one host sync per forward, not per layer
+            self.masks["in_order"] = self.queries.shape == self.keys.shape and bool((self.keys == self.queries).all())
+        return (causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
+                and self.masks["in_order"])
+
     def mask(self, causal: bool, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
         key = (causal, window, additive_dtype)
         if key not in self.masks:
@@ -308,7 +317,10 @@ class SequenceParallel:
             shard = self.cp_shard()
             key, value = gather_sequence(key, shard), gather_sequence(value, shard)
         causal = bool(getattr(module, "is_causal", True))
-        mask = batch.mask(causal, sliding_window, query.dtype if self.inner == "eager" else None)
+        if self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
+            mask = None  # sdpa's own is_causal over the whole row (flash kernels on GPU); nothing else to mask
+        else:
+            mask = batch.mask(causal, sliding_window, query.dtype if self.inner == "eager" else None)
         for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             kwargs.pop(name, None)
         view = _ModuleView(module, overrides) if overrides else module
