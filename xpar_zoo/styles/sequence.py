@@ -30,8 +30,8 @@ would build for a shard: causal, a ``sliding_window`` (as transformers passes it
 starts where ``position_ids`` do not step by one, transformers' own rule, so no token attends across a boundary,
 across cp chunks too) and padding. Boolean for ``sdpa``, additive for ``eager``; its size is ``[b, 1, S/cp, S]``
 per forward (built once per window, shared by the layers). Where it would be the plain causal mask of a whole row
-(no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). The model applies RoPE before attention with the local
-``position_ids``, which hold global positions.
+(no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). The
+model applies RoPE before attention with the local ``position_ids``, which hold global positions.
 
 **Hybrid models** (linear attention, SSM layers: qwen3_next's gated delta net, minimax's lightning attention, mamba
 mixers) are refused with sp and cp: those layers run a recurrence over the whole sequence per head outside the
@@ -54,8 +54,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..parallel.collectives import GatherRows, all_to_all
+from ..compat import attn_implementation
 from ..errors import BatchError, ModelStateError, PlanError
+from ..parallel.collectives import GatherRows, all_to_all
 from ..parallel.mesh import Mesh, PlanShard
 
 ATTENTION_PREFIX = "xpar_seq_"
@@ -393,7 +394,7 @@ def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
         raise PlanError(f"{sizes}: {type(model).__name__} has sequence mixers outside attention "
                         f"({', '.join(recurrent)}) that need the whole sequence per head on one rank; sp and cp "
                         "are refused for hybrid linear-attention/SSM models")
-    inner = getattr(config, "_attn_implementation", None) or "eager"
+    inner = attn_implementation(config) or "eager"
     if inner.startswith(ATTENTION_PREFIX):
         raise PlanError(f"{type(model).__name__} is already set to sp/cp attention ({inner})")
     if inner not in INNER_IMPLEMENTATIONS:
@@ -444,7 +445,7 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
     state = SequenceParallel(mesh, inner)
     _own_config(model)
     model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
+    if attn_implementation(model.config) != name:
         raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
     for module in model.modules():
         module.__dict__["_xpar_seq"] = state
