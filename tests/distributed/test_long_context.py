@@ -6,8 +6,9 @@ every row (one micro-batch has none), so the ranks hold unequal numbers of valid
 
 Cases: qwen3_moe on sp, sp+ep, sp=4 over 2 key/value heads (repeated), cp+ep, sp+cp, sp+ep+emb+head, on plain
 and on packed rows (position_ids restart per document: no token attends across a boundary, also across cp
-chunks), with eager and sdpa inner attention; a dense model (qwen3) on sp=4 and cp=4; mixtral with a sliding
-window; gpt_oss (attention sinks, sliding and full layers); deepseek_v3 (MLA: q/k head dim 16, v head dim 8). The
+chunks) and right-padded rows, with eager and sdpa inner attention; a dense model (qwen3) on sp=4 and cp=4;
+mixtral and gemma4_text with a sliding window; gpt_oss (attention sinks, sliding and full layers); deepseek_v2/v3
+(MLA: q/k head dim 16, v head dim 8); activation checkpointing; three clipped AdamW steps. The
 same launched run checks ``shard_sequence``, ``data_shard`` and the refusals that need ranks. One 4-rank run for
 all (the zoo's: tests/conftest.py ``zoo_proofs``)."""
 
@@ -43,6 +44,8 @@ CASES = {
     "gpt_oss_sinks_sp2_ep2": (("gpt_oss", {}), {"sp": 2, "ep": 2}, False),
     # not packed: transformers' gpt_oss attends across packed documents in one process (its mask ignores them)
     "gpt_oss_sinks_cp2_sp2": (("gpt_oss", {}), {"cp": 2, "sp": 2}, False),
+    "gemma4_text_window4_sp2_cp2": (("gemma4_text", {}), {"sp": 2, "cp": 2}, True),
+    "deepseek_v2_mla_sp2_cp2": (("deepseek_v2", {}), {"sp": 2, "cp": 2}, True),
     "deepseek_v3_mla_sp2_ep2": (("deepseek_v3", {}), {"sp": 2, "ep": 2}, False),
     "deepseek_v3_mla_cp4": (("deepseek_v3", {}), {"cp": 4}, True),
 }
@@ -152,6 +155,7 @@ def _semantics(world: int) -> dict:
     errors = {}
     for what, call in {
         "seq_not_divisible": lambda: model(input_ids=ids[:, :12], labels=ids[:, :12]),
+        "rows_differ": lambda: model(input_ids=ids if dist.get_rank() != 3 else ids.flip(0), labels=ids),
         "generate": lambda: model.generate(input_ids=ids, max_new_tokens=2),
         "part_twice": lambda: xpar_zoo.shard_sequence(part, model),
         "sp8_on_4_ranks": lambda: xpar_zoo.Mesh(sp=8),
@@ -289,6 +293,7 @@ def test_lora_under_sp_matches_single_process_peft(results):
 
 @pytest.mark.parametrize("what, expected", [
     ("seq_not_divisible", "BatchError: sequence length 12 does not divide by 2·cp·sp = 2·2·2 = 8"),
+    ("rows_differ", "BatchError: sp/cp: the ranks of a sequence group (sp=2 x cp=2) were given different rows"),
     ("generate", "ModelStateError: generate is not supported on an sp/cp mesh (sp=2, cp=2)"),
     ("part_twice", "BatchError: shard_sequence: the batch is already this rank's part"),
     ("sp8_on_4_ranks", "MeshError: sp=8 does not divide the ranks of a replica (4: world 4 / replicate 1)"),

@@ -52,6 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..compat import attn_implementation
@@ -248,6 +249,7 @@ class SequenceParallel:
             raise BatchError("sp/cp: the batch has neither input_ids nor inputs_embeds")
         b, seq_len = ref.shape[:2]
         local = self.layout(seq_len).local.to(ref.device)
+        self.check_same_rows(ref)
         out = dict(named)
         positions = named.get("position_ids")
         if positions is None:
@@ -277,6 +279,26 @@ class SequenceParallel:
             out["inputs_embeds"] = embeds[:, local]
         out["position_ids"] = positions[:, local]
         return out, SequencePart(seq_len, document_ids(positions), key_valid)
+
+    def check_same_rows(self, rows: torch.Tensor) -> None:
+        """Raise :class:`~xpar_zoo.errors.BatchError` on every rank of the sequence group when its ranks were given
+        different rows (e.g. a loader sharded by rank instead of :func:`data_shard`): each would train on tokens
+        of rows it does not hold. A fingerprint of the rows (shape and a position-weighted sum), reduced by max and
+        by min over the sp and cp groups: two small all-reduces and one host sync per forward."""
+        weights = torch.arange(1, rows.shape[0] * rows.shape[1] + 1, device=rows.device,
+                               dtype=torch.float64).view(rows.shape[:2])
+        values = rows.to(torch.float64)
+        values = values.sum(-1) if values.dim() == 3 else values  # inputs_embeds: [b, s, h]
+        fingerprint = (values * weights).sum() + rows.shape[0] * 1e9 + rows.shape[1] * 1e6
+        both = torch.stack([fingerprint, -fingerprint])
+        for group, size in ((self.sp_group, self.sp), (self.cp_group, self.cp)):
+            if size > 1:
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if bool(both[0] != -both[1]):
+            raise BatchError(f"sp/cp: the ranks of a sequence group (sp={self.sp} x cp={self.cp}) were given "
+                             "different rows; every rank of a group must pass the same full-length rows (read the "
+                             "loader's part with xpar_zoo.data_shard(model), or hand each rank its part with "
+                             "xpar_zoo.shard_sequence)")
 
     def begin(self, part: SequencePart, device: torch.device) -> None:
         layout = self.layout(part.seq_len)
