@@ -22,7 +22,7 @@ from xpar_zoo.checkpoint import (iter_model_tensors, model_tensor_specs, read_ch
 from xpar_zoo.errors import CheckpointError, ConvertError
 from xpar_zoo.hub.resolve import SIDE_FILES, resolve
 from xpar_zoo.hub.writer import HubWriter, parse_dtype, parse_size
-from xpar_zoo.hub.loader import build_meta
+from xpar_zoo.zoo.registry import build_meta
 
 EXPORT_INFO_FILE = "xpar_export.json"
 
@@ -73,6 +73,9 @@ def export_to_hf(
     meta = read_checkpoint_metadata(checkpoint)
     source_dir = resolve(model, weights=False).directory if model is not None else None  # config, side files
     config = _config_from(meta, source_dir)
+    if meta.get("trainable_only"):
+        raise ConvertError(f"{checkpoint} holds only the trained parameters (a LoRA run's adapters, not the base): "
+                           "export with `xpar-zoo train --export-hf DIR` (merged) or --export-adapter DIR")
     specs = model_tensor_specs(checkpoint)
     if meta.get("peft") and not merge_adapter:
         raise ConvertError(f"{checkpoint} holds a PEFT adapter ({', '.join(meta['peft'])}): pass --merge-adapter for "

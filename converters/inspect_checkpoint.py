@@ -33,7 +33,7 @@ def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
     """``(format, note)``: per-expert when transformers' conversion rules fuse any key, from a meta-device model."""
     try:
         from xpar_zoo.hub.layout import map_hub_layout
-        from xpar_zoo.hub.loader import build_meta
+        from xpar_zoo.zoo.registry import build_meta
 
         import torch
 

@@ -26,8 +26,8 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..io.atomic_dir import durable_write, fsync_dir, remove_aside
 from ..errors import CheckpointError, CheckpointWarning
+from ..io.atomic_dir import durable_write, fsync_dir, remove_aside
 from ..io.integrity import CHECKSUM, file_checksum
 
 FORMAT = "xpar_zoo.checkpoint/1"

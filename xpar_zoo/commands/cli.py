@@ -71,28 +71,35 @@ def _cmd_size(args: argparse.Namespace) -> int:
 
     config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
-                  recompute=args.recompute)
+                  recompute=args.recompute, attention=args.attention)
     if args.lora_rank is not None:
         parameters = args.lora_parameters
         modules = args.lora_modules.split(",") if args.lora_modules else None
         common.update(lora_rank=args.lora_rank, lora_modules=modules,
                       lora_parameters=None if parameters is None else [p for p in parameters.split(",") if p != "none"])
-    if args.ep is not None or args.emb or args.head or args.replicate != 1 or not args.suggest:
+    if (args.ep is not None or args.emb or args.head or args.sp or args.cp or args.replicate != 1
+            or not args.suggest):
         sizes = {k: v for k, v in (("ep", args.ep), ("emb", args.emb), ("head", args.head)) if v and v > 1}
-        estimates = [sizing.estimate(config, args.world, sizes, args.replicate, **common)]
+        estimates = [sizing.estimate(config, args.world, sizes, args.replicate, sp=args.sp or 1, cp=args.cp or 1,
+                                     **common)]
     else:
         budget = args.memory_gib * 2**30 if args.memory_gib else None
         estimates = sizing.suggest(config, args.world, memory_budget=budget, **common)
     if args.json:
-        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "memory": e.memory, "comm": e.comm}
-                          for e in estimates], indent=2))
+        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "tokens_per_rank": e.tokens_per_rank,
+                           "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
     else:
         print(_describe_model(config, args.model))
         print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "
-              f"{args.dtype} compute, {args.optimizer}" + (", activation checkpointing" if args.recompute else "")
+              f"{args.dtype} compute, {args.attention} attention, {args.optimizer}"
+              + (", activation checkpointing" if args.recompute else "")
               + (f", LoRA rank {args.lora_rank} (frozen base)" if args.lora_rank else ""))
         for e in estimates:
             print(sizing.format_estimate(e))
+            group = e.mesh.get("sp", 1) * e.mesh.get("cp", 1)
+            if group > 1:
+                print(f"  sequence: the {group} ranks of an sp x cp group share each micro-batch; "
+                      f"{e.tokens_per_rank} tokens per rank outside attention")
             if args.memory_gib and e.memory_total > args.memory_gib * 2**30:
                 print(f"  (over the {args.memory_gib:g} GiB budget: no mesh of {args.world} ranks fits)")
     return 0
@@ -153,6 +160,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from ..train.stop import Stopped
 
     cfg = config_from_args(args)  # every setting checked before any rank starts
+    if args.dry_run:
+        from ..train.dry_run import dry_run
+
+        report = dry_run(cfg)
+        if os.environ.get("RANK", "0") == "0":
+            print(report)
+        return 0
     if args.nproc_per_node is not None and not launched_by_us():
         return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
                       args.master_port)
@@ -242,9 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=_positive_int, help="expert-parallel size (omit with --suggest to rank meshes)")
     p.add_argument("--emb", type=_positive_int, help="vocab-parallel embedding size")
     p.add_argument("--head", type=_positive_int, help="vocab-parallel lm_head size")
+    p.add_argument("--sp", type=_positive_int, help="Ulysses sequence-parallel size (at most the query heads)")
+    p.add_argument("--cp", type=_positive_int, help="context-parallel size (queries split, keys/values gathered)")
     p.add_argument("--replicate", type=_positive_int, default=1, help="HSDP replicas")
     p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per rank per step")
-    p.add_argument("--seq", type=_positive_int, default=4096, help="sequence length")
+    p.add_argument("--seq", type=_positive_int, default=4096,
+                   help="sequence length (of each row; split over the sp x cp ranks; --suggest sizes sp/cp for it)")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager", "flash_attention_2", "flash_attention_3"],
+                   help="the model's attention implementation (eager keeps the seq x seq scores; default sdpa)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="compute dtype")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
     p.add_argument("--recompute", action="store_true",

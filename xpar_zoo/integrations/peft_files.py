@@ -5,10 +5,9 @@ saved adapter), the adapter configs a checkpoint records, and :class:`AdapterMer
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -16,12 +15,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parallel.distributed import exact_gathers, rank
-from ..errors import AdapterError
-from ..parallelize import uses_peft
+from ..compat import lora_swapped_in_out
+from ..errors import AdapterError, ModelStateError
+from ..io.atomic_dir import StagingDir
+from ..parallel.distributed import broadcast, exact_gathers, rank
+from ..parallel.state import local_region
 from ..zoo.plan import WRAPPED_ATTR
+from ..zoo.registry import build_meta
 from .peft import (FRESH_INITS, adapter_names, check_supported, is_expert_major, param_wrappers, relayout,
-                   require_peft, to_expert_major, to_peft_layout, unwrapped_name)
+                   require_peft, to_expert_major, to_peft_layout, unwrapped_name, uses_peft)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -59,7 +61,6 @@ def fill_adapter(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy into every local shard of ``model``'s adapter tensors its region of ``state`` (``{name in model: full
     tensor in PEFT's layout}``); expert factors are converted to the per-expert layout. Strict: every adapter
     tensor is filled."""
-    from ..hub.loader import local_region
 
     params = dict(model.named_parameters())
     missing = [n for n in adapter_keys(model) if n not in state]
@@ -110,14 +111,6 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _broadcast(obj):
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Write the LoRA adapter of a (parallelized) PEFT model to ``directory`` in PEFT's own format:
     ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's key names, expert adapters at their global
@@ -133,21 +126,22 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
     directory = Path(directory).expanduser().absolute()
     error = None
     if rank() == 0:
-        staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+        staging = None
         try:
-            staging.mkdir(parents=True)
-            save_file(state, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            # into an existing directory file by file, the config last; other files there stay
+            staging = StagingDir(directory, AdapterError, merge=lambda name: False,
+                                 last=lambda name: name == ADAPTER_CONFIG)
+            save_file(state, str(staging.path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
             config = copy.deepcopy(model.peft_config[adapter])
             config.inference_mode = True  # as PEFT saves it
-            config.save_pretrained(str(staging))
-            directory.mkdir(parents=True, exist_ok=True)
-            for f in sorted(staging.iterdir(), key=lambda p: p.name == ADAPTER_CONFIG):  # the config last
-                os.replace(f, directory / f.name)
+            config.save_pretrained(str(staging.path))
+            staging.commit()
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    error = _broadcast(error)
+            if staging is not None:
+                staging.discard()
+    error = broadcast(error)
     if error:
         raise AdapterError(f"saving the adapter to {directory} failed: {error}")
     return directory
@@ -316,7 +310,6 @@ class AdapterMerge:
         peft = require_peft()
         from peft.tuners.lora import LoraLayer, ParamWrapper
 
-        from ..hub.loader import build_meta
 
         if len(adapters) != 1:
             raise AdapterError(f"the checkpoint holds {len(adapters)} adapters ({', '.join(adapters)}); xpar_zoo "
@@ -347,7 +340,7 @@ class AdapterMerge:
             adapter_names |= {a, b}
             if isinstance(layer, ParamWrapper):
                 base = f"{fqn_of[id(layer.get_base_layer())]}.{layer.parameter_name}"
-                kind = "experts" if layer._did_swap_in_out_features else "experts_transposed"
+                kind = "experts" if lora_swapped_in_out(layer) else "experts_transposed"
             else:
                 base = f"{fqn_of[id(layer.get_base_layer())]}.weight"
                 kind = "transposed" if layer.fan_in_fan_out else "linear"
@@ -380,3 +373,32 @@ class AdapterMerge:
             yield self._hf_name[name], tensor
 
 
+# ---- save_pretrained of a parallelized PeftModel -------------------------------------------------------
+def finish(outer: nn.Module, hf: nn.Module) -> nn.Module:
+    """After ``parallelize``: ``save_pretrained`` of a ``PeftModel`` writes its adapter (:func:`save_adapter`), and
+    the transformers model inside refuses to save its PEFT-named tensors as a hub checkpoint."""
+    def refuse(*args, **kwargs):
+        raise ModelStateError("this model carries a PEFT adapter: save the adapter with xpar_zoo.save_adapter (or the "
+                              "PeftModel's save_pretrained), or merged hub weights from a checkpoint with "
+                              "`xpar-zoo convert to-hf --merge-adapter`")
+
+    hf.save_pretrained = refuse
+    if outer is not hf:
+        outer.save_pretrained = functools.partial(_save_pretrained, outer)
+    return outer
+
+
+def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, safe_serialization: bool = True,
+                     is_main_process: bool = True, selected_adapters: list[str] | None = None,
+                     save_embedding_layers: bool | str = "auto", state_dict: dict | None = None, **kwargs) -> Path:
+    """``PeftModel.save_pretrained`` on a parallelized model: :func:`save_adapter` (a collective; rank 0 writes,
+    ``is_main_process`` is accepted and ignored). Arguments it cannot honour from the live shards are refused."""
+    given = sorted([*kwargs] + [name for name, bad in (("safe_serialization=False", not safe_serialization),
+                                                       ("state_dict", state_dict is not None)) if bad])
+    adapters = adapter_names(model)
+    if selected_adapters not in (None, adapters):
+        given.append(f"selected_adapters={selected_adapters}")
+    if given:
+        raise ModelStateError(f"save_pretrained on a parallelized PEFT model writes its adapter from the live shards "
+                              f"(xpar_zoo.save_adapter) and does not take {given}")
+    return save_adapter(model, save_directory)

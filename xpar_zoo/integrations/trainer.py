@@ -28,9 +28,9 @@ from torch import nn
 from transformers import Trainer
 
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ..parallel.clip import clip_grad_norm_
 from ..errors import IntegrationError
 from ..loss.global_batch import IGNORE_INDEX
+from ..parallel.clip import clip_grad_norm_
 from ..styles.vocab import full_logits
 from .accelerate import check_accelerator, parallelized_module
 
@@ -242,7 +242,7 @@ class XparTrainerMixin:
             raise IntegrationError("an xpar_zoo model is saved from its live shards; save_model takes no state_dict")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if _is_peft_model(self.model):
-            from .. import save_adapter
+            from .peft_files import save_adapter
 
             save_adapter(self.model, output_dir)
         else:

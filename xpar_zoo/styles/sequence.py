@@ -53,8 +53,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..parallel.collectives import GatherRows, all_to_all
+from ..compat import attn_implementation
 from ..errors import BatchError, ModelStateError, PlanError
+from ..parallel.collectives import GatherRows, all_to_all
 from ..parallel.mesh import Mesh, PlanShard
 
 ATTENTION_PREFIX = "xpar_seq_"
@@ -372,7 +373,7 @@ def attention_outside_interface(model: nn.Module) -> str | None:
 def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
     """Raise :class:`~xpar_zoo.errors.PlanError` (one line, naming the numbers) when ``model`` cannot run on
     ``mesh``'s sp/cp; return the inner attention implementation. Before any tensor is touched."""
-    sizes = f"sp={mesh.sp}, cp={mesh.cp}"
+    sizes = ", ".join(f"{d}={n}" for d, n in (("sp", mesh.sp), ("cp", mesh.cp)) if n > 1)
     config = model.config
     if any(getattr(config, k, None) is not None for k in getattr(config, "sub_configs", {}) if k != "text_config"):
         raise PlanError(f"{sizes}: {type(model).__name__} is multimodal; long context supports text-only causal LMs")
@@ -381,7 +382,7 @@ def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
         raise PlanError(f"{sizes}: {type(model).__name__} has sequence mixers outside attention "
                         f"({', '.join(recurrent)}) that need the whole sequence per head on one rank; sp and cp "
                         "are refused for hybrid linear-attention/SSM models")
-    inner = getattr(config, "_attn_implementation", None) or "eager"
+    inner = attn_implementation(config) or "eager"
     if inner.startswith(ATTENTION_PREFIX):
         raise PlanError(f"{type(model).__name__} is already set to sp/cp attention ({inner})")
     if inner not in INNER_IMPLEMENTATIONS:
@@ -432,7 +433,7 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
     state = SequenceParallel(mesh, inner)
     _own_config(model)
     model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
+    if attn_implementation(model.config) != name:
         raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
     for module in model.modules():
         module.__dict__["_xpar_seq"] = state

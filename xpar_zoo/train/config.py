@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..hub.writer import DTYPES
 from ..errors import TrainConfigError
+from . import sft_config
 
 SCHEDULES = ("cosine", "linear", "constant")
 INT64_MAX = 2**63 - 1
@@ -30,9 +32,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "expert_bias_update_rate": (0, None), "router_aux_loss_coef": (0, None),
     "timeout_minutes": (1e-3, 525_600),  # a year: torch's timeout (a timedelta, then milliseconds) overflows past that
 }
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-          "fp16": "float16", "float16": "float16"}
-REQUIRED = ("model", "data", "steps", "output")
+REQUIRED = ("model", "data", "output")  # and steps or epochs
 
 
 @dataclass
@@ -74,6 +74,22 @@ class TrainConfig:
     force: bool = False
     log_every: int = 10
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    # fine-tuning (xpar_zoo.train.sft_config): conversations, epochs, LoRA, evaluation, reporting
+    epochs: int | None = None
+    loss_on: str | None = None
+    truncate: str | None = None
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+    lora_experts: bool = True
+    adapter: str | None = None
+    export_adapter: str | None = None
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_batches: int | None = None
+    save_best: bool = False
+    report_to: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The settings as JSON data (saved in checkpoints and printed at start)."""
@@ -139,6 +155,8 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     """``value`` of key ``name`` checked and converted to the field's type."""
     if name == "mesh":
         return parse_mesh(value, where)
+    if name == "lora_targets" and isinstance(value, (list, tuple)):  # YAML: a list of module names
+        value = ",".join(map(str, value))
     if name == "adam_betas":
         parts = value.split(",") if isinstance(value, str) else value
         try:
@@ -309,6 +327,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="a plain line every N steps when there is no progress bar (--no-progress, or not a terminal; default 10)")
     a("--max-line-bytes", type=int, default=S,
       help=f"longest data line (JSONL record, .txt document) read, in bytes (default {DEFAULT_MAX_LINE_BYTES})")
+    sft_config.add_arguments(parser)
     add_launcher_arguments(parser)
 
 
@@ -352,16 +371,20 @@ def validate(cfg: TrainConfig) -> None:
     """Raise :class:`TrainConfigError` on any setting that cannot work: every value of its type, finite and in its
     range (:data:`RANGES`), and the settings consistent with each other."""
     missing = [f"--{n}" for n in REQUIRED if getattr(cfg, n) in (None, "")]
+    if cfg.steps is None and cfg.epochs is None:
+        missing.append("--steps (or --epochs)")
     if missing:
         raise TrainConfigError(f"missing setting(s): {', '.join(missing)} (flags or keys of --config)")
+    sft_config.validate(cfg)
     for name in FIELDS:
         _coerce(name, getattr(cfg, name), f"--{name.replace('_', '-')}")
     if cfg.schedule not in SCHEDULES:
         raise TrainConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.warmup > cfg.steps:
-        raise TrainConfigError(f"warmup ({cfg.warmup}) is longer than the run (steps {cfg.steps})")
-    if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
-        raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
+    if cfg.steps is not None:  # --epochs: checked again once the data gives the steps
+        if cfg.warmup > cfg.steps:
+            raise TrainConfigError(f"warmup ({cfg.warmup}) is longer than the run (steps {cfg.steps})")
+        if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
+            raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise TrainConfigError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {cfg.dtype!r}")
     if cfg.attn_implementation is not None:

@@ -13,6 +13,7 @@ One optimizer step on every rank:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -30,20 +31,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat import attn_implementation
 from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..errors import DataError, TrainConfigError
+from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
+from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
-from ..errors import DataError, TrainConfigError
-from ..loss.global_batch import count_targets, global_count
-from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
 from .agreement import check_same_settings, resume_changes
 from .config import DTYPES, TrainConfig
+from . import sft_config
+from .config import validate
+from .chat import conversation_corpus, load_examples, pad_token_id
+from .evaluate import Evaluator
+from .lora import export_adapter, export_merged, from_pretrained_kwargs, is_lora
+from .metrics import read_metrics
+from .packing import EpochLimit, steps_for_epochs
+from .reporting import Reporter
+from .tiny import resolve_model
 from .data import (PackedCorpus, flatten_rows, load_tokenizer, micro_batches, read_documents, rows_per_step,
                    tokenize)
 from .metrics import MetricsLog, peak_memory_bytes
 from .outputs import CHECKPOINTS, ExportTarget, check_outputs
 from .stop import StopOnSignal, Stopped
 
+CHECKPOINTS = "checkpoints"
+BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
+SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 # transformers' masking utilities build a block-causal mask from restarting position_ids for these (no attention
 # mask, no cache); its flash-attention kernels run packed rows as varlen from position_ids in a batch of one row.
 DOCUMENT_MASKING = ("eager", "sdpa", "flex_attention")
@@ -98,17 +112,49 @@ def _checkpoint_to_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     return found, resume_changes(saved, cfg, step)
 
 
-def _load_corpus(cfg: TrainConfig, vocab_size: int) -> tuple[PackedCorpus, Any]:
-    """Every rank: read, tokenize and pack the data; the tokenizer (``None`` for pre-tokenized data without one)."""
-    docs = read_documents(cfg.data, cfg.text_field, cfg.max_line_bytes)
+def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None) -> tuple[PackedCorpus, Any]:
+    """Every rank: read, tokenize and pack the data (``path``, default ``cfg.data``); the tokenizer (``None`` for
+    pre-tokenized data without one). Conversations (``messages``, ``prompt``/``completion``) are packed whole
+    (:mod:`xpar_zoo.train.chat`, :mod:`xpar_zoo.train.packing`)."""
+    path = path or cfg.data
+    conversations = load_examples(path)
+    if conversations is not None:
+        tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        return conversation_corpus(path, *conversations, tokenizer, loss_on=cfg.loss_on, seq_len=cfg.seq_len,
+                                   seed=cfg.seed, truncate=cfg.truncate, vocab_size=vocab_size), tokenizer
+    if cfg.loss_on not in (None, "all") or cfg.truncate is not None:
+        raise DataError(f"{path}: --loss-on / --truncate apply to conversations ('messages' or 'prompt'/'completion' "
+                        "records); plain text trains on every token and is cut into rows")
+    docs = read_documents(path, cfg.text_field, cfg.max_line_bytes)
     tokenizer = None
     if docs.texts is not None or cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     tokens, lengths = tokenize(docs, tokenizer)
     if len(tokens) and int(tokens.max()) >= vocab_size:
-        raise DataError(f"{cfg.data}: token id {int(tokens.max())} is outside the model's vocabulary "
+        raise DataError(f"{path}: token id {int(tokens.max())} is outside the model's vocabulary "
                                f"({vocab_size} rows); use the model's tokenizer")
-    return PackedCorpus(tokens, lengths, cfg.seq_len, cfg.seed, source=str(cfg.data)), tokenizer
+    return PackedCorpus(tokens, lengths, cfg.seq_len, cfg.seed, source=str(path)), tokenizer
+
+
+def resolve_epochs(cfg: TrainConfig, corpus, tokenizer, world: int) -> tuple[TrainConfig, Any]:
+    """``--epochs N``: the settings with the steps that read N epochs, and the corpus read for N epochs only (the
+    last step's rows past the end are padding). Otherwise both as they are."""
+    if cfg.epochs is None:
+        return cfg, corpus
+    steps = steps_for_epochs(cfg.epochs, corpus.rows_per_epoch, rows_per_step(world, cfg.micro_batch, cfg.grad_accum))
+    cfg = dataclasses.replace(cfg, steps=steps)
+    try:
+        validate(dataclasses.replace(cfg, epochs=None))
+    except TrainConfigError as e:
+        raise TrainConfigError(f"--epochs {cfg.epochs} is {steps} steps of {corpus.rows_per_epoch} rows per epoch: "
+                               f"{e}") from None
+    return cfg, EpochLimit(corpus, cfg.epochs, pad_token_id(tokenizer) if tokenizer is not None else 0)
+
+
+def best_eval_loss(output: Path, step: int) -> float:
+    """Rank 0: the lowest ``eval_loss`` in ``metrics.jsonl`` up to ``step`` (a resumed ``--save-best`` run)."""
+    seen = [m["eval_loss"] for m in read_metrics(output) if m.get("step", 0) <= step and "eval_loss" in m]
+    return min(seen, default=math.inf)
 
 
 def _model_config(name: str):
@@ -196,7 +242,8 @@ def _check_aux(aux: RouterAux, local: torch.Tensor, model_aux: torch.Tensor) -> 
     aux.checked = True
 
 
-def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: int, corpus: PackedCorpus) -> Path:
+def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: int, corpus: PackedCorpus,
+          root: Path | None = None, keep_last: int | None = None) -> Path:
     extra = {
         "step": step,
         "data": {"position": position, "fingerprint": corpus.fingerprint(), "rows_per_epoch": corpus.rows_per_epoch,
@@ -205,8 +252,8 @@ def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: in
         "world_size": dist.get_world_size(),
         "config": cfg.to_json(),
     }
-    return save_checkpoint(Path(cfg.output) / CHECKPOINTS, model, optimizer, extra_state=extra, step=step,
-                           keep_last=cfg.keep_last)
+    return save_checkpoint(root or Path(cfg.output) / CHECKPOINTS, model, optimizer, extra_state=extra, step=step,
+                           keep_last=keep_last or cfg.keep_last, trainable_only=is_lora(model))
 
 
 def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
@@ -221,7 +268,7 @@ def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
 
 
 def _resume(ckpt: Path, model, optimizer, cfg: TrainConfig) -> tuple[int, int]:
-    extra = load_checkpoint(ckpt, model, optimizer)
+    extra = load_checkpoint(ckpt, model, optimizer, trainable_only=is_lora(model))
     apply_optimizer_settings(optimizer, cfg)
     return int(extra["step"]), int(extra["data"]["position"])
 
@@ -244,13 +291,14 @@ class _Run:
     rank: int
 
 
-def _load_model(cfg: TrainConfig, mesh, rank: int) -> nn.Module:
-    """The model from ``cfg.model`` on ``mesh``, in training mode with the run's attention and recompute settings."""
-    import xpar_zoo
+def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
+    """The model from ``cfg.model`` on ``mesh`` (``peft``: ``from_pretrained``'s LoRA arguments), in training mode
+    with the run's attention and recompute settings."""
+    from ..hub.loader import from_pretrained
 
-    model = xpar_zoo.from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                                     mixed_precision=cfg.mixed_precision,
-                                     progress=cfg.progress and rank == 0 and sys.stderr.isatty())
+    model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
+                            mixed_precision=cfg.mixed_precision,
+                            progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
     if cfg.attn_implementation:
@@ -311,7 +359,7 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     position += rows_per_step(run.world, cfg.micro_batch, cfg.grad_accum)
     record = {"loss": loss / run.world, "grad_norm": float(grad_norm), "lr": lr, "tokens": int(tokens),
-              "targets": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+              "targets": int(targets), "target_tokens": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
               "peak_mem_bytes": int(peak.item()), "data_position": position,
               "epoch": (position - 1) // run.corpus.rows_per_epoch}
     if run.aux:
@@ -326,7 +374,10 @@ def _export(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int) -> None:
     existing export, with ``--force``, is replaced only then)."""
     target = ExportTarget(Path(cfg.export_hf))
     try:
-        model.save_pretrained(target.path, progress=cfg.progress and sys.stderr.isatty())  # every rank: rank 0 writes
+        if is_lora(model):  # merged weights, W + s·BA
+            export_merged(model, target.path)
+        else:
+            model.save_pretrained(target.path, progress=cfg.progress and sys.stderr.isatty())  # every rank: rank 0 writes
         if rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(target.path)
         target.commit()
@@ -359,7 +410,7 @@ def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
     process, said as such: start ranks, or train without the mesh)."""
     from ..errors import MeshError
     from ..parallel.mesh import validate_sizes
-    from ..parallelize import check_plan_names
+    from ..styles.planned import check_plan_names
     from ..zoo.registry import get_plan
 
     sizes = dict(cfg.mesh)
@@ -381,9 +432,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     launcher's environment when needed; a plain process runs as world 1). A collective: every rank calls it with
     the same settings (checked first). Returns the trained model and the last step's metrics. Raises
     :class:`~xpar_zoo.train.stop.Stopped` after saving when SIGINT or SIGTERM stopped it."""
-    import xpar_zoo
-
-    from ..parallel.mesh import init_single_process
+    from ..parallel.mesh import Mesh, init_single_process
 
     if not dist.is_initialized() and not init_distributed(cfg.timeout_minutes):
         init_single_process()
@@ -393,17 +442,25 @@ def train(cfg: TrainConfig) -> TrainResult:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     output = Path(cfg.output)
     ckpt, changes = run_everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
+    cfg = dataclasses.replace(cfg, model=run_everywhere(lambda: resolve_model(cfg.model, output), rank0_only=True))
     model_config = run_everywhere(lambda: _model_config(cfg.model))
     run_everywhere(lambda: check_mesh(cfg, model_config, world), rank0_only=True)
-    corpus, tokenizer = run_everywhere(lambda: _load_corpus(cfg, model_config.vocab_size))
+    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size))
+    cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
     check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
+    evaluator = None
+    if cfg.eval_data:
+        eval_corpus = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size, cfg.eval_data)[0])
     if ckpt is not None:
         run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
     sizes = dict(cfg.mesh)
-    mesh = xpar_zoo.Mesh(replicate=sizes.pop("replicate", 1), **sizes)
+    mesh = Mesh(replicate=sizes.pop("replicate", 1), **sizes)
 
-    model = _load_model(cfg, mesh, rank)
-    attn = model.config._attn_implementation
+    peft = from_pretrained_kwargs(cfg, model_config)
+    if peft:
+        torch.manual_seed(cfg.seed)  # a new adapter is drawn from --seed (rank 0's RNG)
+    model = _load_model(cfg, mesh, rank, **peft)
+    attn = attn_implementation(model.config)
     load = ExpertLoad(model, device)
     biases = correction_biases(model, load) if cfg.expert_bias_update_rate else []
     if cfg.expert_bias_update_rate and not biases:
@@ -414,14 +471,24 @@ def train(cfg: TrainConfig) -> TrainResult:
     run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg, step), corpus, load, biases,
                router_aux(model, cfg), attn.startswith("flash_attention"), device, world, rank)
     last_step = cfg.stop_after or cfg.steps
+    sinks = sft_config.reporters(cfg)
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
-                     progress=cfg.progress, tensorboard=cfg.tensorboard, log_every=cfg.log_every)
+                     progress=False, tensorboard="tensorboard" in sinks, log_every=cfg.log_every)
+    report = Reporter(cfg, output, active=rank == 0, start_step=step, total_steps=cfg.steps, wandb="wandb" in sinks)
+    if cfg.eval_data:
+        evaluator = Evaluator(eval_corpus, world=world, rank=rank, micro_batch=cfg.micro_batch,
+                              max_batches=cfg.eval_batches, flatten=run.flatten, device=device,
+                              pad_id=pad_token_id(tokenizer))
+        best = run_everywhere(lambda: best_eval_loss(output, step), rank0_only=True)
     log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
                 f"ranks x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
                 f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
                 + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
     for line in changes:
         log.message(f"changed on resume: {line}")
+    for data in (corpus, eval_corpus if cfg.eval_data else None):
+        if getattr(data, "summary", ""):
+            log.message(data.summary)
     if attn not in DOCUMENT_MASKING and not run.flatten:
         log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
                     f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
@@ -431,8 +498,19 @@ def train(cfg: TrainConfig) -> TrainResult:
             while step < last_step:
                 record = {"step": step + 1, **optimizer_step(run, position)}
                 step, position = record["step"], record["data_position"]
+                if evaluator is not None and (step == last_step or (cfg.eval_every and step % cfg.eval_every == 0)):
+                    record.update(evaluator(model))
+                    load.take()  # the evaluation's tokens are no step's expert load
                 log.write(record)
+                report.write(record)
+                if (line := report.line(record)) is not None:
+                    log.message(line)
                 signum = stop.agreed(device)
+                if cfg.save_best and "eval_loss" in record and record["eval_loss"] < best:
+                    best = record["eval_loss"]
+                    path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus, root=output / BEST,
+                                 keep_last=1)
+                    log.message(f"step {step}: eval_loss {best:.4f}, the lowest so far: saved {path}")
                 if step == last_step or signum or (cfg.save_every and step % cfg.save_every == 0):
                     path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus)  # every rank
                     log.message(f"step {step}: saved {path}")
@@ -442,8 +520,13 @@ def train(cfg: TrainConfig) -> TrainResult:
                     raise Stopped(signum, f"stopped by {name} after step {step}")
         if cfg.export_hf and step == cfg.steps:
             _export(cfg, model, tokenizer, rank)
-            log.message(f"exported the model in the hub's format to {cfg.export_hf}")
+            log.message(f"exported the {'merged ' if is_lora(model) else ''}model in the hub's format to "
+                        f"{cfg.export_hf}")
+        if cfg.export_adapter and step == cfg.steps:
+            export_adapter(model, cfg.export_adapter, tokenizer, rank)
+            log.message(f"exported the LoRA adapter (PEFT's files) to {cfg.export_adapter}")
     finally:
         load.remove()
         log.close()
+        report.close()
     return TrainResult(model=model, step=step, last=record, output=output)

@@ -6,7 +6,9 @@ Fields of every line: ``step``, ``loss`` (the mean over every valid target of th
 micro-batches), ``grad_norm`` (before clipping), ``lr`` (the step's), ``tokens`` (input tokens of the step over all
 ranks), ``targets`` (valid targets: the loss's normaliser), ``tokens_per_s``, ``step_time_s``, ``peak_mem_bytes``
 (the largest over the ranks: CUDA peak allocated during the step, on the CPU the process's peak RSS),
-``data_position`` (global rows consumed after the step), ``epoch``; ``aux_loss`` with a router auxiliary loss; and
+``data_position`` (global rows consumed after the step), ``epoch``; ``target_tokens`` (= ``targets``: over one
+epoch of conversation data their sum is the data's target tokens); with ``--eval-data``, at evaluation steps,
+``eval_loss``, ``eval_targets``, ``eval_time_s`` (TensorBoard: ``eval/…``); ``aux_loss`` with a router auxiliary loss; and
 for MoE models ``expert_load``: per layer ``{"layer", "tokens": [per expert, global], "max_over_mean"}``.
 
 The file is only ever appended to. Every run (a resume included) first appends ``{"event": "start", "step": S,
@@ -107,7 +109,8 @@ class MetricsLog:
             step = record["step"]
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}", value, step)
+                    tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                    self._tb.add_scalar(tag, value, step)
             for layer in record.get("expert_load", ()):
                 self._tb.add_scalar(f"expert_load/max_over_mean/layer_{layer['layer']}", layer["max_over_mean"], step)
 
