@@ -30,8 +30,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "seed": (0, INT64_MAX), "log_every": (1, None), "max_line_bytes": (1, 1 << 30),
     "lr": (0, 1), "min_lr_ratio": (0, 1), "weight_decay": (0, None), "max_grad_norm": (0, None),
     "expert_bias_update_rate": (0, None), "router_aux_loss_coef": (0, None),
-    "epochs": (1, 10**6), "lora_rank": (1, 2**16), "lora_alpha": (1e-12, None), "lora_dropout": (0, 1),
-    "eval_every": (0, None), "eval_batches": (1, None),
+    "epochs": (1, 10**6), "lora_rank": (1, 2**16),  # lora_alpha, lora_dropout, eval_*: sft_config says it
     "timeout_minutes": (1e-3, 525_600),  # a year: torch's timeout (a timedelta, then milliseconds) overflows past that
 }
 REQUIRED = ("model", "data", "output")  # and steps or epochs
