@@ -30,6 +30,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "seed": (0, INT64_MAX), "log_every": (1, None), "max_line_bytes": (1, 1 << 30),
     "lr": (0, 1), "min_lr_ratio": (0, 1), "weight_decay": (0, None), "max_grad_norm": (0, None),
     "expert_bias_update_rate": (0, None), "router_aux_loss_coef": (0, None),
+    "epochs": (1, 10**6), "lora_rank": (1, 2**16),  # lora_alpha, lora_dropout, eval_*: sft_config says it
     "timeout_minutes": (1e-3, 525_600),  # a year: torch's timeout (a timedelta, then milliseconds) overflows past that
 }
 REQUIRED = ("model", "data", "output")  # and steps or epochs
@@ -324,7 +325,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="write into a non-empty --output without checkpoints, and replace an existing --export-hf (only once "
            "the new export is complete)")
     a("--log-every", type=int, default=S,
-      help="a plain line every N steps when there is no progress bar (--no-progress, or not a terminal; default 10)")
+      help="with --no-progress: a plain line every N steps and at the last (default 10)")
     a("--max-line-bytes", type=int, default=S,
       help=f"longest data line (JSONL record, .txt document) read, in bytes (default {DEFAULT_MAX_LINE_BYTES})")
     sft_config.add_arguments(parser)
@@ -375,9 +376,9 @@ def validate(cfg: TrainConfig) -> None:
         missing.append("--steps (or --epochs)")
     if missing:
         raise TrainConfigError(f"missing setting(s): {', '.join(missing)} (flags or keys of --config)")
-    sft_config.validate(cfg)
-    for name in FIELDS:
+    for name in FIELDS:  # types, finiteness and ranges first: the checks below compare numbers
         _coerce(name, getattr(cfg, name), f"--{name.replace('_', '-')}")
+    sft_config.validate(cfg)
     if cfg.schedule not in SCHEDULES:
         raise TrainConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.steps is not None:  # --epochs: checked again once the data gives the steps

@@ -473,8 +473,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     last_step = cfg.stop_after or cfg.steps
     sinks = sft_config.reporters(cfg)
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
-                     progress=cfg.progress, tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
-                     plain_lines=False)  # the lines: Reporter's, with a progress bar and an ETA
+                     tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
+                     lines=not cfg.progress)  # with --progress the Reporter's line per step says it
     report = Reporter(cfg, output, active=rank == 0, start_step=step, total_steps=cfg.steps, wandb="wandb" in sinks)
     if cfg.eval_data:
         evaluator = Evaluator(eval_corpus, world=world, rank=rank, micro_batch=cfg.micro_batch,
