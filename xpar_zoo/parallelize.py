@@ -7,7 +7,8 @@
 5. ``apply_fsdp``          ``fully_shard`` planned modules (dim 0 of each slice where it divides, else dim 1),
                            decoder layers, embedding and head, then the root (on the CPU each with its
                            collectives in place, :mod:`xpar_zoo.parallel.gloo_comms`, unless ``cpu_collectives``
-                           says ``"gloo"``); then reshard and prefetch;
+                           says ``"gloo"``); then reshard and prefetch, and every unit resharded after a forward no
+                           backward follows (:func:`reshard_after_inference`);
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
                            loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`);
 7. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
@@ -155,6 +156,24 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], *, cpu_colle
             module.set_modules_to_backward_prefetch([model.get_submodule(f) for f in unit.backward_prefetch])
 
 
+def reshard_after_inference(model: nn.Module) -> None:
+    """After every forward of ``model`` without gradients or in eval mode (``torch.no_grad()``, ``model.eval()``,
+    ``generate``), reshard every FSDP unit, the root and the units kept gathered for backward included: FSDP2 leaves
+    them unsharded for a backward that does not come, so ``model.parameters()`` would hand an optimizer built then
+    plain unsharded tensors outside FSDP. In training mode with gradients nothing changes (a backward regathers a
+    resharded unit, at the cost of one all-gather, should one follow an eval-mode forward)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def reshard(module: nn.Module, args, output):
+        if torch.is_grad_enabled() and module.training:
+            return None
+        for unit in units:
+            unit.reshard()
+        return None
+
+    model.register_forward_hook(reshard)  # after FSDP2's own post-forward hook, registered by fully_shard
+
+
 def _fingerprint(model: nn.Module, plan: Plan) -> str:
     """A short digest of the model's parameter names and shapes and of the plan, to compare across ranks."""
     text = repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]) + repr(sorted(plan.extra.items()))
@@ -299,6 +318,7 @@ def parallelize(
                                         reshard_after_forward=reshard_after_forward, prefetch=prefetch),
                cpu_collectives=cpu_collectives, **fsdp_kwargs)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
+    reshard_after_inference(model)
     install_global_loss(model, mesh.world_size)
     if inner_attention is not None:  # outermost: the global-batch loss counts this rank's split targets
         install_sequence_parallel(model, mesh, inner_attention)
