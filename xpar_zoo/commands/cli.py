@@ -169,7 +169,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         from ..train.dry_run import dry_run
 
-        report = dry_run(cfg)
+        report = dry_run(cfg, world=args.nproc_per_node * args.nnodes if args.nproc_per_node else None)
         if os.environ.get("RANK", "0") == "0":
             print(report)
         return 0
