@@ -141,14 +141,14 @@ def _load_hub_checkpoint(directory: str) -> dict:
 
 
 def _regions() -> list:
-    """Every rank's :func:`~xpar_zoo.hub.loader.local_region` of an ``[8, 3]`` DTensor on a 2 × 2 mesh: as FSDP2 shards
+    """Every rank's :func:`~xpar_zoo.parallel.state.local_region` of an ``[8, 3]`` DTensor on a 2 × 2 mesh: as FSDP2 shards
     an ep slice on dim 0 (strided over the first mesh dim, then split over the second), and interleaved."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from xpar_zoo.hub.loader import local_region
+    from xpar_zoo.parallel.state import local_region
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "ep"))
     out = []

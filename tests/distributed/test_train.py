@@ -222,7 +222,9 @@ def test_metrics_fields_and_real_token_counts(jobs, files):
             assert sum(layer["tokens"]) == 2 * m["tokens"] and len(layer["tokens"]) == 8
             assert layer["max_over_mean"] == pytest.approx(max(layer["tokens"]) / (sum(layer["tokens"]) / 8))
     lrs = [m["lr"] for m in learn]
-    assert lrs[0] == 0.0 and lrs[3] == pytest.approx(1e-2) and lrs[-1] < lrs[10]  # warmup 3, then cosine
+    # warmup 3 (step k at lr·k/3: step 1 trains at lr/3, not 0), then cosine
+    assert lrs[:4] == [pytest.approx(1e-2 / 3), pytest.approx(2e-2 / 3), pytest.approx(1e-2), pytest.approx(1e-2)]
+    assert lrs[-1] < lrs[10]
     assert list((jobs["out"] / "learn" / "tensorboard").glob("events.out.tfevents.*"))  # tensorboard is installed
     kept = sorted(p.name for p in (jobs["out"] / "learn" / "checkpoints").iterdir())
     assert kept == ["step-00000020", "step-00000030"]  # save_every 10, keep_last 2
@@ -310,7 +312,7 @@ def test_refuses_to_overwrite_a_run_and_a_missing_tokenizer(jobs, files, tmp_pat
     shutil.copytree(out, other)
     assert cli.main(["train", "--model", str(files["qwen"]), "--output", str(other), "--resume", "--seed", "1",
                      *common]) == 2
-    assert "was trained on other data or another row layout" in capsys.readouterr().err
+    assert "--resume: seed was 0 at step 4, now 1: cannot change on resume" in capsys.readouterr().err
     bare = tmp_path / "bare"
     shutil.copytree(files["qwen"], bare, ignore=shutil.ignore_patterns("tokenizer*"))
     assert cli.main(["train", "--model", str(bare), "--output", str(tmp_path / "o"), *common]) == 2

@@ -93,7 +93,7 @@ def test_a_killed_export_leaves_no_output_and_the_earlier_one_intact(exported):
     before = _hub_tensors(out)
     script = textwrap.dedent(f"""
         import time
-        from xpar_zoo import cli
+        from xpar_zoo.commands import cli
         from xpar_zoo.hub.writer import HubWriter
         real = HubWriter.add
         def slow(*a, **k):

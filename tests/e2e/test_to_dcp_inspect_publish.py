@@ -123,7 +123,7 @@ def _killed_conversion(hub, out, force: bool) -> None:
     force_flag = ', "--force"' if force else ""
     script = textwrap.dedent(f"""
         import time
-        from xpar_zoo import cli
+        from xpar_zoo.commands import cli
         import xpar_zoo.converters.to_dcp as td
         real = td.assemble
         def slow(*a, **k):

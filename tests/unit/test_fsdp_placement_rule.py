@@ -10,7 +10,7 @@ from xpar_zoo import ExtraPlan, get_plan
 from xpar_zoo.commands import sizing
 
 from xpar_zoo.parallel.fsdp_layout import fsdp_layout, planned_shard_dim
-from xpar_zoo.parallelize import match_plan
+from xpar_zoo.styles.planned import match_plan
 from xpar_zoo.testing import parity
 
 WORLD = 4

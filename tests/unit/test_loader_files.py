@@ -16,7 +16,7 @@ from xpar_zoo.testing import parity
 from xpar_zoo.errors import CheckpointMismatchError
 from xpar_zoo.hub.layout import map_hub_layout
 from xpar_zoo.hub.safetensors_files import read_checkpoint_headers
-from xpar_zoo.hub.loader import build_meta
+from xpar_zoo.zoo.registry import build_meta
 
 REPO = "org/tiny-qwen3-moe"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -99,7 +99,7 @@ def test_expert_adapters_in_the_experts_path_equal_peft_folding_them_into_the_we
 
 # ---- what is refused ----------------------------------------------------------------------------------------------
 def _meta():
-    from xpar_zoo.hub.loader import build_meta
+    from xpar_zoo.zoo.registry import build_meta
 
     return build_meta(_config(), torch.float32)
 

@@ -49,7 +49,9 @@ def load_model_config(name: str):
         raise UnknownArchitectureError(
             f"unknown model type {name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
             + "; see `xpar-zoo list`, or give a local directory or a hub id (org/name) with config.json")
-    return AutoConfig.from_pretrained(resolve_config(name).parent)
+    from ..zoo.configs import load_config
+
+    return load_config(resolve_config(name).parent)
 
 
 def _describe_model(config, name: str) -> str:
@@ -61,7 +63,7 @@ def _describe_model(config, name: str) -> str:
                     if getattr(config, k, None)), None)
     moe = f", {experts} experts, top-{config.num_experts_per_tok}" if experts else ""
     source = f"transformers' default {name} config" if name == config.model_type else config.model_type
-    return f"model: {name} ({source}): {config.num_hidden_layers} layers, {params / 1e9:.2f}B parameters{moe}"
+    return f"model: {name} ({source}): {config.num_hidden_layers} layers, {sizing.format_count(params)} parameters{moe}"
 
 
 def _cmd_size(args: argparse.Namespace) -> int:
@@ -71,28 +73,35 @@ def _cmd_size(args: argparse.Namespace) -> int:
 
     config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
-                  recompute=args.recompute)
+                  recompute=args.recompute, attention=args.attention)
     if args.lora_rank is not None:
         parameters = args.lora_parameters
         modules = args.lora_modules.split(",") if args.lora_modules else None
         common.update(lora_rank=args.lora_rank, lora_modules=modules,
                       lora_parameters=None if parameters is None else [p for p in parameters.split(",") if p != "none"])
-    if args.ep is not None or args.emb or args.head or args.replicate != 1 or not args.suggest:
+    if (args.ep is not None or args.emb or args.head or args.sp or args.cp or args.replicate != 1
+            or not args.suggest):
         sizes = {k: v for k, v in (("ep", args.ep), ("emb", args.emb), ("head", args.head)) if v and v > 1}
-        estimates = [sizing.estimate(config, args.world, sizes, args.replicate, **common)]
+        estimates = [sizing.estimate(config, args.world, sizes, args.replicate, sp=args.sp or 1, cp=args.cp or 1,
+                                     **common)]
     else:
         budget = args.memory_gib * 2**30 if args.memory_gib else None
         estimates = sizing.suggest(config, args.world, memory_budget=budget, **common)
     if args.json:
-        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "memory": e.memory, "comm": e.comm}
-                          for e in estimates], indent=2))
+        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "tokens_per_rank": e.tokens_per_rank,
+                           "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
     else:
         print(_describe_model(config, args.model))
         print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "
-              f"{args.dtype} compute, {args.optimizer}" + (", activation checkpointing" if args.recompute else "")
+              f"{args.dtype} compute, {args.attention} attention, {args.optimizer}"
+              + (", activation checkpointing" if args.recompute else "")
               + (f", LoRA rank {args.lora_rank} (frozen base)" if args.lora_rank else ""))
         for e in estimates:
             print(sizing.format_estimate(e))
+            group = e.mesh.get("sp", 1) * e.mesh.get("cp", 1)
+            if group > 1:
+                print(f"  sequence: the {group} ranks of an sp x cp group share each micro-batch; "
+                      f"{e.tokens_per_rank} tokens per rank outside attention")
             if args.memory_gib and e.memory_total > args.memory_gib * 2**30:
                 print(f"  (over the {args.memory_gib:g} GiB budget: no mesh of {args.world} ranks fits)")
     return 0
@@ -139,18 +148,38 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from .publish import publish
+    from .publish import publish, upload_plan
 
     url = publish(args.dir, args.repo_id, private=args.private, revision=args.revision, token=args.token,
-                  base_model=args.base_model, overwrite_card=args.overwrite_card, dry_run=args.dry_run)
+                  base_model=args.base_model, overwrite_card=args.overwrite_card, dry_run=args.dry_run,
+                  strict=args.strict)
+    skipped = upload_plan(args.dir)[1]
+    if skipped and not args.dry_run:
+        print(f"xpar-zoo: skipped (not part of a hub model): {', '.join(skipped)}", file=sys.stderr)
     print(url if args.dry_run else f"published {args.dir} to {args.repo_id}: {url}")
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ..train import config_from_args, run
+    from ..train.launcher import launch, launched_by_us
+    from ..train.stop import Stopped
 
-    run(config_from_args(args))
+    cfg = config_from_args(args)  # every setting checked before any rank starts
+    if args.dry_run:
+        from ..train.dry_run import dry_run
+
+        report = dry_run(cfg, world=args.nproc_per_node * args.nnodes if args.nproc_per_node else None)
+        if os.environ.get("RANK", "0") == "0":
+            print(report)
+        return 0
+    if args.nproc_per_node is not None and not launched_by_us():
+        return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
+                      args.master_port)
+    try:
+        run(cfg)
+    except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
+        return e.code
     return 0
 
 
@@ -225,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite-card", action="store_true", help="replace an existing README.md")
     p.add_argument("--dry-run", action="store_true",
                    help="validate and show the card and the files; write nothing, contact no hub")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a folder holding anything but the files of a hub model (default: skip them)")
     p.set_defaults(func=_cmd_publish)
     p = sub.add_parser("size", aliases=["plan"],
                        help="per-rank memory and per-step communication of a mesh; suggest meshes")
@@ -233,9 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=_positive_int, help="expert-parallel size (omit with --suggest to rank meshes)")
     p.add_argument("--emb", type=_positive_int, help="vocab-parallel embedding size")
     p.add_argument("--head", type=_positive_int, help="vocab-parallel lm_head size")
+    p.add_argument("--sp", type=_positive_int, help="Ulysses sequence-parallel size (at most the query heads)")
+    p.add_argument("--cp", type=_positive_int, help="context-parallel size (queries split, keys/values gathered)")
     p.add_argument("--replicate", type=_positive_int, default=1, help="HSDP replicas")
     p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per rank per step")
-    p.add_argument("--seq", type=_positive_int, default=4096, help="sequence length")
+    p.add_argument("--seq", type=_positive_int, default=4096,
+                   help="sequence length (of each row; split over the sp x cp ranks; --suggest sizes sp/cp for it)")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager", "flash_attention_2", "flash_attention_3"],
+                   help="the model's attention implementation (eager keeps the seq x seq scores; default sdpa)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="compute dtype")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
     p.add_argument("--recompute", action="store_true",
@@ -254,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import PlanError
-from ..zoo.registry import get_plan, refused_architectures, supported_architectures
 from ..zoo.proofs import AUTO_PROVED, PROOF_WORLD, describe_mesh, family_of, proof_meshes, proved_architectures
-from ..zoo.proofs import transformers_moe_families
+from ..zoo.proofs import build_model, tiny_config, transformers_moe_families
+from ..zoo.registry import get_plan, refused_architectures, supported_architectures
 
 HEADER = """# xpar_zoo model cards
 
@@ -43,11 +43,10 @@ class Card:
 @lru_cache(maxsize=None)
 def card(model_type: str) -> Card:
     """The card of a proved ``model_type`` (its tiny proof model is built to read its class and plan refusals)."""
-    from ..testing import parity
     from ..styles.vocab import check_embedding, check_head
 
-    config = parity.tiny_config(model_type)
-    model = parity.build_model(config)
+    config = tiny_config(model_type)
+    model = build_model(config)
     plan = get_plan(model_type, config)
     proof = AUTO_PROVED.get(model_type)
     refused = []
@@ -147,10 +146,8 @@ def _render() -> str:
 
 
 def _section(model_type: str) -> list[str]:
-    from ..testing import parity
-
     c = card(model_type)
-    plan = get_plan(model_type, parity.tiny_config(model_type))
+    plan = get_plan(model_type, tiny_config(model_type))
     lines = [f"## {model_type} ({'automatic' if plan.auto else 'curated'} plan)", ""]
     if c.notes:
         lines += [c.notes, ""]

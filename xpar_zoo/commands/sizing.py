@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import PlanError
-from ..parallel.mesh import validate_sizes
+from ..errors import BatchError, PlanError
+from ..parallel.mesh import validate_sequence_sizes, validate_sizes
 from ..parallel.fsdp_layout import fsdp_layout
-from ..parallelize import check_plan_names, match_plan, whole_vocab_head_fusable
 from ..loss.fused import CE_CHUNK_ELEMENTS
+from ..styles.planned import check_plan_names, match_plan, whole_vocab_head_fusable
+from ..styles.sequence import (ATTENTION_LAYER_TYPES, INNER_IMPLEMENTATIONS, check_sequence_length,
+                               kv_repeat)
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
 
@@ -60,6 +62,7 @@ class Estimate:
     comm: dict[str, float] = field(default_factory=dict)
     lora: dict | None = None  # with LoRA: its rank and the adapter's parameter count
     placement: dict[str, dict[str, int]] = field(default_factory=dict)  # plan -> {"dim 0": tensors, "dim 1": …}
+    tokens_per_rank: int = 0  # of a micro-batch, outside attention (seq·micro_batch / (sp·cp))
 
     @property
     def memory_total(self) -> float:
@@ -72,7 +75,7 @@ class Estimate:
 
 def meta_model(config) -> nn.Module:
     """The transformers causal-LM of ``config`` on the meta device (no memory, exact shapes)."""
-    from ..hub.loader import build_meta
+    from ..zoo.registry import build_meta
 
     return build_meta(config, torch.float32)
 
@@ -111,26 +114,104 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     return units
 
 
-def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
-                     qk_norm: bool = False, recompute: bool = False) -> float:
-    """An activation estimate per rank: the values autograd keeps per token, counted per module of a standard
-    decoder layer (memory-efficient attention, so no ``seq²`` scores), times ``dtype_bytes``. With ``q`` / ``kv``
-    the query / key-value widths: two RMSNorms ``4H``; attention ``H + 2q + 2kv`` (``+ 2q + 2kv`` with
-    ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead ``H + 2E + k·(2H + 2I)`` (the router's input and
-    scores; per routed row its input, ``[gate; up]`` — the activation is recomputed in backward, on the torch path
-    and in the Triton kernels alike — and the output the combine weighs) plus its shared experts' MLP; the final
-    norm ``2H``. With ``recompute`` (activation checkpointing of every decoder layer, e.g.
-    ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
-    layer at a time holds all of its values again while it is recomputed: the peak.
+# The attention implementations the sizer models (transformers' names): sdpa and the flash kernels keep no score
+# matrix; eager keeps its softmax (fp32) and, in a lower compute dtype, the copy its second matmul reads.
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+# What the sp/cp attention wraps (xpar_zoo.styles.sequence); the flash kernels are sized, not yet wrapped.
+SEQUENCE_ATTENTION = INNER_IMPLEMENTATIONS
 
-    The loss: with a fused head over a group of ``fused_head`` ranks (1: the whole vocab, ``parallelize``'s
-    default), the head's gradients made in forward — ``[s·T, H]`` hidden states' and ``[V/s, H]`` weight's — and,
-    for ``s > 1``, the group's gathered hidden states; ``fused_head=0`` (transformers' loss): ``T·V`` fp32 logits."""
-    h = config.hidden_size
+
+def sequence_parts(seq: int, sp: int = 1, cp: int = 1) -> int:
+    """The equal parts a row of ``seq`` tokens is cut into for ``sp`` Ulysses and ``cp`` context ranks: ``2·cp·sp``
+    with cp (each cp rank keeps a head and a tail chunk, cut again over sp), ``sp`` without; raise
+    :class:`~xpar_zoo.errors.BatchError` naming the numbers when ``seq`` does not divide by it (the rule of
+    :func:`xpar_zoo.styles.sequence.check_sequence_length`)."""
+    check_sequence_length(seq, sp, cp)
+    return 2 * cp * sp if cp > 1 else sp
+
+
+def attention_heads(config, sp: int = 1) -> tuple[int, int]:
+    """``(query heads, key/value heads)`` of one rank inside attention under Ulysses ``sp``: ``heads/sp`` query
+    heads, and the key/value heads repeated (:func:`kv_repeat`) then split by ``sp``. Raises
+    :class:`~xpar_zoo.errors.PlanError` when ``sp`` does not divide the query heads (cp is not limited by heads)."""
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    attention = h + 2 * q + 2 * kv + (2 * q + 2 * kv if qk_norm else 0)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % sp:
+        hint = (f"; use sp={heads}, cp={sp // heads} instead (cp is not limited by heads)"
+                if sp > heads and sp % heads == 0 else "; use a smaller sp, or cp (cp is not limited by heads)")
+        raise PlanError(f"sp={sp} does not divide the {heads} query heads of {config.model_type}{hint}")
+    return heads // sp, kv_heads * kv_repeat(heads, kv_heads, sp) // sp
+
+
+def sequence_refusal(config, attention: str = "sdpa") -> str | None:
+    """Why ``config``'s model cannot split its sequence with sp or cp at all (``None``: it can): layers outside
+    attention that need whole sequences (hybrid linear-attention / SSM models), or an attention that sp/cp does
+    not wrap."""
+    kinds = [k for k in dict.fromkeys(getattr(config, "layer_types", None) or ())
+             if k not in ATTENTION_LAYER_TYPES]
+    if kinds:
+        return (f"{config.model_type} has layers of type {', '.join(map(repr, kinds))} that need the whole "
+                "sequence per head on one rank; sp and cp are refused for hybrid linear-attention/SSM models")
+    if attention not in SEQUENCE_ATTENTION:
+        return f"attention {attention!r} is not supported under sp/cp; use one of {', '.join(SEQUENCE_ATTENTION)}"
+    return None
+
+
+def check_long_context(config, world: int, replicate: int, seq: int, sp: int = 1, cp: int = 1,
+                       attention: str = "sdpa") -> None:
+    """Raise one clear error (:class:`~xpar_zoo.errors.MeshError`, :class:`~xpar_zoo.errors.PlanError` or
+    :class:`~xpar_zoo.errors.BatchError`, naming the numbers) when ``sp`` / ``cp`` cannot split rows of ``seq``
+    tokens of ``config``'s model on ``world`` ranks: the same rules as ``xpar_zoo.Mesh`` and ``parallelize``."""
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise PlanError(f"attention {attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    validate_sequence_sizes(world, replicate, sp, cp)
+    if sp * cp == 1:
+        return
+    refusal = sequence_refusal(config, attention)
+    if refusal:
+        raise PlanError(f"sp={sp}, cp={cp}: {refusal}")
+    attention_heads(config, sp)
+    sequence_parts(seq, sp, cp)
+
+
+def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, attention: str
+                     ) -> tuple[float, float, float]:
+    """One decoder layer's attention on one rank: ``(values, scores, mask)`` bytes that autograd keeps, and the
+    bytes of the masks held once per forward. See :func:`activation_terms`."""
+    heads, kv_heads = attention_heads(config, sp)
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    queries, keys = rows * seq // cp, rows * seq  # inside attention: the rank's cp chunk, against the whole row
+    masked = sp * cp > 1  # the sp/cp attention passes a mask built from global positions
+    native_gqa = attention.startswith("flash") or (attention == "sdpa" and not masked)
+    kv_kernel = kv_heads if native_gqa else heads  # otherwise transformers repeats the key/value heads to the queries'
+    values = 2 * queries * heads * d + 2 * keys * kv_kernel * d  # q and the output, k and v
+    if attention != "eager" and sp > 1:  # Ulysses' output all-to-all: a new o_proj input beside the kernel's output
+        values += queries * heads * d  # [tokens/(sp·cp), q]: the same count as sdpa's output
+    scores = 0.0
+    if attention == "eager":  # the softmax, fp32, and its copy in the compute dtype
+        scores = rows * heads * (seq // cp) * seq * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
+    mask_layer = mask_once = 0.0
+    if masked and attention == "sdpa":  # a boolean mask: torch's sdpa saves a compute-dtype copy per call
+        mask_once = rows * (seq // cp) * seq
+        mask_layer = mask_once * dtype_bytes
+    elif masked and attention == "eager":  # an additive mask in the compute dtype, held for the forward
+        mask_once = rows * (seq // cp) * seq * dtype_bytes
+    return values * dtype_bytes + mask_layer, scores, mask_once
+
+
+def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1, qk_norm: bool = False,
+                     recompute: bool = False, *, seq: int | None = None, sp: int = 1, cp: int = 1,
+                     attention: str = "sdpa") -> dict[str, float]:
+    """The activation estimate of one rank (see :func:`activation_bytes`) by kind: ``"activations"`` (linear in
+    the tokens), ``"attention scores"`` (eager's ``seq²`` softmax) and ``"attention mask"`` (the sp/cp mask)."""
+    seq = seq or tokens
+    rows = tokens // seq
+    local = tokens // (sp * cp)  # this rank's tokens outside attention
+    h = config.hidden_size
+    q_width = config.num_attention_heads * (getattr(config, "head_dim", None) or h // config.num_attention_heads)
+    kv_width = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * (
+        getattr(config, "head_dim", None) or h // config.num_attention_heads)
+    outside = h + (2 * q_width + 2 * kv_width if qk_norm else 0)  # the q/k/v projections' input; q/k norms
     top_k = getattr(config, "num_experts_per_tok", 0) or 0
     if top_k:
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -141,16 +222,52 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
         mlp = h + 2 * experts + top_k * (2 * h + 2 * inter) + (h + 4 * shared if shared else 0)
     else:
         mlp = h + 4 * config.intermediate_size
-    layer = 4 * h + attention + mlp
+    attn, scores, mask = _attention_bytes(config, rows, seq, dtype_bytes, sp, cp, attention)
+    layer = local * (4 * h + outside + mlp) * dtype_bytes + attn  # bytes one layer keeps (scores apart)
     layers = config.num_hidden_layers
-    # recompute: the other layers' inputs, and one layer's values (its input among them) while it is recomputed
-    values = (max(layers - 1, 0) * h + (layer if layers else 0) if recompute else layers * layer) + 2 * h
+    if recompute:  # the other layers' inputs, and one layer's values (its input among them) while it is recomputed
+        values = max(layers - 1, 0) * local * h * dtype_bytes + (layer if layers else 0)
+        scores_kept = scores if layers else 0
+    else:
+        values, scores_kept = layers * layer, layers * scores
+    values += local * 2 * h * dtype_bytes  # the final norm
     s = fused_head
     if s == 0:
-        loss = tokens * config.vocab_size * 4
+        loss = local * config.vocab_size * 4
     else:
-        loss = (s * tokens * h * (1 if s == 1 else 2) + config.vocab_size // s * h) * dtype_bytes
-    return tokens * values * dtype_bytes + loss
+        loss = (s * local * h * (1 if s == 1 else 2) + config.vocab_size // s * h) * dtype_bytes
+    return {"activations": values + loss, "attention scores": scores_kept, "attention mask": mask}
+
+
+def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
+                     qk_norm: bool = False, recompute: bool = False, *, seq: int | None = None, sp: int = 1,
+                     cp: int = 1, attention: str = "sdpa") -> float:
+    """An activation estimate per rank: the values autograd keeps, counted per module of a standard decoder layer,
+    times ``dtype_bytes``, for a micro-batch of ``tokens`` tokens in rows of ``seq`` (default: one row) that the
+    ``sp·cp`` ranks of a sequence group share.
+
+    Outside attention a rank holds ``tokens/(sp·cp)`` tokens, and per token: two RMSNorms ``4H``; the q/k/v
+    projections' input ``H`` (``+ 2q + 2kv`` with ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead
+    ``H + 2E + k·(2H + 2I)`` (the router's input and scores; per routed row its input, ``[gate; up]`` — the
+    activation is recomputed in backward, on the torch path and in the Triton kernels alike — and the output the
+    combine weighs) plus its shared experts' MLP; the final norm ``2H``. Inside attention (``q`` / ``kv`` widths)
+    Ulysses gives a rank whole rows of ``heads/sp`` query heads (key/value heads repeated where fewer than ``sp``,
+    :func:`attention_heads`), cp gives it its ``tokens/cp`` queries against the keys and values of whole rows:
+    the queries and the output ``2·(tokens/cp)·q/sp``, the keys and values ``2·tokens·kv/sp`` (with a mask, as
+    under sp/cp, and for eager, transformers repeats the key/value heads to the query heads first; sdpa and flash
+    without a mask keep them as they are), and under sp the output's all-to-all makes a second copy for the output
+    projection. ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
+    a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp the attention gets a mask of
+    ``rows·(seq/cp)·seq``: boolean for sdpa (torch saves a copy in the compute dtype per layer), additive for eager.
+    With ``recompute`` (activation checkpointing of every decoder layer, e.g.
+    ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
+    layer at a time holds all of its values again while it is recomputed: the peak.
+
+    The loss: with a fused head over a group of ``fused_head`` ranks (1: the whole vocab, ``parallelize``'s
+    default), the head's gradients made in forward — ``[s·T, H]`` hidden states' and ``[V/s, H]`` weight's — and,
+    for ``s > 1``, the group's gathered hidden states; ``fused_head=0`` (transformers' loss): ``T·V`` fp32 logits."""
+    return sum(activation_terms(config, tokens, dtype_bytes, fused_head, qk_norm, recompute, seq=seq, sp=sp,
+                                cp=cp, attention=attention).values())
 
 
 def lora_activation_bytes(model: nn.Module, config, tokens: int, dtype_bytes: int, recompute: bool = False
@@ -177,14 +294,28 @@ def lora_activation_bytes(model: nn.Module, config, tokens: int, dtype_bytes: in
     return tokens * values / (config.num_hidden_layers if recompute else 1)
 
 
+def attention_temporaries(config, tokens: int, dtype_bytes: int, *, seq: int | None = None, sp: int = 1,
+                          cp: int = 1, attention: str = "sdpa") -> float:
+    """What eager attention holds only while one layer's backward runs (at the activation peak, on top of what
+    autograd keeps): the gradients of its softmax output and of its scores, one ``rows·heads/sp·(seq/cp)·seq``
+    matrix each in fp32 (in a lower compute dtype: one in that dtype and one in fp32). None for sdpa and flash."""
+    if attention != "eager":
+        return 0.0
+    seq = seq or tokens
+    heads, _ = attention_heads(config, sp)
+    return tokens // seq * heads * (seq // cp) * seq * (4 + (dtype_bytes if dtype_bytes != 4 else 4))
+
+
 def fused_loss_temporaries(config, tokens: int, group: int, dtype_bytes: int) -> float:
     """What the fused head holds only while it runs (at the activation peak, on top of what autograd keeps): the
     fp32 ``[V/s, H]`` weight-gradient accumulator, each chunk's ``[V/s, H]`` partial product (not in fp32, where it
-    accumulates inside the GEMM), and one chunk of logits (CUDA's chunk size) as fp32 plus its softmax gradient."""
+    accumulates inside the GEMM), and one chunk of logits (CUDA's chunk size) as fp32, its softmax gradient made in
+    place, plus the chunk in the compute dtype where that is not fp32."""
     rows = config.vocab_size // group
     weight = rows * config.hidden_size
     chunk = min(CE_CHUNK_ELEMENTS["cuda"], group * tokens * rows)
-    return weight * (4 + (dtype_bytes if dtype_bytes != 4 else 0)) + chunk * (4 + dtype_bytes)
+    dtype_copy = dtype_bytes if dtype_bytes != 4 else 0  # in fp32 the fp32 logits are the chunk itself
+    return weight * (4 + dtype_copy) + chunk * (4 + dtype_copy)
 
 
 def _moe_layers(model: nn.Module, plan: Plan) -> list[tuple[str, int, int]]:
@@ -221,11 +352,18 @@ def estimate(
     lora_rank: int | None = None,
     lora_modules: list[str] | str | None = None,
     lora_parameters: list[str] | None = None,
+    sp: int = 1,
+    cp: int = 1,
+    attention: str = "sdpa",
 ) -> Estimate:
     """Per-rank memory and per-step communication of ``config`` on a mesh of ``world`` ranks with extra-plan
     ``sizes`` and ``replicate`` (HSDP). Master weights, gradients and optimizer states are fp32; ``recompute``:
     activation checkpointing of every decoder layer (see :func:`activation_bytes`); ``fused_loss`` as
     :func:`~xpar_zoo.parallelize` takes it.
+
+    Long context: the ``sp·cp`` ranks of a sequence group share a micro-batch of ``micro_batch`` rows of ``seq``
+    tokens (each rank holds ``seq/(sp·cp)`` of every row outside attention); ``attention`` is the model's
+    implementation (eager keeps a ``seq²`` score matrix). Parameters are placed as without sp/cp.
 
     ``lora_rank``: PEFT LoRA of that rank on ``lora_modules`` (default: every linear but the head) and on the fused
     expert tensors ``lora_parameters`` (default: every tensor of the plan's experts plans; ``[]``: none), as
@@ -233,6 +371,7 @@ def estimate(
     adapters in fp32 with their gradients and optimizer states; only the adapters are reduce-scattered."""
     sizes = dict(sizes or {})
     validate_sizes(world, sizes, replicate)
+    check_long_context(config, world, replicate, seq, sp, cp, attention)
     plan = plan or get_plan(config.model_type)
     check_plan_names([n for n, s in sizes.items() if s > 1], plan)
     if lora_rank is not None:
@@ -242,7 +381,8 @@ def estimate(
     model = model if model is not None else meta_model(config)
     pbytes, rbytes = DTYPE_BYTES[param_dtype], DTYPE_BYTES[reduce_dtype]
     units = fsdp_units(model, plan, world, sizes, replicate)
-    est = Estimate(mesh={"world": world, "replicate": replicate, **sizes})
+    est = Estimate(mesh={"world": world, "replicate": replicate, **sizes,
+                         **{k: v for k, v in (("sp", sp), ("cp", cp)) if v > 1}})
     shard_numel = sum(u.numel_padded / u.group for u in units)
     trainable = sum(u.trainable / u.group for u in units)
     if lora_rank:
@@ -265,17 +405,27 @@ def estimate(
         for dim in u.shard_dims.values():
             counts = est.placement.setdefault(u.plan_name, {})
             counts[f"dim {dim}"] = counts.get(f"dim {dim}", 0) + 1
-    tokens = micro_batch * seq
+    rows = micro_batch * seq  # the tokens of the micro-batch the sequence group shares
+    tokens = rows // (sp * cp)  # this rank's, outside attention
+    est.tokens_per_rank = tokens
     head = sizes.get("head", 1)
     fused = head > 1 or (fused_loss and whole_vocab_head_fusable(model, plan))
     fused_head = head if fused else 0
     qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
-    est.memory["activations (estimate)"] = activation_bytes(config, tokens, pbytes, fused_head, qk_norm,
-                                                            recompute)
+    terms = activation_terms(config, rows, pbytes, fused_head, qk_norm, recompute, seq=seq, sp=sp, cp=cp,
+                             attention=attention)
+    est.memory["activations (estimate)"] = terms["activations"]
     if lora_rank:
         est.memory["activations (estimate)"] += lora_activation_bytes(model, config, tokens, pbytes, recompute)
+    if terms["attention scores"]:
+        est.memory[f"attention scores ({attention}, seq²)"] = terms["attention scores"]
+    if terms["attention mask"]:
+        est.memory["attention mask (sp/cp, seq²)"] = terms["attention mask"]
     if fused_head:
         est.memory["fused loss temporaries"] = fused_loss_temporaries(config, tokens, fused_head, pbytes)
+    if attention == "eager":
+        est.memory["eager backward temporaries (seq²)"] = attention_temporaries(
+            config, rows, pbytes, seq=seq, sp=sp, cp=cp, attention=attention)
     gather = reduce = allreduce = 0.0
     for u in units:
         frac = (u.group - 1) / u.group
@@ -295,6 +445,17 @@ def estimate(
         for _, experts, hidden in _moe_layers(model, plan):
             a2a += 4 * (s - 1) / s * tokens * top_k * hidden * pbytes + (s - 1) / s * experts * 8
     est.comm["all_to_all (EP tokens)"] = a2a
+    # sp: q, k, v (key/value heads repeated first) to whole rows of heads/sp heads and the output back, in forward
+    # and again in backward; cp: the keys and values of the rank's chunk to the cp-1 others, their gradients back
+    layers = config.num_hidden_layers
+    if sp * cp > 1:
+        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads, kv_local = attention_heads(config, sp)
+        q_width, kv_width = config.num_attention_heads * d, kv_local * sp * d
+        est.comm["all_to_all (sp: sequence <-> heads)"] = (
+            layers * 2 * (sp - 1) / sp * tokens * (2 * q_width + 2 * kv_width) * pbytes if sp > 1 else 0.0)
+        est.comm["all_to_all (cp: keys/values gathered)"] = (
+            layers * 2 * (cp - 1) * tokens * sp * 2 * kv_local * d * pbytes if cp > 1 else 0.0)
     hidden = config.hidden_size
     e = sizes.get("emb", 1)
     # emb: int64 ids to the row owners, vectors back, their gradients to the owners; plus the per-owner counts.
@@ -310,33 +471,66 @@ def estimate(
     return est
 
 
-def candidate_meshes(config, world: int, plan: Plan | None = None, model: nn.Module | None = None) -> list[dict]:
+def sequence_splits(config, shard: int, seq: int, attention: str = "sdpa") -> list[tuple[int, int]]:
+    """The ``(sp, cp)`` splits worth trying for rows of ``seq`` tokens on ``shard`` ranks: one per sequence group
+    size ``g`` dividing ``shard``, with ``sp`` as large as the query heads allow (Ulysses moves less than cp's
+    gathered keys and values) and ``cp = g/sp`` for the rest; sizes that :func:`check_long_context` refuses left
+    out (``[(1, 1)]`` for a hybrid model or an attention that sp/cp does not wrap)."""
+    out = [(1, 1)]
+    if sequence_refusal(config, attention):
+        return out
+    for g in (g for g in range(2, shard + 1) if shard % g == 0):
+        for sp in sorted((s for s in range(1, g + 1) if g % s == 0), reverse=True):
+            try:
+                attention_heads(config, sp)
+            except PlanError:
+                continue  # sp cannot grow this far: cp takes the rest
+            try:
+                sequence_parts(seq, sp, g // sp)
+            except BatchError:
+                continue
+            out.append((sp, g // sp))
+            break
+    return out
+
+
+def candidate_meshes(config, world: int, plan: Plan | None = None, model: nn.Module | None = None,
+                     seq: int | None = None, attention: str = "sdpa") -> list[dict]:
     """Every ``{ep, replicate}`` that fits ``world`` and that ``parallelize`` would accept for the model's shapes
-    (dim 0 by ``ep``, dim 1 by ``ep_fsdp``: the same checks, :func:`~xpar_zoo.parallelize.match_plan`)."""
+    (dim 0 by ``ep``, dim 1 by ``ep_fsdp``: the same checks, :func:`~xpar_zoo.styles.planned.match_plan`); with a
+    sequence length ``seq``, each with every ``(sp, cp)`` of :func:`sequence_splits` (EP may draw from the ranks of
+    a sequence group)."""
     plan = plan or get_plan(config.model_type)
     model = model if model is not None else meta_model(config)
     out = []
     for replicate in [r for r in range(1, world + 1) if world % r == 0]:
         shard = world // replicate
+        splits = sequence_splits(config, shard, seq, attention) if seq else [(1, 1)]
         for ep in [e for e in range(1, shard + 1) if shard % e == 0] if "ep" in plan.extra else [1]:
             try:
                 match_plan(model, plan, {"ep": ep} if ep > 1 else {}, shard)
             except PlanError:
                 continue
-            out.append({"replicate": replicate, "ep": ep})
+            out += [{"replicate": replicate, "ep": ep, "sp": sp, "cp": cp} for sp, cp in splits]
     return out
 
 
 def suggest(config, world: int, *, memory_budget: float | None = None, top: int = 5, **kwargs) -> list[Estimate]:
-    """The best meshes for ``world`` ranks: those within ``memory_budget`` bytes per rank (if given), by per-step
-    communication, then memory."""
+    """The best meshes for ``world`` ranks, sp and cp among them for rows of ``seq`` tokens: those within
+    ``memory_budget`` bytes per rank (if given) by per-step communication, then memory; when none fits, those
+    that come closest (least memory) first."""
     model = meta_model(config)
     plan = kwargs.pop("plan", None) or get_plan(config.model_type)
+    kwargs.pop("sp", None), kwargs.pop("cp", None)
     ests = []
-    for cand in candidate_meshes(config, world, plan=plan, model=model):
+    for cand in candidate_meshes(config, world, plan=plan, model=model, seq=kwargs.get("seq", 4096),
+                                 attention=kwargs.get("attention", "sdpa")):
         sizes = {"ep": cand["ep"]} if cand["ep"] > 1 else {}
-        ests.append(estimate(config, world, sizes, cand["replicate"], plan=plan, model=model, **kwargs))
-    fits = [e for e in ests if memory_budget is None or e.memory_total <= memory_budget] or ests
+        ests.append(estimate(config, world, sizes, cand["replicate"], plan=plan, model=model, sp=cand["sp"],
+                             cp=cand["cp"], **kwargs))
+    fits = [e for e in ests if memory_budget is None or e.memory_total <= memory_budget]
+    if not fits:
+        return sorted(ests, key=lambda e: (e.memory_total, e.comm_total))[:top]
     return sorted(fits, key=lambda e: (e.comm_total, e.memory_total))[:top]
 
 
@@ -348,9 +542,20 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def format_count(n: float) -> str:
+    """A count in human units with three significant digits or so: ``950``, ``12.3K``, ``4.5M``, ``30.5B``,
+    ``1.2T`` (never ``0.00B`` for a small model)."""
+    n = float(n)
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale * 0.9995 or (unit == "T" and abs(n) >= scale):
+            value = n / scale
+            return f"{value:.0f}{unit}" if abs(value) >= 99.95 else f"{value:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def format_estimate(est: Estimate) -> str:
     """A human-readable table of one estimate."""
-    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({est.lora['adapter parameters'] / 1e6:.1f}M "
+    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({format_count(est.lora['adapter parameters'])} "
                                    "adapter parameters)" if est.lora else "")]
     if est.placement:
         shown = "; ".join(f"{name}: " + ", ".join(f"{n} tensor{'s' * (n != 1)} on {dim}"

@@ -16,8 +16,9 @@ from torch import nn
 from torch.nn.utils import get_total_norm
 from torch.distributed.tensor import DTensor, Replicate
 
-from .collectives import to_local
 from ..errors import NonFiniteError
+from .collectives import to_local
+from .distributed import all_gather
 
 
 def _copies(g: torch.Tensor) -> int:
@@ -80,10 +81,7 @@ def _local_groups(grads: list[torch.Tensor]) -> dict[tuple[int, torch.device, to
 
 def _raise_nonfinite(total: torch.Tensor, norm_type: float, local_names: list[str]) -> None:
     """Raise :class:`NonFiniteError` on every rank, naming each rank's parameters with non-finite gradients."""
-    per_rank = [local_names]
-    if dist.is_initialized():
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, local_names)
+    per_rank = all_gather(local_names)
     where = "; ".join(f"{', '.join(names[:8])}{f' … and {len(names) - 8} more' if len(names) > 8 else ''}"
                       + (f" (rank {r})" if len(per_rank) > 1 else "") for r, names in enumerate(per_rank) if names)
     raise NonFiniteError(f"the total norm of order {norm_type:g} of the gradients is non-finite ({total.item()}), "

@@ -7,6 +7,13 @@ puts the ``s`` ranks of a group on consecutive global ranks (the all-to-all stay
 them by ``p_fsdp``.
 With ``replicate > 1`` (HSDP) every mesh gets an outermost ``replicate`` dimension.
 
+Long context (``sp``, ``cp``; docs/long_context.md): ``sp`` (Ulysses) and ``cp`` (context parallelism) are not
+plans (they split no parameter): the ``sp·cp`` ranks of one *sequence group* share one micro-batch and split its
+tokens. Within a replica the ranks are laid out ``[strided sequence dims…, dp, innermost sequence dims…]`` (slowest
+to fastest; among each kind ``cp`` outside ``sp``): by default both are innermost and ``sp`` is fastest, so an sp
+group is consecutive ranks (its all-to-all, the heaviest, stays inside a node); ``innermost={"sp": False}`` strides
+it. Plans (``ep`` …) keep their own layout over the same ranks, so EP may draw from the ranks of a sequence group.
+
 There is no global state: build a :class:`Mesh` after ``torch.distributed.init_process_group`` and pass it (in a
 plain single process, ``Mesh()`` initialises a process group of one rank itself: :func:`init_single_process`).
 """
@@ -22,11 +29,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 if TYPE_CHECKING:  # imported where used: PlanShard (the fused loss) must import on an older torch (the GPU bench)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+    from torch.distributed.fsdp import DataParallelMeshDims
 
 from ..errors import MeshError
+from .distributed import all_gather
 
 RESERVED_NAMES = frozenset({"replicate", "fsdp", "extra", "innermost", "device_type"})
+# The sequence dimensions: not plans (no parameter is split over them), see the module docstring.
+SEQUENCE_DIMS = ("cp", "sp")
 
 
 def _device_type() -> str:
@@ -63,7 +73,7 @@ _DEVICE_MESHES: dict[int, tuple[object, dict[tuple, DeviceMesh]]] = {}
 
 
 def _device_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
-    world = dist.distributed_c10d._get_default_group()
+    world = dist.group.WORLD
     owner, cache = _DEVICE_MESHES.get(id(world), (None, None))
     if owner is not world:
         owner, cache = world, {}
@@ -77,8 +87,7 @@ def _device_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...])
 
 def check_same_on_all_ranks(value: object, what: str, error: type[Exception] = MeshError) -> None:
     """Raise ``error`` on every rank (instead of a later deadlock) when ranks were given different ``value``s."""
-    values: list = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    values = all_gather(value)
     if any(v != values[0] for v in values):
         differ = {r: v for r, v in enumerate(values) if v != values[0]}
         if isinstance(value, dict):  # name the arguments that differ, not every argument
@@ -97,6 +106,34 @@ def plan_rank_layout(world: int, replicate: int, size: int, innermost: bool) -> 
     if innermost:
         return ranks.view(replicate, fsdp, size)
     return ranks.view(replicate, size, fsdp).transpose(1, 2).contiguous()
+
+
+def sequence_rank_layout(world: int, replicate: int, sp: int, cp: int,
+                         innermost: Mapping[str, bool] | None = None) -> torch.Tensor:
+    """Global ranks arranged as ``[replicate, dp, cp, sp]`` (``dp = world / (replicate·sp·cp)``): the ranks of one
+    sequence group are ``layout[r, d]``. Physically (slowest to fastest) ``[replicate, strided sequence dims, dp,
+    innermost sequence dims]``, ``cp`` outside ``sp`` among each kind; both innermost by default."""
+    innermost = dict(innermost or {})
+    dp = world // (replicate * sp * cp)
+    sizes = {"cp": cp, "sp": sp}
+    strided = [d for d in SEQUENCE_DIMS if not innermost.get(d, True)]
+    inner = [d for d in SEQUENCE_DIMS if innermost.get(d, True)]
+    order = ["replicate", *strided, "dp", *inner]
+    full = {"replicate": replicate, "dp": dp, **sizes}
+    ranks = torch.arange(world).view(*[full[d] for d in order])
+    return ranks.permute(*[order.index(d) for d in ("replicate", "dp", "cp", "sp")]).contiguous()
+
+
+def validate_sequence_sizes(world: int, replicate: int, sp: int, cp: int) -> None:
+    """Check that ``sp`` and ``cp`` fit a world of ``world`` ranks (with ``replicate``); raise :class:`MeshError`."""
+    for name, size in (("sp", sp), ("cp", cp)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise MeshError(f"{name} must be a positive integer, got {size!r}")
+    shard = world // replicate  # replicate is checked first (validate_sizes)
+    if shard % (sp * cp):
+        what = f"sp={sp}" if cp == 1 else f"cp={cp}" if sp == 1 else f"sp·cp={sp}·{cp}={sp * cp}"
+        raise MeshError(f"{what} does not divide the ranks of a replica ({shard}: world {world} / replicate "
+                        f"{replicate}); the ranks of one sequence group must all be in one replica")
 
 
 def validate_sizes(world: int, sizes: Mapping[str, int], replicate: int) -> None:
@@ -158,14 +195,16 @@ class Mesh:
         if both:
             raise MeshError(f"plan size given twice (extra= and keyword): {sorted(both)}")
         all_sizes = {**dict(extra or {}), **sizes}
+        sequence = {d: all_sizes.pop(d, 1) for d in SEQUENCE_DIMS}
         innermost = dict(innermost or {})
-        unknown = set(innermost) - set(all_sizes)
+        unknown = set(innermost) - set(all_sizes) - set(SEQUENCE_DIMS)
         if unknown:
             raise MeshError(f"innermost names plans without a size: {sorted(unknown)}")
         if not dist.is_initialized():  # a plain single process: world 1, checked before a group is created
             _refuse_launched_without_group()
             try:
                 validate_sizes(1, all_sizes, replicate)
+                validate_sequence_sizes(1, replicate, sequence["sp"], sequence["cp"])
             except MeshError as e:
                 raise MeshError(f"{e} (no process group: this process runs alone as world 1; launch several "
                                 "processes, e.g. with torchrun, and call torch.distributed.init_process_group "
@@ -173,8 +212,12 @@ class Mesh:
             init_single_process()
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        check_same_on_all_ranks((all_sizes, innermost, replicate), "mesh arguments (sizes, innermost, replicate)")
+        check_same_on_all_ranks((all_sizes, sequence, innermost, replicate),
+                                "mesh arguments (sizes, sequence sizes, innermost, replicate)")
         validate_sizes(self.world_size, all_sizes, replicate)
+        validate_sequence_sizes(self.world_size, replicate, sequence["sp"], sequence["cp"])
+        self.sp, self.cp = sequence["sp"], sequence["cp"]
+        self.sequence_innermost: dict[str, bool] = {d: bool(innermost.pop(d, True)) for d in SEQUENCE_DIMS}
         self.replicate = replicate
         self.sizes: dict[str, int] = all_sizes
         self.innermost: dict[str, bool] = {n: bool(innermost.get(n, True)) for n in all_sizes}
@@ -184,6 +227,7 @@ class Mesh:
         self._plan_meshes: dict[str, DeviceMesh] = {
             name: self._build_plan_mesh(name) for name, size in all_sizes.items() if size > 1
         }
+        self.sequence_mesh: DeviceMesh | None = self._build_sequence_mesh() if self.sp * self.cp > 1 else None
 
     @classmethod
     def from_lists(
@@ -218,6 +262,13 @@ class Mesh:
             return _device_mesh(self.device_type, layout, ("replicate", f"{name}_fsdp", name))
         return _device_mesh(self.device_type, layout[0], (f"{name}_fsdp", name))
 
+    def _layout(self) -> torch.Tensor:
+        return sequence_rank_layout(self.world_size, self.replicate, self.sp, self.cp, self.sequence_innermost)
+
+    def _build_sequence_mesh(self) -> DeviceMesh:
+        layout = self._layout()
+        return _device_mesh(self.device_type, layout.view(-1, self.cp, self.sp), ("seq_dp", "cp", "sp"))
+
     # ---- queries ----------------------------------------------------------------------------------------------
     @property
     def active(self) -> dict[str, int]:
@@ -248,17 +299,48 @@ class Mesh:
 
     def fsdp_dims(self, name: str) -> DataParallelMeshDims:
         """The data-parallel dims of plan ``name``'s mesh, for ``fully_shard(..., dp_mesh_dims=...)``."""
-        from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+        from torch.distributed.fsdp import DataParallelMeshDims
 
         return DataParallelMeshDims(shard=f"{name}_fsdp", replicate="replicate" if self.replicate > 1 else None)
 
+    @property
+    def sequence_size(self) -> int:
+        """``sp·cp``: the ranks that share one micro-batch (1 without long context)."""
+        return self.sp * self.cp
+
+    def sequence_group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of this rank's ``sp`` or ``cp`` group (``None`` when that size is 1)."""
+        if name not in SEQUENCE_DIMS:
+            raise MeshError(f"{name!r} is not a sequence dimension ({', '.join(SEQUENCE_DIMS)})")
+        if getattr(self, name) == 1:
+            return None
+        return self.sequence_mesh.get_group(name)
+
+    def sequence_rank(self, name: str) -> int:
+        """This rank's coordinate (0 … size-1) in its ``sp`` or ``cp`` group (0 when that size is 1)."""
+        if self.sequence_group(name) is None:
+            return 0
+        return self.sequence_mesh.get_local_rank(name)
+
+    def data_shard(self) -> tuple[int, int]:
+        """``(index, count)``: this rank's data loader reads part ``index`` of ``count`` equal parts of the global
+        batch; the ranks of one sequence group get the same index (``count = world / (sp·cp)``)."""
+        layout = self._layout().view(-1, self.sp * self.cp)
+        index = int((layout == self.rank).any(dim=1).nonzero()[0, 0])
+        return index, layout.shape[0]
+
     def describe(self) -> dict:
         """A JSON-able description (saved beside checkpoints, printed by the CLI)."""
-        return {"world_size": self.world_size, "replicate": self.replicate, "extra": dict(self.sizes),
-                "innermost": dict(self.innermost)}
+        out = {"world_size": self.world_size, "replicate": self.replicate, "extra": dict(self.sizes),
+               "innermost": dict(self.innermost)}
+        if self.sequence_size > 1:
+            out["sequence"] = {"sp": self.sp, "cp": self.cp, "innermost": dict(self.sequence_innermost)}
+        return out
 
     def __repr__(self) -> str:
         parts = [f"{n}={s}" + ("" if self.innermost[n] else "(strided)") for n, s in self.sizes.items()]
+        parts += [f"{d}={getattr(self, d)}" + ("" if self.sequence_innermost[d] else "(strided)")
+                  for d in ("sp", "cp") if getattr(self, d) > 1]
         if self.replicate > 1:
             parts.append(f"replicate={self.replicate}")
         return f"Mesh({', '.join(parts)}; world={self.world_size})"

@@ -14,43 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..zoo.proofs import build_model, tiny_config  # noqa: F401  (the harness's tiny models, kept by their names here)
+
 # fp32 tolerances: loss |Δ| and each parameter's |Δ| relative to the norm of its own update.
 LOSS_TOL = 1e-5
 PARAM_REL_TOL = 1e-4
 # An update below this norm is rounding noise, not training: an attention key bias, whose true gradient is zero
 # (softmax ignores a shift of every key), moves ~1e-13 on both sides. Errors are measured against at least this.
 UPDATE_FLOOR = 1e-7
-
-
-def tiny_config(model_type: str = "qwen3_moe", **overrides):
-    """A tiny transformers config of ``model_type``: shared small dims plus the type's tiny overrides (its curated
-    plan's ``tiny``, else its entry in :data:`xpar_zoo.zoo.proofs.AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
-    for MoE types). A composite config (vision/audio + text) gets the small dims in its ``text_config``; its other
-    sub-configs come from the overrides as dicts."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from ..zoo.proofs import tiny_overrides
-
-    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-                rms_norm_eps=1e-6)
-    tiny = {**tiny_overrides(model_type), **overrides}
-    if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {}):
-        text = {**base, **tiny.pop("text_config", {})}
-        return AutoConfig.for_model(model_type, text_config=text, **tiny)
-    return AutoConfig.for_model(model_type, **{**base, **tiny})
-
-
-def build_model(config, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
-    """The transformers language model for ``config`` (:func:`xpar_zoo.zoo.registry.model_class`: causal LM, or the
-    config's own multimodal class) with weights drawn from ``seed`` (identical on every rank)."""
-    from ..zoo.registry import model_class
-
-    torch.manual_seed(seed)
-    kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
-    model = model_class(config)._from_config(config, dtype=torch.float32, **kwargs)
-    return model.train()
 
 
 def make_batches(vocab_size: int, steps: int, world: int, batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
@@ -95,15 +66,16 @@ class RunRecord:
     local_shapes: dict[str, tuple[int, ...]]  # this rank's local shard shapes (parallel run only)
 
 
-def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | None = None) -> dict:
+def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | range | None = None) -> dict:
     """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.batches`) of ``step``:
     ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process
-    reference."""
+    reference, a ``range`` those of its micro-batches (a data shard of several, see :func:`train_parallel`)."""
     if not extra:
         return {}
-    if rank is not None:
+    if isinstance(rank, int):
         return dict(extra[step][rank])
-    return {k: torch.cat([e[k] for e in extra[step]]) for k in extra[step][0]}
+    parts = extra[step] if rank is None else [extra[step][r] for r in rank]
+    return {k: torch.cat([e[k] for e in parts]) for k in parts[0]}
 
 
 def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0,
@@ -135,25 +107,35 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     :func:`xpar_zoo.styles.experts.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
     decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
     :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
-    batch's. Every rank calls it; rank 0's record is complete."""
-    import xpar_zoo
-    from xpar_zoo.styles.experts import set_experts_kernels
+    batch's. Every rank calls it; rank 0's record is complete. With sp/cp a rank reads its data shard
+    (:func:`xpar_zoo.data_shard`: ``world/count`` consecutive micro-batches of ``data[step]`` at once, the same on
+    every rank of a sequence group, passed whole)."""
+    from ..parallel.clip import clip_grad_norm_
+    from ..parallel.mesh import Mesh
+    from ..parallel.state import full_state_dict
+    from ..parallelize import parallelize
+    from ..styles.experts import set_experts_kernels
+    from ..styles.sequence import data_shard
 
-    mesh = xpar_zoo.Mesh(**mesh_kwargs)
+    mesh = Mesh(**mesh_kwargs)
     model = build_model(config, seed)
     if checkpointing:
         model.activation_checkpointing_enable()
-    model = xpar_zoo.parallelize(model, mesh, plan=plan)
+    model = parallelize(model, mesh, plan=plan)
     set_experts_kernels(model, kernels)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     rank = dist.get_rank()
     labels = make_labels(data) if labels is None else labels
+    index, count = data_shard(model)
+    per = data.shape[1] // count
+    mine = range(index * per, (index + 1) * per)
     losses, norms = [], []
     for step in range(data.shape[0]):
-        ids = data[step, rank]
-        loss = model(input_ids=ids, labels=labels[step, rank], **step_inputs(extra, step, rank)).loss
+        ids = data[step, mine.start:mine.stop].reshape(-1, data.shape[-1])
+        step_labels = labels[step, mine.start:mine.stop].reshape(-1, data.shape[-1])
+        loss = model(input_ids=ids, labels=step_labels, **step_inputs(extra, step, mine)).loss
         loss.backward()
-        norm = xpar_zoo.clip_grad_norm_(model, max_norm if max_norm else float("inf"))
+        norm = clip_grad_norm_(model, max_norm if max_norm else float("inf"))
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -161,7 +143,7 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
         losses.append(mean.item() / dist.get_world_size())
         norms.append(norm.item())
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if hasattr(p, "to_local")}
-    return RunRecord(losses, norms, xpar_zoo.full_state_dict(model), local)
+    return RunRecord(losses, norms, full_state_dict(model), local)
 
 
 def compare_meshes(config, world: int, meshes: dict[str, dict], adamw_meshes=(), plans: dict | None = None

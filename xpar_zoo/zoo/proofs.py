@@ -17,6 +17,12 @@ from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
 
+import torch
+from torch import nn
+
+from ..compat import from_config
+from .registry import curated_plans, model_class, supported_architectures
+
 # Special token ids of the tiny multimodal configs (inside their 128-token vocab; the text tokens stay below them).
 IMAGE_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
 _IMAGE = IMAGE_TOKENS
@@ -287,9 +293,7 @@ AUTO_PROVED: dict[str, Proof] = {
 def tiny_overrides(model_type: str) -> dict:
     """The tiny-config overrides of ``model_type``: its curated plan's ``tiny``, else its :data:`AUTO_PROVED` entry
     (a deep copy: the caller may change it), else none."""
-    from .registry import _curated
-
-    curated = _curated().get(model_type)
+    curated = curated_plans().get(model_type)
     tiny = curated.tiny if curated is not None else AUTO_PROVED[model_type].tiny if model_type in AUTO_PROVED else {}
     return copy.deepcopy(dict(tiny))
 
@@ -300,9 +304,7 @@ def _mesh_name(kwargs: dict) -> str:
 
 def proof_meshes(model_type: str) -> dict[str, dict]:
     """``{mesh name: Mesh kwargs}`` that tests/distributed/test_zoo.py proves for ``model_type``."""
-    from .registry import _curated
-
-    plan = _curated().get(model_type)
+    plan = curated_plans().get(model_type)
     if plan is not None:
         return MOE_MESHES if "ep" in plan.extra else DENSE_MESHES
     without = AUTO_PROVED[model_type].without
@@ -347,8 +349,6 @@ def dim1_proof(model_type: str) -> tuple[dict, dict]:
 
 def proved_architectures() -> list[str]:
     """Every ``model_type`` with a parity proof: the curated plans, then the automatic ones, each sorted."""
-    from .registry import supported_architectures
-
     return supported_architectures() + sorted(AUTO_PROVED)
 
 
@@ -384,3 +384,31 @@ def family_of(model_type: str) -> str:
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     return model_type_to_module_name(model_type)
+
+
+# ---- the tiny proof models -----------------------------------------------------------------------------
+def tiny_config(model_type: str = "qwen3_moe", **overrides):
+    """A tiny transformers config of ``model_type``: shared small dims plus the type's tiny overrides (its curated
+    plan's ``tiny``, else its entry in :data:`AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
+    for MoE types). A composite config (vision/audio + text) gets the small dims in its ``text_config``; its other
+    sub-configs come from the overrides as dicts."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+                rms_norm_eps=1e-6)
+    tiny = {**tiny_overrides(model_type), **overrides}
+    if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {}):
+        text = {**base, **tiny.pop("text_config", {})}
+        return AutoConfig.for_model(model_type, text_config=text, **tiny)
+    return AutoConfig.for_model(model_type, **{**base, **tiny})
+
+
+def build_model(config, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
+    """The transformers language model for ``config`` (:func:`~xpar_zoo.zoo.registry.model_class`: causal LM, or the
+    config's own multimodal class) with weights drawn from ``seed`` (identical on every rank)."""
+    torch.manual_seed(seed)
+    kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    model = from_config(model_class(config), config, dtype=torch.float32, **kwargs)
+    return model.train()

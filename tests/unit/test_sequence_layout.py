@@ -1,0 +1,126 @@
+"""Long context without a process group: how the tokens of a row are dealt to sp x cp ranks (zig-zag cp chunks, sp
+parts), the rank layout of sequence groups, the attention mask from global indices, and the one-line refusals of
+sizes and models that cannot run (checked before any work)."""
+
+import re
+import types
+
+import pytest
+import torch
+
+from xpar_zoo.errors import BatchError, MeshError, PlanError
+from xpar_zoo.parallel.mesh import sequence_rank_layout, validate_sequence_sizes
+from xpar_zoo.styles.sequence import (_Forward, check_sequence_length, check_sequence_parallel, cp_chunk,
+                                      document_ids, kv_repeat, token_layout)
+from xpar_zoo.testing import parity
+
+
+@pytest.mark.parametrize("sp, cp", [(1, 2), (2, 1), (2, 2), (4, 1), (1, 4), (2, 4)])
+def test_every_token_of_a_row_goes_to_exactly_one_rank(sp, cp):
+    seq = 2 * sp * cp * 3
+    local = torch.cat([token_layout(seq, sp, cp, s, c).local for c in range(cp) for s in range(sp)])
+    assert sorted(local.tolist()) == list(range(seq))
+    for c in range(cp):  # the sp ranks of a cp chunk hold it in order, so the all-to-all rebuilds it
+        chunk = torch.cat([token_layout(seq, sp, cp, s, c).local for s in range(sp)])
+        assert torch.equal(chunk, token_layout(seq, sp, cp, 0, c).queries)
+    assert torch.equal(token_layout(seq, sp, cp, 0, 0).keys, torch.cat([cp_chunk(seq, cp, c) for c in range(cp)]))
+
+
+def test_cp_deals_head_and_tail_chunks_so_causal_work_is_balanced():
+    assert cp_chunk(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp_chunk(8, 2, 1).tolist() == [2, 3, 4, 5]
+    work = [int(cp_chunk(64, 4, c).add(1).sum()) for c in range(4)]  # keys each rank's queries see under a causal mask
+    assert len(set(work)) == 1
+
+
+@pytest.mark.parametrize("seq, sp, cp, message", [
+    (12, 2, 2, "sequence length 12 does not divide by 2·cp·sp = 2·2·2 = 8"),
+    (6, 4, 1, "sequence length 6 does not divide by sp=4"),
+    (4, 1, 4, "sequence length 4 does not divide by 2·cp·sp = 2·4·1 = 8"),
+])
+def test_sequence_length_that_does_not_deal_evenly_is_one_clear_line(seq, sp, cp, message):
+    with pytest.raises(BatchError, match="^" + message):
+        check_sequence_length(seq, sp, cp)
+
+
+def test_sequence_groups_are_consecutive_ranks_by_default_with_sp_fastest():
+    layout = sequence_rank_layout(8, 1, 2, 2)  # [replicate, dp, cp, sp]
+    assert layout[0, 0].tolist() == [[0, 1], [2, 3]] and layout[0, 1].tolist() == [[4, 5], [6, 7]]
+    strided = sequence_rank_layout(8, 1, 2, 2, {"sp": False})  # sp strided over dp and cp: [sp, dp, cp]
+    assert strided[0, 0].tolist() == [[0, 4], [1, 5]]
+    assert sequence_rank_layout(8, 2, 2, 1)[1, 1].tolist() == [[6, 7]]  # HSDP: a group stays in its replica
+
+
+@pytest.mark.parametrize("world, replicate, sp, cp, message", [
+    (4, 1, 8, 1, r"sp=8 does not divide the ranks of a replica \(4: world 4 / replicate 1\)"),
+    (8, 2, 1, 8, r"cp=8 does not divide the ranks of a replica \(4: world 8 / replicate 2\)"),
+    (6, 1, 2, 2, r"sp·cp=2·2=4 does not divide the ranks of a replica \(6"),
+    (4, 1, 0, 1, r"sp must be a positive integer, got 0"),
+])
+def test_sequence_sizes_that_do_not_fit_the_world_are_one_clear_line(world, replicate, sp, cp, message):
+    with pytest.raises(MeshError, match="^" + message):
+        validate_sequence_sizes(world, replicate, sp, cp)
+
+
+def test_key_value_heads_are_repeated_to_spread_over_sp_not_refused():
+    assert kv_repeat(4, 2, 4) == 2  # 2 KV heads over sp=4: each repeated twice, one per rank
+    assert kv_repeat(32, 4, 8) == 2  # Qwen3-30B-A3B's 4 KV heads over sp=8
+    assert kv_repeat(8, 8, 4) == 1
+    assert kv_repeat(12, 3, 4) == 4  # 3 does not divide 4: repeat to 12 (one per query head)
+
+
+def test_packed_documents_start_where_positions_do_not_step_by_one():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7]])
+    assert document_ids(pos).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8]
+    assert document_ids(torch.arange(8)[None]) is None
+
+
+def test_the_mask_of_a_cp_chunk_is_causal_windowed_and_per_document_on_global_indices():
+    seq, cp = 8, 2
+    layout = token_layout(seq, 1, cp, 0, 1)  # cp rank 1: tokens 2..5, keys in gathered order 0,1,6,7,2,3,4,5
+    docs = document_ids(torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
+    f = _Forward(layout.queries, layout.keys, docs, None)
+    mask = f.mask(True, 3, None)[0, 0]
+    for i, q in enumerate(layout.queries.tolist()):
+        for j, k in enumerate(layout.keys.tolist()):
+            expected = k <= q and q - k < 3 and (k < 4) == (q < 4)
+            assert bool(mask[i, j]) == expected, (q, k)
+    additive = f.mask(True, 3, torch.float32)
+    assert torch.equal(additive == 0, f.mask(True, 3, None))
+
+
+def _fake_mesh(sp=1, cp=1):
+    return types.SimpleNamespace(sp=sp, cp=cp)
+
+
+def _meta_model(model_type, **overrides):
+    from xpar_zoo.zoo.registry import model_class
+
+    config = parity.tiny_config(model_type, attn_implementation="eager", **overrides)
+    with torch.device("meta"):
+        return model_class(config)._from_config(config)
+
+
+@pytest.mark.parametrize("model_type, layer", [
+    ("qwen3_next", "layer type 'linear_attention', Qwen3NextGatedDeltaNet (model.layers.0.linear_attn)"),
+    ("minimax", "layer type 'linear_attention', MiniMaxLightningAttention (model.layers.0.self_attn)"),
+])
+def test_hybrid_linear_attention_models_are_refused_naming_the_layer(model_type, layer):
+    with pytest.raises(PlanError, match=rf"^cp=2: \w+ has sequence mixers outside attention \({re.escape(layer)}\) "
+                                        "that need the whole sequence per head on one rank; sp and cp are refused"):
+        check_sequence_parallel(_meta_model(model_type), types.SimpleNamespace(sp=1, cp=2))
+
+
+def test_sp_larger_than_the_query_heads_suggests_cp():
+    model = _meta_model("qwen3_moe")  # 4 query heads
+    with pytest.raises(PlanError, match=r"^sp=8 does not divide the 4 query heads of Qwen3MoeForCausalLM; use cp "
+                                        r"\(e\.g\. sp=4, cp=2\)"):
+        check_sequence_parallel(model, _fake_mesh(sp=8))
+    assert check_sequence_parallel(model, _fake_mesh(cp=8)) == "eager"  # cp is not limited by heads
+
+
+def test_an_attention_implementation_the_wrapper_cannot_serve_is_one_clear_line():
+    model = _meta_model("qwen3_moe")
+    model.config._attn_implementation_internal = "flex_attention"
+    with pytest.raises(PlanError, match=r"^sp=2: attention implementation 'flex_attention' is not supported"):
+        check_sequence_parallel(model, _fake_mesh(sp=2))

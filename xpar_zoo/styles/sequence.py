@@ -1,0 +1,547 @@
+"""Long context: Ulysses sequence parallelism (``sp``) and context parallelism (``cp``) on the real transformers
+classes, through transformers' ``AttentionInterface`` and a wrapper around the model's forward (no modeling code).
+
+**Tokens.** The ``sp·cp`` ranks of a *sequence group* (:class:`~xpar_zoo.mesh.Mesh`) share one micro-batch of
+``b`` rows of ``S`` tokens. The ``S`` positions are dealt to the ``cp`` ranks head-tail (zig-zag): the row is cut
+into ``2·cp`` equal chunks and cp rank ``c`` keeps chunks ``c`` and ``2·cp-1-c`` (causal work balanced; without cp
+one chunk: the row); each cp chunk is cut into ``sp`` consecutive parts, one per sp rank. So a rank holds
+``S/(sp·cp)`` tokens outside attention (``S`` must divide by ``2·cp·sp``, or by ``sp`` without cp).
+
+**Data.** Every rank of a group passes the same full-length rows to ``model(...)``; :func:`install_sequence_parallel`
+wraps the model's forward to keep this rank's tokens: ``input_ids`` / ``inputs_embeds`` and ``position_ids``
+(computed on the whole row, ``arange(S)``, when not given) are indexed by the rank's positions; labels are shifted
+on the whole row *before* the split (a target at a chunk boundary is predicted from the previous chunk's last token,
+as in one process) and handed to transformers' loss as ``shift_labels``. The global-batch loss
+(:mod:`xpar_zoo.loss`) then counts each target once over the world, so the mean of ``out.loss`` over all ranks is
+the global-batch mean and the gradients are its gradients; the fused (vocab-parallel) head takes the same
+``shift_labels``. A 2-D ``attention_mask`` (padding) is kept whole for the attention mask below and not passed on.
+:func:`shard_sequence` does the same split ahead of time for loaders that hand the model only its part; the part
+carries :data:`PART_KEY` (a :class:`SequencePart`), so the model never guesses from shapes which it was given.
+:func:`data_shard` says which of ``world/(sp·cp)`` parts of the global batch a rank's loader reads.
+
+**Attention.** ``parallelize`` registers ``xpar_seq_<inner>`` in transformers' ``AttentionInterface`` around the
+model's implementation ``<inner>`` (``eager``: the modeling module's own ``eager_attention_forward``, so sinks and
+MLA head dims keep their code; ``sdpa``) and sets the model to it. Around the inner call: ``sp`` exchanges sequence
+for heads with an all-to-all (``[b, H, S/(sp·cp), d] → [b, H/sp, S/cp, d]``; key/value heads repeated first where
+fewer than ``sp`` or not dividing by it; a per-head sink ``s_aux`` / ``module.sinks`` sliced to the local heads);
+``cp`` all-gathers keys and values over the cp group (backward: reduce-scatter) so each rank's ``S/cp`` queries see
+the whole row. The mask is built here from the *global* token indices, never from the local mask transformers
+would build for a shard: causal, a ``sliding_window`` (as transformers passes it), packed documents (a new document
+starts where ``position_ids`` do not step by one, transformers' own rule, so no token attends across a boundary,
+across cp chunks too) and padding. Boolean for ``sdpa``, additive for ``eager``; its size is ``[b, 1, S/cp, S]``
+per forward (built once per window, shared by the layers). Where it would be the plain causal mask of a whole row
+(no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). The
+model applies RoPE before attention with the local ``position_ids``, which hold global positions.
+
+**Hybrid models** (linear attention, SSM layers: qwen3_next's gated delta net, minimax's lightning attention, mamba
+mixers) are refused with sp and cp: those layers run a recurrence over the whole sequence per head outside the
+``AttentionInterface`` and would silently see only the rank's tokens; gathering the whole sequence around them would
+cost every rank the full ``[b, S, H]`` activations of those layers, which defeats the point at the sequence lengths
+sp/cp are for. The refusal names the layer type.
+
+``generate`` (a KV cache) is refused on an sp/cp mesh with one line: decoding one token at a time has nothing to
+split. Parameters are placed exactly as without sp/cp, so checkpoints are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..compat import attn_implementation
+from ..errors import BatchError, ModelStateError, PlanError
+from ..parallel.collectives import GatherRows, all_to_all
+from ..parallel.mesh import Mesh, PlanShard
+
+ATTENTION_PREFIX = "xpar_seq_"
+INNER_IMPLEMENTATIONS = ("eager", "sdpa")
+# The key of a batch that :func:`shard_sequence` made: its value is a SequencePart.
+PART_KEY = "xpar_sequence_part"
+IGNORE_INDEX = -100
+# Layer types (config.layer_types) that attention through the AttentionInterface serves.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+# Module class-name fragments of sequence mixers outside the AttentionInterface.
+RECURRENT_MIXERS = ("GatedDeltaNet", "LightningAttention", "LinearAttention", "Mamba", "ShortConv", "Rwkv")
+
+
+# ---- the token layout -------------------------------------------------------------------------------------------
+
+def check_sequence_length(seq_len: int, sp: int, cp: int) -> None:
+    """Raise :class:`~xpar_zoo.errors.BatchError` when rows of ``seq_len`` tokens cannot be dealt to ``sp·cp``
+    ranks (``2·cp·sp`` equal chunks with cp, ``sp`` without)."""
+    parts = 2 * cp * sp if cp > 1 else sp
+    if seq_len % parts:
+        why = (f"2·cp·sp = 2·{cp}·{sp} = {parts} (cp deals each rank a head and a tail chunk of every row, split "
+               f"again over sp)" if cp > 1 else f"sp={sp}")
+        raise BatchError(f"sequence length {seq_len} does not divide by {why}; pad the rows to a multiple of "
+                         f"{parts} (labels -100 on the padding)")
+
+
+def cp_chunk(seq_len: int, cp: int, c: int) -> torch.Tensor:
+    """The global token indices of cp rank ``c``'s chunk: head chunk ``c`` and tail chunk ``2·cp-1-c``."""
+    if cp == 1:
+        return torch.arange(seq_len)
+    n = seq_len // (2 * cp)
+    return torch.cat([torch.arange(c * n, (c + 1) * n), torch.arange((2 * cp - 1 - c) * n, (2 * cp - c) * n)])
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where the tokens of a row of ``seq_len`` go: ``local`` (this rank's, ``S/(sp·cp)``), ``queries`` (its cp
+    chunk, the queries after the sp all-to-all, ``S/cp``) and ``keys`` (the row in cp-gathered order, ``S``)."""
+
+    local: torch.Tensor
+    queries: torch.Tensor
+    keys: torch.Tensor
+
+
+@functools.lru_cache(maxsize=16)
+def token_layout(seq_len: int, sp: int, cp: int, sp_rank: int, cp_rank: int) -> TokenLayout:
+    """The :class:`TokenLayout` of sp rank ``sp_rank`` and cp rank ``cp_rank`` (indices on the CPU)."""
+    check_sequence_length(seq_len, sp, cp)
+    queries = cp_chunk(seq_len, cp, cp_rank)
+    part = seq_len // (sp * cp)
+    keys = torch.cat([cp_chunk(seq_len, cp, c) for c in range(cp)])
+    return TokenLayout(queries[sp_rank * part:(sp_rank + 1) * part], queries, keys)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """``[b, S]`` document numbers of packed rows (a document starts where ``position_ids`` do not step by one,
+    transformers' ``find_packed_sequence_indices``), or ``None`` when every row is one document."""
+    first = position_ids[:, :1] - 1
+    docs = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    return None if bool((docs[:, -1] == 0).all()) else docs
+
+
+# ---- collectives ------------------------------------------------------------------------------------------------
+
+def heads_to_sequence(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Ulysses' first all-to-all: ``[b, H, s, d]`` (this rank's ``s`` tokens, every head) → ``[b, H/size, size·s,
+    d]`` (the group's tokens in rank order, this rank's block of heads). Differentiable."""
+    b, heads, s, d = x.shape
+    rows = x.reshape(b, size, heads // size, s, d).permute(1, 3, 0, 2, 4).reshape(size * s, b, heads // size, d)
+    out = all_to_all(rows, [s] * size, [s] * size, group)
+    return out.permute(1, 2, 0, 3)
+
+
+def sequence_to_heads(y: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The inverse for the attention output: ``[b, size·s, h, d]`` → ``[b, s, size·h, d]``. Differentiable."""
+    b, total, h, d = y.shape
+    s = total // size
+    rows = y.reshape(b, size, s, h, d).permute(1, 2, 0, 3, 4).reshape(size * s, b, h, d)
+    out = all_to_all(rows, [s] * size, [s] * size, group)
+    return out.reshape(size, s, b, h, d).permute(2, 1, 0, 3, 4).reshape(b, s, size * h, d)
+
+
+def gather_sequence(x: torch.Tensor, shard: PlanShard) -> torch.Tensor:
+    """``[b, h, s, d]`` of every cp rank, concatenated on the sequence in cp rank order (backward: the sum of the
+    gradients, scattered back). Differentiable."""
+    b, h, s, d = x.shape
+    rows = x.permute(2, 0, 1, 3).contiguous()
+    full = GatherRows.apply(rows, [s] * shard.size, shard)
+    return full.permute(1, 2, 0, 3)
+
+
+def kv_repeat(query_heads: int, kv_heads: int, sp: int) -> int:
+    """How many times each key/value head is repeated before the sp all-to-all so that the key/value heads divide
+    by ``sp`` and still divide the query heads (1: none)."""
+    for r in range(1, query_heads // kv_heads + 1):
+        if (kv_heads * r) % sp == 0 and query_heads % (kv_heads * r) == 0:
+            return r
+    raise PlanError(f"cannot spread {kv_heads} key/value heads over sp={sp} for {query_heads} query heads")
+
+
+class _ModuleView:
+    """The attention module as the inner attention function sees it under sp: its own attributes, except the
+    local head counts and per-head sinks."""
+
+    def __init__(self, module: nn.Module, overrides: Mapping[str, object]) -> None:
+        object.__setattr__(self, "_module", module)
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+# ---- the per-forward state --------------------------------------------------------------------------------------
+
+@dataclass
+class _Forward:
+    """What the attention of one forward needs: the global indices of the queries and keys (on the device), the
+    packed documents and the padding of the whole rows, and the masks built from them (one per window and kind)."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    docs: torch.Tensor | None
+    key_valid: torch.Tensor | None
+    masks: dict = field(default_factory=dict)
+
+    def plain_causal(self, causal: bool, window: int | None, keys: int) -> bool:
+        """Whether the mask is the plain causal one of queries and keys both in row order (no cp, no packed
+        documents, no padding, no window shorter than the row)."""
+        if "in_order" not in self.masks:  # one host sync per forward, not per layer
+            self.masks["in_order"] = self.queries.shape == self.keys.shape and bool((self.keys == self.queries).all())
+        return (causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
+                and self.masks["in_order"])
+
+    def mask(self, causal: bool, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
+        key = (causal, window, additive_dtype)
+        if key not in self.masks:
+            q, k = self.queries[:, None], self.keys[None, :]
+            allowed = k <= q if causal else torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
+            if window is not None:
+                allowed = allowed & (q - k < window)
+            allowed = allowed[None]
+            if self.docs is not None:
+                allowed = allowed & (self.docs[:, self.queries, None] == self.docs[:, None, self.keys])
+            if self.key_valid is not None:
+                allowed = allowed & self.key_valid[:, None, self.keys]
+                allowed = allowed | ~allowed.any(-1, keepdim=True)  # a padded query attends to all: no NaN
+            allowed = allowed[:, None]
+            if additive_dtype is not None:
+                allowed = torch.zeros(allowed.shape, dtype=additive_dtype, device=allowed.device).masked_fill(
+                    ~allowed, torch.finfo(additive_dtype).min)
+            self.masks[key] = allowed
+        return self.masks[key]
+
+
+@dataclass(frozen=True)
+class SequencePart:
+    """The mark :func:`shard_sequence` puts under :data:`PART_KEY`: the batch holds this rank's part of rows of
+    ``seq_len`` tokens; ``docs`` and ``key_valid`` are the whole rows' packed documents and padding (or ``None``)."""
+
+    seq_len: int
+    docs: torch.Tensor | None = None
+    key_valid: torch.Tensor | None = None
+
+
+class SequenceParallel:
+    """The long-context state of one parallelized model: its sp and cp groups, the inner attention, and the
+    current forward's :class:`_Forward` (kept until the next forward: activation checkpointing recomputes the
+    attention during backward)."""
+
+    def __init__(self, mesh: Mesh, inner: str) -> None:
+        self.sp, self.cp = mesh.sp, mesh.cp
+        self.sp_group, self.cp_group = mesh.sequence_group("sp"), mesh.sequence_group("cp")
+        self.sp_rank, self.cp_rank = mesh.sequence_rank("sp"), mesh.sequence_rank("cp")
+        self.inner = inner
+        self.current: _Forward | None = None
+
+    def layout(self, seq_len: int) -> TokenLayout:
+        return token_layout(seq_len, self.sp, self.cp, self.sp_rank, self.cp_rank)
+
+    def cp_shard(self) -> PlanShard:
+        return PlanShard(self.cp_group, self.cp, self.cp_rank, 0)
+
+    # ---- the batch --------------------------------------------------------------------------------------------
+    def split(self, named: dict) -> tuple[dict, SequencePart]:
+        """This rank's part of the full-length batch ``named`` (model keyword arguments), and its mark."""
+        ids, embeds = named.get("input_ids"), named.get("inputs_embeds")
+        ref = ids if ids is not None else embeds
+        if ref is None:
+            raise BatchError("sp/cp: the batch has neither input_ids nor inputs_embeds")
+        b, seq_len = ref.shape[:2]
+        local = self.layout(seq_len).local.to(ref.device)
+        self.check_same_rows(ref)
+        out = dict(named)
+        positions = named.get("position_ids")
+        if positions is None:
+            positions = torch.arange(seq_len, device=ref.device)[None]
+        if positions.dim() != 2 or positions.shape[-1] != seq_len:
+            raise BatchError(f"sp/cp: position_ids of shape {tuple(positions.shape)}; expected [batch, {seq_len}] "
+                             "(rope with several position rows, e.g. multimodal, is not supported)")
+        positions = positions.expand(b, seq_len)
+        mask = named.get("attention_mask")
+        key_valid = None
+        if mask is not None:
+            if mask.dim() != 2 or tuple(mask.shape) != (b, seq_len):
+                raise BatchError(f"sp/cp: attention_mask of shape {tuple(mask.shape)}; only a 2-D [batch, seq] "
+                                 f"padding mask ({b}, {seq_len}) is supported (the attention builds its own mask)")
+            key_valid = None if bool(mask.bool().all()) else mask.bool()
+        out["attention_mask"] = None
+        shift = named.get("shift_labels")
+        labels = named.get("labels")
+        if shift is None and labels is not None:
+            ignore = named.get("ignore_index", IGNORE_INDEX)
+            shift = nn.functional.pad(labels[..., 1:], (0, 1), value=ignore)
+        if shift is not None:
+            out["labels"] = out["shift_labels"] = shift[:, local.to(shift.device)]
+        if ids is not None:
+            out["input_ids"] = ids[:, local]
+        if embeds is not None:
+            out["inputs_embeds"] = embeds[:, local]
+        out["position_ids"] = positions[:, local]
+        return out, SequencePart(seq_len, document_ids(positions), key_valid)
+
+    def check_same_rows(self, rows: torch.Tensor) -> None:
+        """Raise :class:`~xpar_zoo.errors.BatchError` on every rank of the sequence group when its ranks were given
+        different rows (e.g. a loader sharded by rank instead of :func:`data_shard`): each would train on tokens
+        of rows it does not hold. A fingerprint of the rows (shape and a position-weighted sum), reduced by max and
+        by min over the sp and cp groups: two small all-reduces and one host sync per forward."""
+        weights = torch.arange(1, rows.shape[0] * rows.shape[1] + 1, device=rows.device,
+                               dtype=torch.float64).view(rows.shape[:2])
+        values = rows.to(torch.float64)
+        values = values.sum(-1) if values.dim() == 3 else values  # inputs_embeds: [b, s, h]
+        fingerprint = (values * weights).sum() + rows.shape[0] * 1e9 + rows.shape[1] * 1e6
+        both = torch.stack([fingerprint, -fingerprint])
+        for group, size in ((self.sp_group, self.sp), (self.cp_group, self.cp)):
+            if size > 1:
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if bool(both[0] != -both[1]):
+            raise BatchError(f"sp/cp: the ranks of a sequence group (sp={self.sp} x cp={self.cp}) were given "
+                             "different rows; every rank of a group must pass the same full-length rows (read the "
+                             "loader's part with xpar_zoo.data_shard(model), or hand each rank its part with "
+                             "xpar_zoo.shard_sequence)")
+
+    def begin(self, part: SequencePart, device: torch.device) -> None:
+        layout = self.layout(part.seq_len)
+        self.current = _Forward(layout.queries.to(device), layout.keys.to(device), part.docs, part.key_valid)
+
+    # ---- attention --------------------------------------------------------------------------------------------
+    def inner_function(self, module: nn.Module):
+        if self.inner == "eager":
+            fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+            if fn is None:
+                raise PlanError(f"{type(module).__name__}'s module has no eager_attention_forward to wrap under sp/cp")
+            return fn
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS[self.inner]
+
+    def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                  **kwargs):
+        batch = self.current
+        if batch is None:
+            raise ModelStateError("sp/cp attention ran outside a forward of the parallelized model")
+        heads, kv_heads = query.shape[1], key.shape[1]
+        overrides = {}
+        if self.sp > 1:
+            if heads % self.sp:
+                raise PlanError(f"{type(module).__name__} has {heads} query heads, not divisible by sp={self.sp}")
+            repeat = kv_repeat(heads, kv_heads, self.sp)
+            if repeat > 1:
+                key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+            query, key, value = (heads_to_sequence(t, self.sp_group, self.sp) for t in (query, key, value))
+            overrides["num_key_value_groups"] = query.shape[1] // key.shape[1]
+            lo, n = self.sp_rank * (heads // self.sp), heads // self.sp
+            if kwargs.get("s_aux") is not None:
+                kwargs["s_aux"] = kwargs["s_aux"][lo:lo + n]
+            sinks = getattr(module, "sinks", None)
+            if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.shape[0] == heads:
+                overrides["sinks"] = sinks[lo:lo + n]
+        if self.cp > 1:
+            shard = self.cp_shard()
+            key, value = gather_sequence(key, shard), gather_sequence(value, shard)
+        causal = bool(getattr(module, "is_causal", True))
+        if self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
+            mask = None  # sdpa's own is_causal over the whole row (flash kernels on GPU); nothing else to mask
+        else:
+            mask = batch.mask(causal, sliding_window, query.dtype if self.inner == "eager" else None)
+        for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            kwargs.pop(name, None)
+        view = _ModuleView(module, overrides) if overrides else module
+        out, _ = self.inner_function(module)(view, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                             sliding_window=sliding_window, **kwargs)
+        if self.sp > 1:
+            out = sequence_to_heads(out, self.sp_group, self.sp)
+        return out, None
+
+
+def _sequence_attention(module, *args, **kwargs):
+    """The function registered as ``xpar_seq_<inner>``: the attention of the model ``module`` belongs to."""
+    state: SequenceParallel | None = module.__dict__.get("_xpar_seq")
+    if state is None:
+        raise ModelStateError(f"{type(module).__name__} is set to an xpar_zoo sp/cp attention but belongs to no "
+                              "model parallelized with sp/cp")
+    return state.attention(module, *args, **kwargs)
+
+
+# ---- checks and installation ------------------------------------------------------------------------------------
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def recurrent_layers(model: nn.Module) -> list[str]:
+    """Sequence mixers of ``model`` that run outside the ``AttentionInterface`` (``config.layer_types`` other than
+    attention, or linear-attention / SSM modules by class name): ``["layer type or class (first module)"]``."""
+    config = _text_config(model.config)
+    found = []
+    for kind in dict.fromkeys(getattr(config, "layer_types", None) or ()):
+        if kind not in ATTENTION_LAYER_TYPES:
+            found.append(f"layer type {kind!r}")
+    seen = set()
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if cls not in seen and any(f in cls for f in RECURRENT_MIXERS) and not isinstance(module, nn.Linear):
+            seen.add(cls)
+            found.append(f"{cls} ({name})")
+    return found
+
+
+@functools.cache
+def _dispatches(cls: type) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def attention_outside_interface(model: nn.Module) -> str | None:
+    """The first attention module class of ``model`` whose forward does not call transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (it computes attention itself: sp/cp cannot wrap it), or ``None``."""
+    for name, module in model.named_modules():
+        cls = type(module)
+        if "Attention" in cls.__name__ and not _dispatches(cls) and any(True for _ in module.parameters()):
+            return f"{cls.__name__} ({name})"
+    return None
+
+
+def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
+    """Raise :class:`~xpar_zoo.errors.PlanError` (one line, naming the numbers) when ``model`` cannot run on
+    ``mesh``'s sp/cp; return the inner attention implementation. Before any tensor is touched."""
+    sizes = ", ".join(f"{d}={n}" for d, n in (("sp", mesh.sp), ("cp", mesh.cp)) if n > 1)
+    config = model.config
+    if any(getattr(config, k, None) is not None for k in getattr(config, "sub_configs", {}) if k != "text_config"):
+        raise PlanError(f"{sizes}: {type(model).__name__} is multimodal; long context supports text-only causal LMs")
+    recurrent = recurrent_layers(model)
+    if recurrent:
+        raise PlanError(f"{sizes}: {type(model).__name__} has sequence mixers outside attention "
+                        f"({', '.join(recurrent)}) that need the whole sequence per head on one rank; sp and cp "
+                        "are refused for hybrid linear-attention/SSM models")
+    inner = attn_implementation(config) or "eager"
+    if inner.startswith(ATTENTION_PREFIX):
+        raise PlanError(f"{type(model).__name__} is already set to sp/cp attention ({inner})")
+    if inner not in INNER_IMPLEMENTATIONS:
+        raise PlanError(f"{sizes}: attention implementation {inner!r} is not supported under sp/cp; load the model "
+                        f"with attn_implementation in {INNER_IMPLEMENTATIONS}")
+    direct = attention_outside_interface(model)
+    if direct:
+        raise PlanError(f"{sizes}: {direct} does not dispatch attention through transformers' AttentionInterface, "
+                        "which sp/cp wraps")
+    text = _text_config(config)
+    heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    if mesh.sp > 1:
+        if not heads:
+            raise PlanError(f"sp={mesh.sp}: {type(model).__name__}'s config has no num_attention_heads")
+        if heads % mesh.sp:
+            hint = (f"; use cp (e.g. sp={heads}, cp={mesh.sp // heads}) for the rest" if heads < mesh.sp
+                    and mesh.sp % heads == 0 else "; use a smaller sp, or cp")
+            raise PlanError(f"sp={mesh.sp} does not divide the {heads} query heads of {type(model).__name__}"
+                            f"{hint} (cp is not limited by heads)")
+        kv_repeat(heads, kv_heads or heads, mesh.sp)
+    forward = inspect.signature(model.forward).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in forward):
+        raise PlanError(f"{sizes}: {type(model).__name__}.forward takes no **kwargs, so the shifted labels of the "
+                        "split rows cannot reach its loss")
+    return inner
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` its own copy of its config before its attention implementation changes: a config object
+    shared with another model (built from the same config) must keep its implementation."""
+    import copy
+
+    old = model.config
+    new = copy.deepcopy(old)
+    for module in model.modules():
+        if getattr(module, "config", None) is old:
+            module.config = new
+
+
+def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> SequenceParallel:
+    """Set ``model`` to ``xpar_seq_<inner>`` attention and wrap its forward to keep this rank's part of full-length
+    rows (see the module docstring). Call after every other forward wrapper (the global-batch loss must count the
+    split targets)."""
+    from transformers import AttentionInterface
+
+    name = ATTENTION_PREFIX + inner
+    AttentionInterface.register(name, _sequence_attention)
+    state = SequenceParallel(mesh, inner)
+    _own_config(model)
+    model.set_attn_implementation(name)
+    if attn_implementation(model.config) != name:
+        raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
+    for module in model.modules():
+        module.__dict__["_xpar_seq"] = state
+    original = model.forward
+    signature = inspect.signature(original)
+    var_kw = next(p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
+    params = signature.parameters
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+        named = {**bound, **bound.pop(var_kw, {})}
+        if named.get("past_key_values") is not None or named.get("cache") is not None:
+            raise ModelStateError(f"a KV cache (generate) is not supported on an sp/cp mesh (sp={state.sp}, "
+                                  f"cp={state.cp}); generate on a mesh without sp/cp")
+        part = named.pop(PART_KEY, None)
+        if part is None:
+            named, part = state.split(named)
+        else:
+            ref = named.get("input_ids") if named.get("input_ids") is not None else named.get("inputs_embeds")
+            local = state.layout(part.seq_len).local.numel()
+            if ref is None or ref.shape[1] != local:
+                raise BatchError(f"sp/cp: a shard_sequence part of rows of {part.seq_len} tokens holds {local} "
+                                 f"tokens per row here, the batch has {None if ref is None else ref.shape[1]}")
+            if named.get("attention_mask") is not None:
+                raise BatchError("sp/cp: pass no attention_mask with a shard_sequence part (it carries the padding)")
+        if "use_cache" in params:
+            named["use_cache"] = False
+        ref = named.get("input_ids") if named.get("input_ids") is not None else named.get("inputs_embeds")
+        state.begin(part, ref.device)
+        return original(**named)
+
+    model.forward = forward
+
+    def generate(*args, **kwargs):
+        raise ModelStateError(f"generate is not supported on an sp/cp mesh (sp={state.sp}, cp={state.cp}); "
+                              "generate on a mesh without sp/cp (checkpoints load on any mesh)")
+
+    model.generate = generate
+    return state
+
+
+# ---- the public helpers -----------------------------------------------------------------------------------------
+
+def _parallel_state(model: nn.Module):
+    for module in (model, *model.modules()):
+        state = module.__dict__.get("_xpar")
+        if state is not None:
+            return state
+    return None
+
+
+def data_shard(model: nn.Module) -> tuple[int, int]:
+    """``(index, count)``: this rank's data loader reads part ``index`` of ``count`` equal parts of the global batch.
+    The ranks of one sp·cp sequence group get the same index and pass the same rows; ``count = world / (sp·cp)``
+    (``(rank, world)`` without sp/cp; ``(0, 1)`` for a model that is not parallelized)."""
+    state = _parallel_state(model)
+    if state is None:
+        return 0, 1
+    return state.mesh.data_shard()
+
+
+def shard_sequence(batch: Mapping[str, torch.Tensor], model: nn.Module) -> dict:
+    """This rank's part of a full-length ``batch`` (``input_ids`` or ``inputs_embeds``, ``labels`` /
+    ``shift_labels``, ``position_ids``, a 2-D ``attention_mask``): tokens, global ``position_ids`` and labels already
+    shifted (as ``labels`` and ``shift_labels``), marked with :data:`PART_KEY` so that ``model(**part)`` knows it
+    was given its part. Without sp/cp the batch is returned as a new dict, unchanged."""
+    state = next((m.__dict__["_xpar_seq"] for m in (model, *model.modules()) if "_xpar_seq" in m.__dict__), None)
+    if state is None:
+        return dict(batch)
+    if PART_KEY in batch:
+        raise BatchError("shard_sequence: the batch is already this rank's part")
+    named, part = state.split(dict(batch))
+    named = {k: v for k, v in named.items() if v is not None or k in batch}
+    named.pop("attention_mask", None)
+    named[PART_KEY] = part
+    return named
