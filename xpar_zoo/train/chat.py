@@ -27,8 +27,6 @@ import numpy as np
 from ..errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
-LOSS_ON = ("assistant", "completion", "all")
-TRUNCATE = ("left", "right", "drop")
 GENERATION_MARKER = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # as transformers detects it
 
 

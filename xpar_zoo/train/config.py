@@ -30,6 +30,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "seed": (0, INT64_MAX), "log_every": (1, None), "max_line_bytes": (1, 1 << 30),
     "lr": (0, 1), "min_lr_ratio": (0, 1), "weight_decay": (0, None), "max_grad_norm": (0, None),
     "expert_bias_update_rate": (0, None), "router_aux_loss_coef": (0, None),
+    "epochs": (1, 10**6), "lora_rank": (1, 2**16),  # lora_alpha, lora_dropout, eval_*: sft_config says it
     "timeout_minutes": (1e-3, 525_600),  # a year: torch's timeout (a timedelta, then milliseconds) overflows past that
 }
 REQUIRED = ("model", "data", "output")  # and steps or epochs
@@ -324,7 +325,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="write into a non-empty --output without checkpoints, and replace an existing --export-hf (only once "
            "the new export is complete)")
     a("--log-every", type=int, default=S,
-      help="a plain line every N steps when there is no progress bar (--no-progress, or not a terminal; default 10)")
+      help="with --no-progress: a plain line every N steps and at the last (default 10)")
     a("--max-line-bytes", type=int, default=S,
       help=f"longest data line (JSONL record, .txt document) read, in bytes (default {DEFAULT_MAX_LINE_BYTES})")
     sft_config.add_arguments(parser)
@@ -375,9 +376,9 @@ def validate(cfg: TrainConfig) -> None:
         missing.append("--steps (or --epochs)")
     if missing:
         raise TrainConfigError(f"missing setting(s): {', '.join(missing)} (flags or keys of --config)")
-    sft_config.validate(cfg)
-    for name in FIELDS:
+    for name in FIELDS:  # types, finiteness and ranges first: the checks below compare numbers
         _coerce(name, getattr(cfg, name), f"--{name.replace('_', '-')}")
+    sft_config.validate(cfg)
     if cfg.schedule not in SCHEDULES:
         raise TrainConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.steps is not None:  # --epochs: checked again once the data gives the steps
@@ -387,8 +388,26 @@ def validate(cfg: TrainConfig) -> None:
             raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise TrainConfigError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {cfg.dtype!r}")
+    check_sequence_mesh(cfg)
     if cfg.attn_implementation is not None:
         known = attention_implementations()
         if cfg.attn_implementation not in known:
             raise TrainConfigError(f"--attn-implementation {_short(cfg.attn_implementation)} is not one transformers "
                                    f"knows: {', '.join(known)}")
+
+
+def check_sequence_mesh(cfg: TrainConfig) -> None:
+    """``--mesh sp=S,cp=C``: the packed rows of ``--seq-len`` tokens must split over the sequence group (the rule
+    of :func:`xpar_zoo.commands.sizing.sequence_parts`, checked at parse time, before any rank starts)."""
+    from ..commands.sizing import sequence_parts
+    from ..errors import BatchError
+
+    sp, cp = cfg.mesh.get("sp", 1), cfg.mesh.get("cp", 1)
+    if sp * cp == 1:
+        return
+    try:
+        sequence_parts(cfg.seq_len, sp, cp)
+    except BatchError as e:
+        what = ",".join(f"{d}={n}" for d, n in (("sp", sp), ("cp", cp)) if n > 1)
+        raise TrainConfigError(f"--seq-len {cfg.seq_len} with --mesh {what}: {str(e).split(';')[0]}; choose a "
+                               "--seq-len that does (the rows are packed to exactly --seq-len tokens)") from None

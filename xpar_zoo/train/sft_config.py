@@ -9,7 +9,9 @@ import importlib.util
 from pathlib import Path
 
 from ..errors import TrainConfigError
-from .chat import LOSS_ON, TRUNCATE
+
+LOSS_ON = ("assistant", "completion", "all")  # which tokens are targets (xpar_zoo.train.chat)
+TRUNCATE = ("left", "right", "drop")  # what a conversation longer than --seq-len becomes
 
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 REPORTERS = ("tensorboard", "wandb", "none")
