@@ -517,6 +517,24 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
     return state
 
 
+def set_inner_attention(model: nn.Module, inner: str) -> None:
+    """Make ``inner`` (``eager`` or ``sdpa``) the attention that the sp/cp attention of ``model`` wraps: what
+    ``model.set_attn_implementation(inner)`` is without sp/cp. (That call on an sp/cp model would replace the sp/cp
+    attention itself, and each rank would attend to its own tokens only.) A :class:`PlanError` on another name."""
+    from transformers import AttentionInterface
+
+    state = next((m.__dict__["_xpar_seq"] for m in (model, *model.modules()) if "_xpar_seq" in m.__dict__), None)
+    if state is None:
+        raise PlanError(f"{type(model).__name__} is not parallelized with sp/cp; call set_attn_implementation")
+    if inner not in INNER_IMPLEMENTATIONS:
+        raise PlanError(f"sp={state.sp}, cp={state.cp}: attention implementation {inner!r} is not supported under "
+                        f"sp/cp; use one of {', '.join(INNER_IMPLEMENTATIONS)}")
+    name = ATTENTION_PREFIX + inner
+    AttentionInterface.register(name, _sequence_attention)
+    state.inner = inner
+    model.set_attn_implementation(name)
+
+
 # ---- the public helpers -----------------------------------------------------------------------------------------
 
 def _parallel_state(model: nn.Module):
