@@ -101,8 +101,10 @@ def reference(run):
                                              target_parameters=EXPERT_PARAMETERS)).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=0.0)
-    sched = get_scheduler("cosine_with_min_lr", opt, num_warmup_steps=cfg.warmup, num_training_steps=cfg.steps,
-                          scheduler_specific_kwargs={"min_lr_rate": 0.0})
+    theirs = get_scheduler("cosine_with_min_lr", opt, num_warmup_steps=cfg.warmup, num_training_steps=cfg.steps,
+                           scheduler_specific_kwargs={"min_lr_rate": 0.0}).lr_lambdas[0]
+    # xpar-zoo train's warmup trains step k at lr·k/warmup (step 1 at lr/warmup, not 0), transformers' after it
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / cfg.warmup if s < cfg.warmup else theirs(s))
     init = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
     per_step = WORLD * cfg.micro_batch * cfg.grad_accum
     eval_rows = held.rows(0, held.rows_per_epoch)
