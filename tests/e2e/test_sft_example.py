@@ -89,8 +89,13 @@ def _hf_conversations(path, tokenizer):
 @pytest.fixture(scope="module")
 def reference(run):
     """Single-process transformers + PEFT on every step's rows (all ranks' at once), the same LoRA config, AdamW,
-    clipping and schedule; evaluated on all held-out rows at the run's evaluation steps."""
-    from transformers import AutoModelForCausalLM, get_scheduler
+    clipping and schedule (the run's :func:`~xpar_zoo.train.loop.lr_factor`: warmup, then transformers' cosine);
+    evaluated on all held-out rows at the run's evaluation steps."""
+    import functools
+
+    from transformers import AutoModelForCausalLM
+
+    from xpar_zoo.train.loop import lr_factor
 
     cfg, _, limited, held, _ = _corpora(run)
     model = AutoModelForCausalLM.from_pretrained(run["out"] / "tiny-qwen3-moe", dtype=torch.float32,
@@ -101,10 +106,7 @@ def reference(run):
                                              target_parameters=EXPERT_PARAMETERS)).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=0.0)
-    theirs = get_scheduler("cosine_with_min_lr", opt, num_warmup_steps=cfg.warmup, num_training_steps=cfg.steps,
-                           scheduler_specific_kwargs={"min_lr_rate": 0.0}).lr_lambdas[0]
-    # xpar-zoo train's warmup trains step k at lr·k/warmup (step 1 at lr/warmup, not 0), transformers' after it
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / cfg.warmup if s < cfg.warmup else theirs(s))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg))
     init = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
     per_step = WORLD * cfg.micro_batch * cfg.grad_accum
     eval_rows = held.rows(0, held.rows_per_epoch)

@@ -214,11 +214,17 @@ def test_report_to_wandb_without_wandb_says_how_to_install(monkeypatch, capsys):
     assert "--report-to wandb: wandb is not installed (pip install 'xpar_zoo[wandb]')" in capsys.readouterr().err
 
 
-def test_dry_run_prints_settings_mesh_counts_and_memory_without_loading_weights(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
+@pytest.mark.parametrize("world", ["WORLD_SIZE", "--nproc-per-node"])
+def test_dry_run_prints_settings_mesh_counts_and_memory_without_loading_weights(tmp_path, capsys, monkeypatch,
+                                                                                world):
     out = tmp_path / "never"
     argv = ["train", "--model", "tiny-qwen3-moe", "--data", str(SHIPPED), "--output", str(out), "--epochs", "3",
             "--seq-len", "512", "--micro-batch", "2", "--mesh", "ep=2", "--lora-rank", "8", "--dry-run"]
+    if world == "WORLD_SIZE":  # under torchrun
+        monkeypatch.setenv("WORLD_SIZE", "4")
+    else:  # the ranks xpar-zoo train would start itself
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        argv += ["--nproc-per-node", "4"]
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert "mesh: ep=2 over 4 rank(s)" in text

@@ -542,9 +542,20 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def format_count(n: float) -> str:
+    """A count in human units with three significant digits or so: ``950``, ``12.3K``, ``4.5M``, ``30.5B``,
+    ``1.2T`` (never ``0.00B`` for a small model)."""
+    n = float(n)
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale * 0.9995 or (unit == "T" and abs(n) >= scale):
+            value = n / scale
+            return f"{value:.0f}{unit}" if abs(value) >= 99.95 else f"{value:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def format_estimate(est: Estimate) -> str:
     """A human-readable table of one estimate."""
-    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({est.lora['adapter parameters'] / 1e6:.1f}M "
+    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({format_count(est.lora['adapter parameters'])} "
                                    "adapter parameters)" if est.lora else "")]
     if est.placement:
         shown = "; ".join(f"{name}: " + ", ".join(f"{n} tensor{'s' * (n != 1)} on {dim}"

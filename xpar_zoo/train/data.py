@@ -264,7 +264,7 @@ def load_tokenizer(name_or_dir: str):
 
     hint = "pass --tokenizer NAME_OR_DIR, or give pre-tokenized data ('input_ids' records)"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_dir)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = (str(e).splitlines() or [""])[0]
         raise DataError(f"no tokenizer in {name_or_dir} ({type(e).__name__}: {first}); {hint}") from None

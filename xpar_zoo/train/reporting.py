@@ -1,5 +1,6 @@
-"""What a run shows besides ``metrics.jsonl`` (rank 0): a one-line summary per step on the console (a progress bar,
-the loss, the learning rate, throughput and an ETA), the evaluation lines, and Weights & Biases (``--report-to
+"""What a run shows besides ``metrics.jsonl`` (rank 0): a one-line summary of a step on the console (a progress bar,
+the loss, the learning rate, throughput, eval_loss and an ETA) every ``--log-every`` steps (``1``: every step), at
+each evaluation and at the last step, above the tqdm bar on a terminal; and Weights & Biases (``--report-to
 wandb``; ``WANDB_MODE=offline`` works without a network; project from ``WANDB_PROJECT``, default ``xpar-zoo``).
 TensorBoard events are written by :class:`~xpar_zoo.train.metrics.MetricsLog`."""
 
@@ -42,7 +43,7 @@ class Reporter:
 
     def __init__(self, cfg, output: Path, *, active: bool, start_step: int, total_steps: int, wandb: bool):
         self.active, self.total, self.start_step = active, total_steps, start_step
-        self.console = active and cfg.progress
+        self.console, self.every = active, cfg.log_every
         self._start = time.perf_counter()
         self._run = None
         if active and wandb:
@@ -52,8 +53,9 @@ class Reporter:
                                 name=Path(output).name, config=cfg.to_json(), resume="allow")
 
     def line(self, record: dict[str, Any]) -> str | None:
-        """The step's console line (``None`` when the console summary is off)."""
-        if not self.console:
+        """The step's console line every ``--log-every`` steps, at evaluations and at the last step (else ``None``)."""
+        step = record["step"]
+        if not self.console or not (step % self.every == 0 or step == self.total or "eval_loss" in record):
             return None
         return step_line(record, self.total, time.perf_counter() - self._start, record["step"] - self.start_step)
 
