@@ -84,8 +84,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
 
         fsdp_layout.planned_shard_dim = lambda rows, fsdp: 1
     if which == "xpar_zoo_gloo_copies":  # FSDP2's default collectives, before xpar_zoo.parallel.gloo_comms (this process only)
-        # the module parallelize: `from xpar_zoo import parallelize` gives the function xpar_zoo exports
-        sys.modules["xpar_zoo.parallelize"].use_in_place_collectives = lambda module: None
+        os.environ["XPAR_ZOO_GLOO_IN_PLACE"] = "0"  # parallelize's switch (cpu_collectives="gloo")
     ours = which.startswith("xpar_zoo")
     gc.collect()
     row: dict = {}

@@ -79,7 +79,7 @@ def main() -> None:
                                 f"{str(work / 'copy')!r}, dirs_exist_ok=True)\nT = time.perf_counter() - t0")
     shutil.rmtree(work / "copy", ignore_errors=True)
     export_s, export_rss = _measure(
-        imports + f"from xpar_zoo import cli\nt0 = time.perf_counter()\nrc = cli.main(['convert', 'to-hf', "
+        imports + f"from xpar_zoo.commands import cli\nt0 = time.perf_counter()\nrc = cli.main(['convert', 'to-hf', "
         f"{str(ckpt)!r}, {str(work / 'out')!r}, '--force', '--max-shard-size', {args.shard!r}])\n"
         f"assert rc == 0\nT = time.perf_counter() - t0")
     out_bytes = sum(f.stat().st_size for f in (work / "out").glob("*.safetensors"))

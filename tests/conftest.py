@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -11,15 +12,66 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # once (xpar_zoo.testing.launch), instead of spawning interpreters that import them again on every rank.
 os.environ.setdefault("XPAR_ZOO_START_METHOD", "forkserver")
 
+# The tiers, one folder each; every test gets its folder's marker (`pytest -m unit`), registered in pyproject.toml.
+TIERS = {
+    "unit": "no launched process group, fast (`pytest -m unit`: under a minute)",
+    "distributed": "launched gloo ranks (xpar_zoo.testing.launch) or processes",
+    "e2e": "the xpar-zoo commands, the demo and the examples",
+}
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    outside = set()
+    for item in items:
+        tier = Path(item.path).relative_to(TESTS).parts[0] if Path(item.path).is_relative_to(TESTS) else None
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+        else:
+            outside.add(str(item.path))
+    if outside:
+        raise pytest.UsageError(f"test files belong in a tier folder ({', '.join(f'tests/{t}/' for t in TIERS)}): "
+                                + ", ".join(sorted(outside)))
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_launch_nothing(request, monkeypatch):
+    """The unit tier's promise, kept: a unit test that starts ranks or a process through xpar_zoo.testing.launch
+    fails, naming the tier it belongs to."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    from xpar_zoo.testing import launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid}: a unit test launches no ranks: move it to tests/distributed/")
+
+    for name in ("run", "run_together", "run_each", "start"):
+        monkeypatch.setattr(launch, name, refuse)
+
+
+def _module_jobs(module, tmp_path_factory) -> tuple[dict, object]:
+    """A module's jobs ``{name: (fn, args)}`` and which job a key of its results belongs to (None: the default of
+    :class:`~xpar_zoo.testing.launch.JobResults`); a module with one ``zoo_job`` has one job for all its keys."""
+    if hasattr(module, "zoo_jobs"):
+        return module.zoo_jobs(tmp_path_factory), None
+    return {"": module.zoo_job(tmp_path_factory)}, lambda key: ""
+
 
 @pytest.fixture(scope="session")
 def zoo_proofs(request, tmp_path_factory) -> dict:
-    """The zoo's 4-rank job: every collected test module that uses this fixture contributes its
-    ``zoo_job(tmp_path_factory) -> (fn, args)`` (tests/test_zoo.py, tests/test_zoo_placement.py), and all of them run
-    in one launched run (one start, one import of every architecture per rank). ``{module name: rank 0's result}``."""
+    """The zoo's 4-rank run: every collected test module that uses this fixture contributes its jobs,
+    ``zoo_jobs(tmp_path_factory) -> {name: (fn, args)}`` (one per architecture in tests/distributed/test_zoo.py and
+    tests/distributed/test_zoo_placement.py), and all of them run in one launched run (one start, one import of every
+    architecture per rank). ``{module name: JobResults}``: a job that fails fails only the tests that read its
+    results (``results[arch, …]``); the run starts again after it (xpar_zoo.testing.launch.run_each)."""
     from xpar_zoo.testing import launch
     from xpar_zoo.zoo.proofs import PROOF_WORLD
 
     modules = {item.module for item in request.session.items if "zoo_proofs" in getattr(item, "fixturenames", ())}
-    jobs = {m.__name__: m.zoo_job(tmp_path_factory) for m in sorted(modules, key=lambda m: m.__name__)}
-    return launch.run_together(jobs, PROOF_WORLD, timeout_s=1800)
+    jobs, job_of = {}, {}
+    for m in sorted(modules, key=lambda m: m.__name__):
+        module_jobs, job_of[m.__name__] = _module_jobs(m, tmp_path_factory)
+        jobs.update({(m.__name__, name): job for name, job in module_jobs.items()})
+    outcomes = launch.run_each(jobs, PROOF_WORLD, timeout_s=1800)
+    return {m: launch.JobResults({name: o for (module, name), o in outcomes.items() if module == m}, job_of[m])
+            for m in job_of}

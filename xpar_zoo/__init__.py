@@ -2,22 +2,22 @@
 
 from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
                          save_checkpoint, verify_checkpoint)
-from .parallel.clip import clip_grad_norm_
 from .errors import (AdapterError, BatchError, CheckpointError, CheckpointMismatchError, CheckpointWarning,
                      ConvertError, DataError, HubResolutionError, IntegrationError, KernelError, LeftoverWarning,
                      LoadError, MeshError, ModelStateError, NonFiniteError, PlanError, PublishError,
                      RefusedArchitectureError, TrainConfigError, UnknownArchitectureError, XparError)
-from .integrations.peft_files import save_adapter
 from .hub.loader import from_pretrained
+from .integrations.peft_files import save_adapter
+from .parallel.clip import clip_grad_norm_
 from .parallel.materialize import materialize
 from .parallel.mesh import Mesh
-from .parallelize import parallelize
-from .zoo.plan import ExtraPlan, Plan
-from .zoo.registry import get_plan, supported_architectures
 from .parallel.state import full_state_dict
+from .parallelize import parallelize
 from .styles.vocab import full_logits
 from .version import __version__
 from .styles.sequence import data_shard, shard_sequence
+from .zoo.plan import ExtraPlan, Plan
+from .zoo.registry import get_plan, supported_architectures
 
 # The documented module paths ``xpar_zoo.moe``, ``xpar_zoo.registry`` and ``xpar_zoo.vocab`` (e.g.
 # ``xpar_zoo.moe.set_experts_kernels``) name the modules where the code lives, the same module objects, so that

@@ -6,7 +6,9 @@
 4. ``fsdp_layout``         FSDP units, meshes, reshard and prefetch decisions (:mod:`xpar_zoo.parallel.fsdp_layout`);
 5. ``apply_fsdp``          ``fully_shard`` planned modules (dim 0 of each slice where it divides, else dim 1),
                            decoder layers, embedding and head, then the root (on the CPU each with its
-                           collectives in place: :mod:`xpar_zoo.parallel.gloo_comms`); then reshard and prefetch;
+                           collectives in place, :mod:`xpar_zoo.parallel.gloo_comms`, unless ``cpu_collectives``
+                           says ``"gloo"``); then reshard and prefetch, and every unit resharded after a forward no
+                           backward follows (:func:`reshard_after_inference`);
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
                            loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`);
 7. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import defaultdict
+import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -27,20 +30,22 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .compat import can_set_experts_implementation, fsdp_managed_tensors, mark_fsdp_managed
 from .errors import ModelStateError, PlanError
-from .parallel.mesh import Mesh, check_same_on_all_ranks
-from .parallel.fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout, planned_shard_dim
-from .styles.gathered import install_gathered
-from .parallel.gloo_comms import use_in_place_collectives
 from .hub.save_pretrained import install_save_pretrained
+from .integrations.peft import base_of, prepare, uses_peft
+from .integrations.peft_files import finish
 from .loss.global_batch import install_global_loss
+from .parallel.fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout
 from .parallel.materialize import check_materialized, meta_tensors, unread_buffers
+from .parallel.mesh import Mesh, check_same_on_all_ranks
 from .styles.experts import EXPERTS_IMPLEMENTATION, install_expert_parallel
-from .zoo.plan import Plan, match_parameters, owner_module
-from .zoo.registry import plan_for
+from .styles.gathered import install_gathered
+from .styles.planned import match_plan, whole_vocab_head_fusable
 from .styles.sequence import check_sequence_parallel, install_sequence_parallel
-from .styles.vocab import (check_embedding, check_head, fusable_head, install_fused_loss, install_vocab_embedding,
-                    install_vocab_lm_head)
+from .styles.vocab import install_fused_loss, install_vocab_embedding, install_vocab_lm_head
+from .zoo.plan import Plan
+from .zoo.registry import plan_for
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +58,13 @@ class ParallelState:
     plan: Plan
     planned: list[PlannedModule] = field(default_factory=list)
     unset_buffers: tuple[str, ...] = ()  # built on meta: buffers no checkpoint holds, until materialize()
+    # check_ready's last pass: the module-tree generation it saw, and the parameters no FSDP unit manages (frozen)
+    ready_at: int | None = None
+    frozen_unmanaged: tuple[nn.Parameter, ...] = ()
 
     def planned_params(self) -> dict[str, str]:
         """``{parameter FQN: plan name}`` for every planned parameter."""
         return {f"{m.fqn}.{p}" if m.fqn else p: m.plan_name for m in self.planned for p in m.params}
-
-
-def check_plan_names(names, plan: Plan) -> None:
-    """Raise :class:`PlanError` when a mesh names plans that ``plan`` does not define (the sizer checks alike)."""
-    unknown = [n for n in names if n not in plan.extra]
-    if unknown:
-        raise PlanError(
-            f"mesh uses plan(s) {unknown} that the {plan.model_type!r} plan does not define; "
-            f"its plans: {', '.join(plan.extra) or 'none'}"
-        )
 
 
 def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedModule]:
@@ -74,72 +72,6 @@ def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedMod
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise PlanError("model is already parallelized (it has DTensor parameters)")
     return match_plan(model, plan, mesh.active, mesh.shard_size)
-
-
-def match_plan(model: nn.Module, plan: Plan, active: dict[str, int], shard_size: int) -> list[PlannedModule]:
-    """The planned modules of ``model`` for plans of sizes ``active`` (each > 1) over ``shard_size`` FSDP ranks,
-    every size checked; no process group needed (the sizer calls it on a meta model)."""
-    check_plan_names(active, plan)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    names_of: dict[int, list[str]] = defaultdict(list)
-    for n, p in params.items():
-        names_of[id(p)].append(n)
-    owner: dict[str, str] = {}
-    by_module: dict[str, list[str]] = defaultdict(list)
-    for name, size in active.items():
-        extra = plan.extra[name]
-        fqns = match_parameters(model, extra.params)
-        if not fqns:
-            raise PlanError(f"plan {name!r} matched no parameter of {type(model).__name__} (patterns {extra.params})")
-        fsdp = shard_size // size
-        for fqn in fqns:
-            if fqn in owner:
-                raise PlanError(f"{fqn} is claimed by two plans: {owner[fqn]!r} and {name!r}")
-            owner[fqn] = name
-            tied = [n for n in names_of[id(params[fqn])] if n != fqn]
-            if tied:
-                raise PlanError(
-                    f"plan {name!r}: {fqn} is tied to {', '.join(tied)} (e.g. tie_word_embeddings=True); a split "
-                    "tensor can have only one compute style: untie the weights or leave this plan out of the mesh"
-                )
-            shape = tuple(params[fqn].shape)
-            if len(shape) < 2:
-                raise PlanError(f"plan {name!r}: {fqn} has shape {shape}; planned tensors need ≥ 2 dims")
-            if shape[0] % size:
-                raise PlanError(
-                    f"plan {name!r}: {fqn} has {shape[0]} {extra.dim0 or 'rows'} on dim 0 "
-                    f"(shape {list(shape)}), not divisible by {name}={size}"
-                )
-            if planned_shard_dim(shape[0] // size, fsdp) == 1 and shape[1] % fsdp:
-                raise PlanError(
-                    f"plan {name!r}: {fqn} has {shape[1]} on dim 1 (shape {list(shape)}), not divisible by "
-                    f"{name}_fsdp={fsdp} (FSDP2 shards a planned slice evenly on dim 1 where its "
-                    f"{shape[0] // size} rows on dim 0 do not divide by {fsdp})"
-                )
-            module_fqn = owner_module(model, fqn)
-            by_module[(module_fqn, name)].append(fqn[len(module_fqn) + 1:] if module_fqn else fqn)
-    planned = []
-    for (mod_fqn, name), names in by_module.items():
-        module = model.get_submodule(mod_fqn)
-        wrapped = any("." in n for n in names)  # an adapter wrapper: everything inside it computes with the slice
-        others = [n for n, _ in module.named_parameters(recurse=wrapped) if n not in names]
-        if others:
-            raise PlanError(
-                f"plan {name!r} splits {mod_fqn}.{names} but not {others} of the same module; "
-                "a planned module's own parameters must all be planned"
-            )
-        if plan.extra[name].style == "lm_head":  # vocab modules the styles cannot serve: refused before any work
-            check_head(model, module)
-        elif plan.extra[name].style == "embedding":
-            try:
-                check_embedding(model, module)
-            except PlanError as e:
-                raise PlanError(f"plan {name!r} ({mod_fqn}): {e}; leave {name!r} out of the mesh") from None
-        planned.append(PlannedModule(mod_fqn, name, plan.extra[name].style, tuple(names)))
-    modules = [p.fqn for p in planned]
-    if len(set(modules)) != len(modules):
-        raise PlanError(f"a module is planned by two plans: {sorted(m for m in modules if modules.count(m) > 1)}")
-    return planned
 
 
 def split_planned(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -> None:
@@ -177,22 +109,19 @@ def install_styles(model: nn.Module, mesh: Mesh, planned: list[PlannedModule]) -
             install_gathered(module, pm.params, shard)
         else:
             raise PlanError(f"plan style {pm.style!r} ({pm.fqn}) is not implemented")
-    if type(model)._can_set_experts_implementation() and getattr(model.config, "_experts_implementation", None):
+    if can_set_experts_implementation(model):
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
 
 
-def whole_vocab_head_fusable(model: nn.Module, plan: Plan) -> bool:
-    """Whether ``parallelize``'s default fused loss applies to ``model``'s whole-vocab head (on a mesh without a
-    ``head`` plan): the plan defines a head plan (the architecture's head is proved to take it) and the head is
-    fusable (:func:`~xpar_zoo.styles.vocab.fusable_head`). The sizer asks the same."""
-    return any(p.style == "lm_head" for p in plan.extra.values()) and fusable_head(model) is not None
-
-
-def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwargs) -> None:
+def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], *, cpu_collectives: str = "in_place",
+               **fsdp_kwargs) -> None:
     """``fully_shard`` every unit of :func:`~xpar_zoo.parallel.fsdp_layout.fsdp_layout` in its order, then set its reshard
     and prefetch decisions. Planned units go over their plan's mesh, each parameter on its ``shard_dim``, with the
-    gradient divide factor of the whole world. On the CPU every unit gathers and reduces through
-    :mod:`xpar_zoo.parallel.gloo_comms` (in place, without gloo's staging copies)."""
+    gradient divide factor of the whole world. On the CPU, with ``cpu_collectives="in_place"``, every unit gathers
+    and reduces through :mod:`xpar_zoo.parallel.gloo_comms` (in place, without gloo's staging copies)."""
+    in_place = None
+    if mesh.dense.device_type == "cpu" and cpu_collectives == "in_place":  # gloo's own stage a copy of every buffer
+        from .parallel.gloo_comms import use_in_place_collectives as in_place
     for unit in units:
         module = model.get_submodule(unit.fqn)
         if unit.kind == "planned":
@@ -215,8 +144,8 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwarg
             fully_shard(module, mesh=mesh.dense, **{k: v for k, v in fsdp_kwargs.items() if k != "reshard_after_forward"})
         else:
             fully_shard(module, mesh=mesh.dense, **fsdp_kwargs)
-        if mesh.dense.device_type == "cpu":  # gloo's own collectives stage a copy of every unsharded buffer
-            use_in_place_collectives(module)
+        if in_place is not None:
+            in_place(module)
     for unit in units:
         module = model.get_submodule(unit.fqn)
         if unit.kind != "root" and not unit.reshard_after_forward and fsdp_kwargs.get("reshard_after_forward", True):
@@ -227,9 +156,22 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], **fsdp_kwarg
             module.set_modules_to_backward_prefetch([model.get_submodule(f) for f in unit.backward_prefetch])
 
 
-def uses_peft(model: nn.Module) -> bool:
-    """Whether ``model`` is a PEFT model or holds PEFT tuner layers (PEFT is imported only then)."""
-    return any(type(m).__module__.startswith("peft.") for m in model.modules())
+def reshard_after_inference(model: nn.Module) -> None:
+    """After every forward of ``model`` without gradients or in eval mode (``torch.no_grad()``, ``model.eval()``,
+    ``generate``), reshard every FSDP unit, the root and the units kept gathered for backward included: FSDP2 leaves
+    them unsharded for a backward that does not come, so ``model.parameters()`` would hand an optimizer built then
+    plain unsharded tensors outside FSDP. In training mode with gradients nothing changes (a backward regathers a
+    resharded unit, at the cost of one all-gather, should one follow an eval-mode forward)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def reshard(module: nn.Module, args, output):
+        if torch.is_grad_enabled() and module.training:
+            return None
+        for unit in units:
+            unit.reshard()
+        return None
+
+    model.register_forward_hook(reshard)  # after FSDP2's own post-forward hook, registered by fully_shard
 
 
 def _fingerprint(model: nn.Module, plan: Plan) -> str:
@@ -238,35 +180,87 @@ def _fingerprint(model: nn.Module, plan: Plan) -> str:
     return f"{model.config.model_type}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
+def _unmanaged(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``model``'s parameters that no FSDP unit manages, trainable or not."""
+    managed: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            managed.update(id(t) for t in fsdp_managed_tensors(module))
+    return [(n, p) for n, p in model.named_parameters() if id(p) not in managed]
+
+
 def unmanaged_parameters(model: nn.Module) -> list[str]:
     """Names of ``model``'s trainable parameters that no FSDP unit manages — added after ``parallelize`` (e.g. a
     LoRA adapter) or swapped in for a managed one: FSDP never reduces their gradients, so each rank would train its
     own copy."""
-    managed: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params if group is not None else ():
-                managed.add(id(fsdp_param.sharded_param))
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)  # while the unit is gathered
-                if unsharded is not None:
-                    managed.add(id(unsharded))
-    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in managed]
+    return [n for n, p in _unmanaged(model) if p.requires_grad]
+
+
+# The module tree's generation: torch's global registration hooks count every parameter, buffer and submodule
+# registered on a module of a model check_ready has passed (assignment, register_*), so that check_ready walks a
+# model again only after such a change. Registrations on other modules do not count: transformers builds a fresh
+# ModuleList from ``self.layers[:n]`` at every forward.
+_tree_generation = [0]
+_watched: weakref.WeakSet = weakref.WeakSet()
+_tree_hooks: list = []
+
+
+def _count_registration(module: nn.Module, *args) -> None:
+    if module in _watched:
+        _tree_generation[0] += 1
+
+
+def _watch_module_tree() -> None:
+    if not _tree_hooks:
+        from torch.nn.modules import module as nn_module
+
+        _tree_hooks.extend(register(_count_registration) for register in (
+            nn_module.register_module_parameter_registration_hook, nn_module.register_module_buffer_registration_hook,
+            nn_module.register_module_module_registration_hook))
 
 
 def check_ready(model: nn.Module) -> None:
     """Raise :class:`~xpar_zoo.errors.ModelStateError` when a parallelized model cannot run exactly: tensors still on
     meta or buffers never initialised (see :mod:`xpar_zoo.parallel.materialize`), or trainable parameters that
-    ``parallelize`` does not manage (:func:`unmanaged_parameters`). ``parallelize`` runs it before every forward."""
+    ``parallelize`` does not manage (:func:`unmanaged_parameters`). ``parallelize`` runs it before every forward.
+
+    The walk over every parameter, buffer and FSDP unit runs once, and again only after a parameter, buffer or
+    module was registered on one of the model's modules (torch's global registration hooks) or while
+    ``materialize`` is still due; in between, only the frozen parameters no FSDP unit manages are looked at (one
+    made trainable fails the check)."""
+    state = getattr(model, "_xpar", None)
+    if (state is not None and state.ready_at == _tree_generation[0] and not state.unset_buffers
+            and not any(p.requires_grad for p in state.frozen_unmanaged)):
+        return
+    generation = _tree_generation[0]  # read first: a registration during the walk makes the next call walk again
     check_materialized(model)
-    unmanaged = unmanaged_parameters(model)
-    if unmanaged:
-        shown = ", ".join(unmanaged[:6]) + (f", … ({len(unmanaged)} in all)" if len(unmanaged) > 6 else "")
+    unmanaged = _unmanaged(model)
+    trainable = [n for n, p in unmanaged if p.requires_grad]
+    if trainable:
+        shown = ", ".join(trainable[:6]) + (f", … ({len(trainable)} in all)" if len(trainable) > 6 else "")
         raise ModelStateError(
             f"trainable parameters that xpar_zoo.parallelize does not manage: {shown}. They were added or swapped in "
             "after parallelize, so their gradients are never reduced across ranks and every rank would train its own "
             "copy. Create them before parallelize (e.g. apply the PEFT adapter to the model first) or freeze them "
             "(requires_grad=False)")
+    if state is not None:
+        _watched.update(model.modules())
+        state.ready_at, state.frozen_unmanaged = generation, tuple(p for _, p in unmanaged)
+
+
+CPU_COLLECTIVES = ("in_place", "gloo")
+GLOO_IN_PLACE_ENV = "XPAR_ZOO_GLOO_IN_PLACE"  # "0" (or false / no / off): FSDP2's own gloo collectives
+
+
+def resolve_cpu_collectives(choice: str | None) -> str:
+    """``choice``, or without one the environment's (:data:`GLOO_IN_PLACE_ENV`); raise :class:`PlanError` for a
+    value that is neither of :data:`CPU_COLLECTIVES`."""
+    if choice is None:
+        off = os.environ.get(GLOO_IN_PLACE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+        choice = "gloo" if off else "in_place"
+    if choice not in CPU_COLLECTIVES:
+        raise PlanError(f"cpu_collectives must be one of {list(CPU_COLLECTIVES)}, got {choice!r}")
+    return choice
 
 
 def parallelize(
@@ -278,6 +272,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     prefetch: bool = True,
     fused_loss: bool = True,
+    cpu_collectives: str | None = None,
 ) -> nn.Module:
     """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (planned slices on
     dim 0 where it divides, else dim 1) to a transformers model in place; returns it. ``plan`` defaults to the
@@ -290,19 +285,23 @@ def parallelize(
     unless asked for with :func:`~xpar_zoo.full_logits`). ``fused_loss=False`` keeps transformers' loss; to choose
     its chunk size or kernels, call :func:`~xpar_zoo.styles.vocab.install_fused_loss` on the model before this.
 
+    ``cpu_collectives`` (CPU meshes only): ``"in_place"`` (default) gives every FSDP unit the in-place gloo
+    collectives of :mod:`xpar_zoo.parallel.gloo_comms`, ``"gloo"`` keeps FSDP2's own; unset, the environment
+    variable ``XPAR_ZOO_GLOO_IN_PLACE=0`` chooses ``"gloo"``.
+
     With labels, ``out.loss`` on each rank is its share of the mean over every valid target of every rank's
     micro-batch (the mean of ``out.loss`` over the ranks is that global mean, and the gradients are exactly its
     gradients); ``num_items_in_batch`` sets the global count explicitly (gradient accumulation): see
     :mod:`xpar_zoo.loss.global_batch`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint."""
+    cpu_collectives = resolve_cpu_collectives(cpu_collectives)
     outer = model
     if uses_peft(model):  # LoRA applied before parallelize: the transformers model inside, its plan under PEFT's names
-        from .integrations.peft import base_of, prepare
-
         model, plan = prepare(outer, plan or plan_for(base_of(outer)))
     plan = plan or plan_for(model)
     check_same_on_all_ranks({"model and plan": _fingerprint(model, plan), "mixed_precision": repr(mixed_precision),
                              "reshard_after_forward": reshard_after_forward, "prefetch": prefetch,
-                             "fused_loss": fused_loss}, "parallelize arguments", PlanError)
+                             "fused_loss": fused_loss, "cpu_collectives": cpu_collectives}, "parallelize arguments",
+                            PlanError)
     planned = plan_parameters(model, mesh, plan)
     inner_attention = check_sequence_parallel(model, mesh) if mesh.sequence_size > 1 else None
     unset = tuple(sorted(unread_buffers(model))) if meta_tensors(model) else ()
@@ -316,18 +315,18 @@ def parallelize(
     if fused_loss and not any(pm.style == "lm_head" for pm in planned) and whole_vocab_head_fusable(model, plan):
         install_fused_loss(model)
     apply_fsdp(model, mesh, fsdp_layout(model, plan, planned, sizes=mesh.active, shard_size=mesh.shard_size,
-                                        reshard_after_forward=reshard_after_forward, prefetch=prefetch), **fsdp_kwargs)
+                                        reshard_after_forward=reshard_after_forward, prefetch=prefetch),
+               cpu_collectives=cpu_collectives, **fsdp_kwargs)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
+    reshard_after_inference(model)
     install_global_loss(model, mesh.world_size)
     if inner_attention is not None:  # outermost: the global-batch loss counts this rank's split targets
         install_sequence_parallel(model, mesh, inner_attention)
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
+    _watch_module_tree()
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)
-    model._is_fsdp_managed_module = True  # transformers' generate then keeps the ranks in step (synced_gpus)
-    model._is_accelerate_prepared = True  # accelerate's prepare hands it back as is: no DDP wrap over FSDP2
+    mark_fsdp_managed(model)  # transformers' generate keeps the ranks in step; accelerate's prepare adds no DDP
     install_save_pretrained(model)
     if outer is not model or uses_peft(model):
-        from .integrations.peft import finish
-
         return finish(outer, model)
     return model

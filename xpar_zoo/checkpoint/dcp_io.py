@@ -20,8 +20,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from ..io.batching import byte_batches
+from ..compat import dcp_metadata_path
 from ..errors import CheckpointError
+from ..io.batching import byte_batches
 from ..io.integrity import RecordingStream
 from .layout import resolve_checkpoint
 
@@ -65,7 +66,7 @@ class SafeReader(dcp.FileSystemReader):
     """A FileSystemReader whose ``.metadata`` goes through :class:`MetadataUnpickler`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+        with self.fs.create_stream(dcp_metadata_path(self, kwargs.get("rank")), "rb") as f:
             metadata = MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{self.path}: its .metadata holds a {type(metadata).__name__}, not DCP metadata")

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..io.atomic_dir import durable_write
 from ..errors import CheckpointError
+from ..io.atomic_dir import durable_write
 from .layout import RNG_DIR
 
 def rng_file(ckpt: Path, rank: int) -> Path:

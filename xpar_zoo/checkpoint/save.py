@@ -18,10 +18,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..parallel import distributed
-from ..io.atomic_dir import durable_write
 from ..errors import CheckpointError
+from ..io.atomic_dir import durable_write
 from ..io.integrity import checksum_files, disk_full
+from ..parallel import distributed
 from ..parallel.rendezvous import meet
 from .dcp_io import RecordingFileSystem, dcp_writer, quiet_single_process
 from .json_state import to_json
@@ -144,9 +144,6 @@ class CheckpointFuture:
         return self.path
 
 
-DEFAULT_RENDEZVOUS_TIMEOUT = 600.0
-
-
 def save_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -158,6 +155,7 @@ def save_checkpoint(
     keep_last: int | None = None,
     allow_nonfinite: bool = False,
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT,
+    trainable_only: bool = False,
 ) -> Path | CheckpointFuture:
     """Save ``model`` (and ``optimizer``, the RNG state and the JSON-able ``extra_state``) as the checkpoint
     ``path/step-N`` — DCP at global shapes, loadable on any mesh or world size — atomically: written under a
@@ -173,78 +171,28 @@ def save_checkpoint(
     apart) for the others to call too, then all ranks check that they were given the same optimizer (class or
     none), ``step``, ``async_save``, ``keep_last`` and ``allow_nonfinite`` — a rank that calls alone, or ranks that
     disagree, get a :class:`CheckpointError` instead of a hang (:mod:`xpar_zoo.parallel.rendezvous`). ``path`` and
-    ``extra_state`` are rank 0's."""
+    ``extra_state`` are rank 0's. ``trainable_only=True`` leaves the frozen parameters out (a LoRA run: the adapters,
+    the buffers and the optimizer; load it with ``load_checkpoint(..., trainable_only=True)`` into the same base)."""
     root = Path(path)
     extra = dict(extra_state or {})
     meet("save_checkpoint", {"optimizer": None if optimizer is None else type(optimizer).__name__,
                              "step": step if step is not None else extra.get("step"), "async_save": bool(async_save),
-                             "keep_last": keep_last, "allow_nonfinite": bool(allow_nonfinite)},
+                             "keep_last": keep_last, "allow_nonfinite": bool(allow_nonfinite),
+                             "trainable_only": bool(trainable_only)},
          CheckpointError, rendezvous_timeout)
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise CheckpointError(f"keep_last must be a positive integer or None, got {keep_last!r}")
     ctl = control(model)
     wait_pending(ctl)
-    rank = distributed.rank()
-    msd, osd = state_dicts(model, optimizer)  # collective
-
-    error = None
-    try:  # checks of this rank's values, before anything is written
-        extra_json = to_json(extra, "extra_state")
-        if not allow_nonfinite and (bad := nonfinite_message(msd, osd)):
-            raise CheckpointError(f"{bad}; pass allow_nonfinite=True to save them anyway")
-    except Exception as e:
-        error = distributed.describe_error(e)
-    error = distributed.every_error(error)
-    if error:
-        raise CheckpointError(f"not saving under {root}:\n{error}")
-
-    def prepare() -> tuple[int, str]:  # rank 0: the step and a fresh .tmp- directory for it
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            clear_leftovers(root)
-            n = choose_step(root, step, extra)
-            final = root / checkpoint_name(n)
-            if final.exists() and incomplete_reason(final) is None:
-                raise CheckpointError(f"checkpoint {final} already exists; pass another step or remove it")
-            tmp = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
-            tmp.mkdir()
-        except Exception as e:
-            raise CheckpointError(_write_error(e, root if root.is_dir() else root.parent)) from None
-        return n, str(tmp)
-
-    n, tmp = distributed.run_everywhere(prepare, rank0_only=True)
-    tmp = Path(tmp)
-    final = root / checkpoint_name(n)
-
-    error = None
-    try:
-        save_rng(tmp, rank)
-        if rank == 0:
-            scalars, groups = ({}, None) if osd is None else split_optimizer(osd)[1:]
-            record = metadata_record(model, n, optimizer, scalars, groups)
-            durable_write(tmp / META_FILE, json.dumps(record, indent=1).encode())
-            durable_write(tmp / EXTRA_FILE, json.dumps(extra_json, indent=1).encode())
-    except Exception as e:
-        error = _write_error(e, root)
-    error = distributed.every_error(error)
-    if error:
-        if rank == 0:
-            remove(tmp)
-        raise CheckpointError(f"saving {final} failed before writing tensors (nothing was kept):\n{error}")
-
+    msd, osd = state_dicts(model, optimizer, trainable_only)  # collective
+    extra_json = _checked_values(root, extra, msd, osd, allow_nonfinite)
+    n, tmp = distributed.run_everywhere(lambda: _new_step_dir(root, step, extra), rank0_only=True)
+    tmp, final = Path(tmp), root / checkpoint_name(n)
+    _write_side_files(tmp, final, root, model, n, optimizer, osd, extra_json, trainable_only)
     writer, written = dcp_writer(tmp)
     state = dcp_state(msd, osd)
     if async_save:
-        if distributed.is_distributed() and ctl.group is None:
-            ctl.group = dist.new_group(backend="gloo")
-        handle = CheckpointFuture(tmp, final, keep_last, ctl.group, written)
-        with quiet_single_process():
-            fut = dcp.async_save(state, storage_writer=writer, process_group=ctl.group,
-                                 no_dist=not distributed.is_distributed())
-        fut.add_done_callback(handle._on_saved)
-        ctl.pending = handle
-        return handle
-
+        return _save_in_background(ctl, state, writer, written, tmp, final, keep_last)
     error = None
     try:
         with quiet_single_process():  # returns on every rank once every rank's files are written
@@ -255,5 +203,74 @@ def save_checkpoint(
     if error:
         raise CheckpointError(f"saving {final} failed (nothing was kept):\n{error}")
     return final
+
+
+def _checked_values(root: Path, extra: dict, msd: dict, osd: dict | None, allow_nonfinite: bool) -> Any:
+    """``extra`` as JSON, after the checks of this rank's values (JSON-able, finite unless allowed), before anything
+    is written; a failure on any rank raises on every rank."""
+    error = extra_json = None
+    try:
+        extra_json = to_json(extra, "extra_state")
+        if not allow_nonfinite and (bad := nonfinite_message(msd, osd)):
+            raise CheckpointError(f"{bad}; pass allow_nonfinite=True to save them anyway")
+    except Exception as e:
+        error = distributed.describe_error(e)
+    error = distributed.every_error(error)
+    if error:
+        raise CheckpointError(f"not saving under {root}:\n{error}")
+    return extra_json
+
+
+def _new_step_dir(root: Path, step: int | None, extra: dict) -> tuple[int, str]:
+    """Rank 0: the step and a fresh ``.tmp-`` directory for it (leftovers of interrupted saves removed first)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        clear_leftovers(root)
+        n = choose_step(root, step, extra)
+        final = root / checkpoint_name(n)
+        if final.exists() and incomplete_reason(final) is None:
+            raise CheckpointError(f"checkpoint {final} already exists; pass another step or remove it")
+        tmp = root / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+    except Exception as e:
+        raise CheckpointError(_write_error(e, root if root.is_dir() else root.parent)) from None
+    return n, str(tmp)
+
+
+def _write_side_files(tmp: Path, final: Path, root: Path, model: nn.Module, n: int,
+                      optimizer: torch.optim.Optimizer | None, osd: dict | None, extra_json: Any,
+                      trainable_only: bool = False) -> None:
+    """Every rank's RNG state, and rank 0's metadata record and extra state, into ``tmp``; on a failure anywhere
+    ``tmp`` is removed and every rank raises."""
+    rank = distributed.rank()
+    error = None
+    try:
+        save_rng(tmp, rank)
+        if rank == 0:
+            scalars, groups = ({}, None) if osd is None else split_optimizer(osd)[1:]
+            record = metadata_record(model, n, optimizer, scalars, groups, trainable_only)
+            durable_write(tmp / META_FILE, json.dumps(record, indent=1).encode())
+            durable_write(tmp / EXTRA_FILE, json.dumps(extra_json, indent=1).encode())
+    except Exception as e:
+        error = _write_error(e, root)
+    error = distributed.every_error(error)
+    if error:
+        if rank == 0:
+            remove(tmp)
+        raise CheckpointError(f"saving {final} failed before writing tensors (nothing was kept):\n{error}")
+
+
+def _save_in_background(ctl, state: dict, writer, written, tmp: Path, final: Path,
+                        keep_last: int | None) -> CheckpointFuture:
+    """Start DCP's asynchronous save of ``state`` on a gloo group of its own; the future commits when it is done."""
+    if distributed.is_distributed() and ctl.group is None:
+        ctl.group = dist.new_group(backend="gloo")
+    handle = CheckpointFuture(tmp, final, keep_last, ctl.group, written)
+    with quiet_single_process():
+        fut = dcp.async_save(state, storage_writer=writer, process_group=ctl.group,
+                             no_dist=not distributed.is_distributed())
+    fut.add_done_callback(handle._on_saved)
+    ctl.pending = handle
+    return handle
 
 

@@ -21,8 +21,8 @@ from torch import nn
 from ..errors import BatchError, PlanError
 from ..parallel.mesh import validate_sequence_sizes, validate_sizes
 from ..parallel.fsdp_layout import fsdp_layout
-from ..parallelize import check_plan_names, match_plan, whole_vocab_head_fusable
 from ..loss.fused import CE_CHUNK_ELEMENTS
+from ..styles.planned import check_plan_names, match_plan, whole_vocab_head_fusable
 from ..styles.sequence import (ATTENTION_LAYER_TYPES, INNER_IMPLEMENTATIONS, check_sequence_length,
                                kv_repeat)
 from ..zoo.plan import Plan, match_parameters
@@ -75,7 +75,7 @@ class Estimate:
 
 def meta_model(config) -> nn.Module:
     """The transformers causal-LM of ``config`` on the meta device (no memory, exact shapes)."""
-    from ..hub.loader import build_meta
+    from ..zoo.registry import build_meta
 
     return build_meta(config, torch.float32)
 
@@ -497,7 +497,7 @@ def sequence_splits(config, shard: int, seq: int, attention: str = "sdpa") -> li
 def candidate_meshes(config, world: int, plan: Plan | None = None, model: nn.Module | None = None,
                      seq: int | None = None, attention: str = "sdpa") -> list[dict]:
     """Every ``{ep, replicate}`` that fits ``world`` and that ``parallelize`` would accept for the model's shapes
-    (dim 0 by ``ep``, dim 1 by ``ep_fsdp``: the same checks, :func:`~xpar_zoo.parallelize.match_plan`); with a
+    (dim 0 by ``ep``, dim 1 by ``ep_fsdp``: the same checks, :func:`~xpar_zoo.styles.planned.match_plan`); with a
     sequence length ``seq``, each with every ``(sp, cp)`` of :func:`sequence_splits` (EP may draw from the ranks of
     a sequence group)."""
     plan = plan or get_plan(config.model_type)
@@ -542,9 +542,20 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def format_count(n: float) -> str:
+    """A count in human units with three significant digits or so: ``950``, ``12.3K``, ``4.5M``, ``30.5B``,
+    ``1.2T`` (never ``0.00B`` for a small model)."""
+    n = float(n)
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale * 0.9995 or (unit == "T" and abs(n) >= scale):
+            value = n / scale
+            return f"{value:.0f}{unit}" if abs(value) >= 99.95 else f"{value:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def format_estimate(est: Estimate) -> str:
     """A human-readable table of one estimate."""
-    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({est.lora['adapter parameters'] / 1e6:.1f}M "
+    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({format_count(est.lora['adapter parameters'])} "
                                    "adapter parameters)" if est.lora else "")]
     if est.placement:
         shown = "; ".join(f"{name}: " + ", ".join(f"{n} tensor{'s' * (n != 1)} on {dim}"

@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..compat import keys_to_ignore_on_load
 from ..errors import CheckpointMismatchError
+from ..parallel.state import Box
 from .safetensors_files import DTYPE_SIZES, LIST_LIMIT, SAFETENSORS_DTYPES, TensorInfo, listing
 
 # ---- layout -------------------------------------------------------------------------------------------------------
-Box = tuple[tuple[int, int], ...]  # one [start, stop) per dim
 
 
 @dataclass(frozen=True)
@@ -221,8 +222,8 @@ def revert_groups(model: nn.Module, names: Iterable[str]) -> list[tuple[str, ...
     return groups
 
 
-def _ignore_regex(model: nn.Module, attr: str, extra: Iterable[str] = ()) -> re.Pattern | None:
-    patterns = [*(getattr(model, attr, None) or ()), *extra]
+def _ignore_regex(model: nn.Module, kind: str, extra: Iterable[str] = ()) -> re.Pattern | None:
+    patterns = [*keys_to_ignore_on_load(model, kind), *extra]
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
 
@@ -258,21 +259,57 @@ def map_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubLa
     """Map checkpoint ``tensors`` (from :func:`read_checkpoint_headers`) onto ``model``'s parameters and persistent
     buffers (a meta-device model is enough) with transformers' conversion rules; raise
     :class:`CheckpointMismatchError` listing every missing, unexpected and wrong-shape key."""
-    from transformers.core_model_loading import apply_renamings, dot_natural_key, rename_source_key
-
     refuse_quantized(tensors)
     state = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     aliases = tied_aliases(model)
+    direct, groups, unexpected, ignored = _sort_keys(model, tensors, state)
+    targets, reported, problems = _direct_targets(direct, groups, state)
+    missing_parts: list[str] = []
+    for name, group in groups.items():
+        if name in direct:
+            continue
+        reported.add(name)
+        if not _fusable(group.converter):
+            converted, errs = _convert_group(name, group, tensors, state, model)
+            reported.update(converted)
+            problems += errs
+            targets.update(converted)
+            continue
+        target, errs, miss = _assemble(name, state[name], group, tensors)
+        problems += errs
+        missing_parts += miss
+        if target is not None:
+            targets[name] = target
+    # Tied weights: an alias is filled through its canonical parameter; either may carry the checkpoint data.
+    for alias, canonical in aliases.items():
+        if alias not in targets:
+            continue
+        if canonical in targets:  # both saved: the alias's copy is not read
+            ignored.extend(p.source.key for p in targets.pop(alias).pieces)
+        else:
+            targets[canonical] = targets.pop(alias)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    _check_complete(model, state, params, targets, aliases, reported, unexpected, problems, missing_parts)
+    init_buffers = tuple(n for n in state if n not in targets and n not in aliases and n not in params)
+    return HubLayout(targets, dict(tensors), tuple(ignored), dict(aliases), init_buffers, model)
+
+
+def _sort_keys(model: nn.Module, tensors: Mapping[str, TensorInfo], state: Mapping[str, tuple]
+               ) -> tuple[dict[str, list[TensorInfo]], dict[str, _Group], list[str], list[str]]:
+    """Each checkpoint key renamed by transformers' rules: ``(direct, groups, unexpected, ignored)`` — the keys that
+    are a model tensor as they are, those a converter combines (by model tensor), and those with no place in the
+    model (reported, or ignored as the model's own ``_keys_to_ignore_on_load_unexpected`` says)."""
+    from transformers.core_model_loading import apply_renamings, dot_natural_key, rename_source_key
+
     renamings, converters = _conversion_rules(model)
     pattern_to_converter = {p: c for c in converters for p in c.source_patterns}
     prefix = getattr(model, "base_model_prefix", None) or None
     has_rotary = any(n.endswith("rotary_emb.inv_freq") for n, _ in model.named_buffers())
-    ignore_unexpected = _ignore_regex(model, "_keys_to_ignore_on_load_unexpected",
+    ignore_unexpected = _ignore_regex(model, "unexpected",
                                       [r"rotary_emb\.inv_freq"] if has_rotary else [])
-
     direct: dict[str, list[TensorInfo]] = defaultdict(list)
     groups: dict[str, _Group] = {}
-    unexpected, ignored, problems = [], [], []
+    unexpected, ignored = [], []
     for key in sorted(tensors, key=dot_natural_key):
         info = tensors[key]
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, state)
@@ -291,9 +328,15 @@ def map_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubLa
         regex = _index_regex(pattern)
         match = regex.search(apply_renamings(key, renamings)) if regex else None
         group.by_pattern[pattern].append((int(match.group(1)) if match else None, key))
+    return direct, groups, unexpected, ignored
 
+
+def _direct_targets(direct: Mapping[str, list[TensorInfo]], groups: Mapping[str, _Group],
+                    state: Mapping[str, tuple]) -> tuple[dict[str, Target], set[str], list[str]]:
+    """The model tensors one checkpoint key fills as it is: ``(targets, the tensors seen, problems)``."""
     targets: dict[str, Target] = {}
     reported: set[str] = set()  # model tensors already named in a problem
+    problems = []
     for name, infos in direct.items():
         reported.add(name)
         if name in groups:
@@ -308,48 +351,28 @@ def map_hub_layout(model: nn.Module, tensors: Mapping[str, TensorInfo]) -> HubLa
                             f"{list(state[name])}")
         else:
             targets[name] = Target(name, state[name], (Piece(info, tuple((0, n) for n in info.shape)),), "key")
-    missing_parts: list[str] = []
-    for name, group in groups.items():
-        if name in direct:
-            continue
-        reported.add(name)
-        if not _fusable(group.converter):
-            converted, errs = _convert_group(name, group, tensors, state, model)
-            reported.update(converted)
-            problems += errs
-            targets.update(converted)
-            continue
-        target, errs, miss = _assemble(name, state[name], group, tensors)
-        problems += errs
-        missing_parts += miss
-        if target is not None:
-            targets[name] = target
+    return targets, reported, problems
 
-    # Tied weights: an alias is filled through its canonical parameter; either may carry the checkpoint data.
-    for alias, canonical in aliases.items():
-        if alias not in targets:
-            continue
-        if canonical in targets:  # both saved: the alias's copy is not read
-            ignored.extend(p.source.key for p in targets.pop(alias).pieces)
-        else:
-            targets[canonical] = targets.pop(alias)
-    ignore_missing = _ignore_regex(model, "_keys_to_ignore_on_load_missing")
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+def _check_complete(model: nn.Module, state: Mapping[str, tuple], params: set[str], targets: Mapping[str, Target],
+                    aliases: Mapping[str, str], reported: set[str], unexpected: list[str], problems: list[str],
+                    missing_parts: list[str]) -> None:
+    """Raise :class:`CheckpointMismatchError` listing every missing, unexpected and mismatched key, if any."""
+    ignore_missing = _ignore_regex(model, "missing")
     missing = [f"{n} {list(state[n])}" for n in state
                if n not in targets and n not in aliases
                and not (n not in params and ignore_missing is not None and ignore_missing.search(n))
                and not (n in reported and n not in targets)]
-    if unexpected or problems or missing or missing_parts:
-        parts = []
-        if missing or missing_parts:
-            parts.append(f"missing (no checkpoint key fills them):{listing(missing + missing_parts)}")
-        if unexpected:
-            parts.append(f"unexpected (the model has no place for them):{listing(unexpected)}")
-        if problems:
-            parts.append(f"mismatched:{listing(problems)}")
-        raise CheckpointMismatchError(f"checkpoint does not fit {type(model).__name__}:\n" + "\n".join(parts))
-    init_buffers = tuple(n for n in state if n not in targets and n not in aliases and n not in params)
-    return HubLayout(targets, dict(tensors), tuple(ignored), dict(aliases), init_buffers, model)
+    if not (unexpected or problems or missing or missing_parts):
+        return
+    parts = []
+    if missing or missing_parts:
+        parts.append(f"missing (no checkpoint key fills them):{listing(missing + missing_parts)}")
+    if unexpected:
+        parts.append(f"unexpected (the model has no place for them):{listing(unexpected)}")
+    if problems:
+        parts.append(f"mismatched:{listing(problems)}")
+    raise CheckpointMismatchError(f"checkpoint does not fit {type(model).__name__}:\n" + "\n".join(parts))
 
 
 def _convert_group(first: str, group: _Group, tensors: Mapping[str, TensorInfo], state: Mapping[str, tuple],
@@ -391,75 +414,82 @@ def _assemble(name: str, shape: tuple[int, ...], group: _Group, tensors: Mapping
     rule = " + ".join(repr(op) for op in converter.operations)
     problems, missing, pieces = [], [], []
     offset = 0
-    ndim = len(shape)
     for pattern in converter.source_patterns:
         entries = group.by_pattern.get(pattern, [])
         if not entries:
             missing.append(f"{name}: no key matches {pattern!r} ({rule})")
             continue
-        if stack is not None:
-            indices = [j for j, _ in entries]
-            if None in indices or len(set(indices)) != len(indices):
-                indices = list(range(len(entries)))  # transformers' own rule: natural key order
-            expected = set(range(shape[stack]))
-            if set(indices) != expected:
-                j0, k0 = entries[0]
-                absent = sorted(expected - set(indices))
-                if j0 is not None:
-                    names = [_with_index(k0, pattern, j0, j) for j in absent[:LIST_LIMIT]]
-                else:
-                    names = [f"#{j}" for j in absent]
-                for n in names:
-                    missing.append(f"{name}: {n} ({rule})")
-                extra = sorted(set(indices) - expected)
-                for j, key in entries:
-                    if j in extra:
-                        problems.append(f"{key} ({tensors[key].file}): index {j} is beyond dim {stack} of {name} "
-                                        f"{list(shape)}")
-                continue
-        else:
-            if len(entries) != 1:
-                problems.append(f"{name}: several keys for {pattern!r}: {[k for _, k in entries]}")
-                continue
-            indices = [None]
-        shapes = Counter(tensors[k].shape for _, k in entries)
-        src_shape = shapes.most_common(1)[0][0]
-        if len(shapes) != 1:
-            problems += [f"{k} ({tensors[k].file}): shape {list(tensors[k].shape)}, its siblings under "
-                         f"{pattern!r} (→ {name}) are {list(src_shape)}"
-                         for _, k in entries if tensors[k].shape != src_shape]
+        indices, errs, miss = _pattern_indices(name, shape, stack, pattern, entries, tensors, rule)
+        problems += errs
+        missing += miss
+        if indices is None:
             continue
-        if len(src_shape) + (stack is not None) != ndim:
-            k = entries[0][1]
-            problems.append(f"{k} ({tensors[k].file}): shape {list(src_shape)} cannot be part of {name} "
-                            f"{list(shape)} ({rule})")
-            continue
-        full = list(src_shape)
-        if stack is not None:
-            full.insert(stack, shape[stack])
-        size = full[concat] if concat is not None else 0
-        bad = [d for d in range(ndim) if d != concat and full[d] != shape[d]]
-        if bad or (concat is not None and offset + size > shape[concat]):
-            k = entries[0][1]
-            problems.append(f"{k} ({tensors[k].file}): shape {list(src_shape)} does not fit {name} {list(shape)} "
-                            f"({rule})")
-            offset += size
-            continue
-        for j, (_, key) in zip(indices, entries):
-            box = [(0, n) for n in shape]
-            if stack is not None:
-                box[stack] = (j, j + 1)
-            if concat is not None:
-                box[concat] = (offset, offset + size)
-            pieces.append(Piece(tensors[key], tuple(box), stack))
-        if concat is not None:
-            offset += size
+        size, advance, errs = _pattern_fit(name, shape, stack, concat, offset, pattern, entries, tensors, rule)
+        problems += errs
+        if size is not None:
+            for j, (_, key) in zip(indices, entries):
+                box = [(0, n) for n in shape]
+                if stack is not None:
+                    box[stack] = (j, j + 1)
+                if concat is not None:
+                    box[concat] = (offset, offset + size)
+                pieces.append(Piece(tensors[key], tuple(box), stack))
+        offset += advance
     if concat is not None and not problems and not missing and offset != shape[concat]:
         problems.append(f"{name}: the keys of {converter.source_patterns} cover {offset} of {shape[concat]} on dim "
                         f"{concat} ({rule})")
     if problems or missing:
         return None, problems, missing
     return Target(name, shape, tuple(pieces), rule), [], []
+
+
+def _pattern_indices(name: str, shape: tuple[int, ...], stack: int | None, pattern: str, entries: list,
+                     tensors: Mapping[str, TensorInfo], rule: str) -> tuple[list | None, list[str], list[str]]:
+    """The stacking index of each key of ``pattern`` (``[None]``: a single unstacked key): ``(indices or None,
+    problems, missing)`` — ``None`` when the keys do not give every index of dim ``stack`` exactly once."""
+    if stack is None:
+        if len(entries) != 1:
+            return None, [f"{name}: several keys for {pattern!r}: {[k for _, k in entries]}"], []
+        return [None], [], []
+    indices = [j for j, _ in entries]
+    if None in indices or len(set(indices)) != len(indices):
+        indices = list(range(len(entries)))  # transformers' own rule: natural key order
+    expected = set(range(shape[stack]))
+    if set(indices) == expected:
+        return indices, [], []
+    j0, k0 = entries[0]
+    absent = sorted(expected - set(indices))
+    names = [_with_index(k0, pattern, j0, j) for j in absent[:LIST_LIMIT]] if j0 is not None else [f"#{j}" for j in absent]
+    missing = [f"{name}: {n} ({rule})" for n in names]
+    extra = sorted(set(indices) - expected)
+    problems = [f"{key} ({tensors[key].file}): index {j} is beyond dim {stack} of {name} {list(shape)}"
+                for j, key in entries if j in extra]
+    return None, problems, missing
+
+
+def _pattern_fit(name: str, shape: tuple[int, ...], stack: int | None, concat: int | None, offset: int, pattern: str,
+                 entries: list, tensors: Mapping[str, TensorInfo], rule: str) -> tuple[int | None, int, list[str]]:
+    """Whether the keys of ``pattern`` fit ``name`` at ``offset`` on dim ``concat``: ``(their size on that dim, or
+    None when they do not fit; how far the offset moves; problems)``."""
+    shapes = Counter(tensors[k].shape for _, k in entries)
+    src_shape = shapes.most_common(1)[0][0]
+    if len(shapes) != 1:
+        return None, 0, [f"{k} ({tensors[k].file}): shape {list(tensors[k].shape)}, its siblings under "
+                         f"{pattern!r} (→ {name}) are {list(src_shape)}"
+                         for _, k in entries if tensors[k].shape != src_shape]
+    k = entries[0][1]
+    if len(src_shape) + (stack is not None) != len(shape):
+        return None, 0, [f"{k} ({tensors[k].file}): shape {list(src_shape)} cannot be part of {name} "
+                         f"{list(shape)} ({rule})"]
+    full = list(src_shape)
+    if stack is not None:
+        full.insert(stack, shape[stack])
+    size = full[concat] if concat is not None else 0
+    bad = [d for d in range(len(shape)) if d != concat and full[d] != shape[d]]
+    if bad or (concat is not None and offset + size > shape[concat]):
+        return None, size, [f"{k} ({tensors[k].file}): shape {list(src_shape)} does not fit {name} {list(shape)} "
+                            f"({rule})"]
+    return size, size, []
 
 
 def _with_index(key: str, pattern: str, have: int, want: int) -> str:

@@ -26,20 +26,19 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..parallel import distributed
 from ..errors import LoadError
-from .resolve import ResolvedModel, resolve
-from .layout import Box, HubLayout, Read, map_hub_layout
-from .safetensors_files import read_checkpoint_headers
+from ..parallel import distributed
 from ..parallel.materialize import materialize
 from ..parallel.mesh import Mesh, check_same_on_all_ranks
+from ..parallel.state import local_region
 from ..parallelize import parallelize
 from ..zoo.plan import Plan
-from ..zoo.registry import check_supported, plan_for
+from ..zoo.registry import build_meta, check_supported, plan_for
+from .layout import HubLayout, Read, map_hub_layout
+from .resolve import ResolvedModel, resolve
+from .safetensors_files import read_checkpoint_headers
+from .writer import dtype_named
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,8 @@ def _torch_dtype(dtype, config) -> torch.dtype:
     if dtype is None or dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
-        value = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(value, torch.dtype):
+        value = dtype_named(dtype)
+        if value is None:
             raise LoadError(f"unknown dtype {dtype!r}")
         dtype = value
     if not dtype.is_floating_point:
@@ -99,16 +98,12 @@ def _check_parallelize_kwargs(kwargs: dict) -> None:
 
 
 def load_config(directory: str | Path):
-    """The transformers config in ``directory``; a missing, malformed or unrecognised ``config.json`` raises
+    """The transformers config in ``directory``, never running code from it
+    (:func:`xpar_zoo.zoo.configs.load_config`); a missing, malformed or unrecognised ``config.json`` raises
     :class:`LoadError` naming the file."""
-    from transformers import AutoConfig
+    from ..zoo.configs import load_config as safe_load_config
 
-    path = Path(directory) / "config.json"
-    try:
-        return AutoConfig.from_pretrained(directory)
-    except (OSError, ValueError, KeyError) as e:
-        first = (str(e).splitlines() or [""])[0]
-        raise LoadError(f"{path}: cannot read the model config ({type(e).__name__}: {first})") from None
+    return safe_load_config(directory, LoadError)
 
 
 @dataclass(frozen=True)
@@ -149,51 +144,6 @@ def open_hub_checkpoint(name: str | os.PathLike, revision: str | None = None, dt
     return HubCheckpoint(resolved, config, model, layout, plan)
 
 
-def build_meta(config, dtype: torch.dtype) -> nn.Module:
-    """The transformers language model for ``config`` (:func:`~xpar_zoo.zoo.registry.model_class`: the causal LM, or
-    the config's own multimodal class) with every parameter and buffer on the meta device."""
-    from ..zoo.registry import model_class
-
-    with torch.device("meta"):
-        return model_class(config)._from_config(config, dtype=dtype)
-
-
-def _held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
-    """This rank's local shape of ``tensor`` and, per sharded dim, the global indices it holds in order: torch's own
-    per-placement rule (``compute_local_shape_and_global_offset`` keeps only the first), so that a
-    ``_StridedShard`` (what FSDP2 makes of a dim-0 shard of a slice already split on dim 0) can be checked."""
-    mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
-    shape, held = list(tensor.shape), {}
-    for i, placement in enumerate(tensor.placements):
-        if isinstance(placement, (Shard, _StridedShard)):
-            d = placement.dim
-            shape[d], held[d] = _get_shard_size_and_offsets(shape[d], mesh.size(i), coordinate[i], placement,
-                                                            held.get(d), tensor.shape[d], False)
-    return shape, held
-
-
-def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
-    """This rank's local tensor of ``tensor`` and the global ``[start, stop)`` it holds on each dim; a layout whose
-    local indices on some dim are not one block of the global tensor raises :class:`LoadError`."""
-    if not isinstance(tensor, DTensor):
-        return tensor, tuple((0, n) for n in tensor.shape)
-    shape, held = _held_indices(tensor)
-    local = tensor.to_local()
-    if tuple(local.shape) != tuple(shape):
-        raise LoadError(f"local shard of shape {tuple(local.shape)} where the placements {tensor.placements} give "
-                        f"{tuple(shape)}: a layout the loader does not understand")
-    region = []
-    for d, n in enumerate(shape):
-        index = held.get(d)
-        start = int(index[0]) if index is not None else 0
-        if n and index is not None and not torch.equal(index, torch.arange(start, start + n)):
-            raise LoadError(f"the placements {tensor.placements} give this rank the global indices "
-                            f"{index.tolist()[:8]}… on dim {d} of {tuple(tensor.shape)}, not one block: a layout the "
-                            "loader does not understand")
-        region.append((start, start + n))
-    return local, tuple(region)
-
-
 def _live_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_buffers(remove_duplicate=False)),
             **dict(model.named_parameters(remove_duplicate=False))}
@@ -220,7 +170,7 @@ def fill_local_shards(model: nn.Module, layout: HubLayout, directory: str | Path
         for read in layout.reads(name, region):
             work[read.source.file].append((read, local))
     total = sum(r.nbytes for reads in work.values() for r, _ in reads)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading shards", disable=not progress or distributed.rank() != 0)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading rank 0's shards", disable=not progress or distributed.rank() != 0)
     nbytes = nreads = 0
     directory = Path(directory)
     with torch.no_grad(), bar:
@@ -310,7 +260,7 @@ def from_pretrained(
 
         fill_adapter(outer, initial)
     if (hub.directory / "generation_config.json").is_file() and model.can_generate():
-        model.generation_config = GenerationConfig.from_pretrained(hub.directory)
+        model.generation_config = GenerationConfig.from_pretrained(hub.directory, trust_remote_code=False)
     model.config.name_or_path = str(name)
     model._xpar_load = stats
     return outer.eval()

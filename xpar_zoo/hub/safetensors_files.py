@@ -14,16 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import _TYPES
-
+from ..compat import SAFETENSORS_TYPES
 from ..errors import CheckpointMismatchError
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# safetensors dtype names -> torch dtypes: safetensors' own table (it has no public one), plus F8_E8M0, which the
+# safetensors dtype names -> torch dtypes: safetensors' own table, plus F8_E8M0, which the
 # format defines and safetensors 0.8's torch table lacks. The data is little-endian, as torch's everywhere we run.
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {**_TYPES, "F8_E8M0": torch.float8_e8m0fnu}
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {**SAFETENSORS_TYPES, "F8_E8M0": torch.float8_e8m0fnu}
 TORCH_TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 DTYPE_SIZES = {k: v.itemsize for k, v in SAFETENSORS_DTYPES.items()}  # bytes per element
 # Bits per element of every dtype the safetensors format defines (sub-byte ones included; torch lacks some).

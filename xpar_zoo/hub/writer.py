@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..compat import tied_weights_keys
 from ..errors import ConvertError
 from ..io.batching import byte_batches
 from .layout import revert_groups
@@ -31,14 +32,21 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "M
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 
+def dtype_named(name: str) -> torch.dtype | None:
+    """The torch dtype a name means (``"bf16"``, ``"bfloat16"``, ``"torch.float64"``, any case), else ``None``: the
+    one reading of dtype names, for the exporter, the loader and the training settings."""
+    key = str(name).strip().lower().removeprefix("torch.")
+    value = DTYPES.get(key, getattr(torch, key, None))
+    return value if isinstance(value, torch.dtype) else None
+
+
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` … → ``torch.dtype``; ``None`` keeps the tensors' own dtypes."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in DTYPES:
+    if str(dtype).lower().removeprefix("torch.") not in DTYPES:
         raise ConvertError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(DTYPES))}")
-    return DTYPES[key]
+    return dtype_named(dtype)
 
 
 def parse_size(size: str | int, what: str = "shard size") -> int:
@@ -60,7 +68,7 @@ def tied_duplicates(model: nn.Module, config) -> set[str]:
     """In-memory names that the hub does not store because they are tied to another tensor."""
     if not getattr(config, "tie_word_embeddings", False):
         return set()
-    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    tied = tied_weights_keys(model)
     return set(tied) if isinstance(tied, dict) else set(tied)
 
 

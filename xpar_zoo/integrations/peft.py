@@ -15,16 +15,15 @@ and ``docs/design.md``, "Integrations".
 
 from __future__ import annotations
 
-import os
 import re
 import types
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..parallel.collectives import to_local
+from ..compat import can_set_experts_implementation
 from ..errors import AdapterError, ModelStateError
+from ..parallel.collectives import to_local
 from ..zoo.plan import ExtraPlan, Plan, WRAPPED_ATTR, match_parameters, matches
 
 # Initialisations that need no base weights (PEFT's own reset_lora_parameters); the others read the base.
@@ -37,6 +36,11 @@ def require_peft():
     except ImportError:
         raise AdapterError("PEFT is not installed: pip install 'xpar_zoo[peft]'") from None
     return peft
+
+
+def uses_peft(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model or holds PEFT tuner layers (PEFT is imported only then)."""
+    return any(type(m).__module__.startswith("peft.") for m in model.modules())
 
 
 def base_of(model: nn.Module) -> nn.Module:
@@ -184,8 +188,7 @@ def check_supported(model: nn.Module) -> None:
                 raise AdapterError(f"{fqn}: LoRA on experts that hold weights of their own inside them ({inner[0]}) is "
                                    "not supported by xpar_zoo")
     wrappers = param_wrappers(hf)
-    if wrappers and not (type(hf)._can_set_experts_implementation()
-                         and getattr(hf.config, "_experts_implementation", None)):
+    if wrappers and not can_set_experts_implementation(hf):
         raise AdapterError(f"{type(hf).__name__} cannot set its experts implementation, so xpar_zoo cannot run "
                            f"LoRA on its experts ({', '.join(list(wrappers)[:3])})")
 
@@ -239,38 +242,10 @@ def prepare(model: nn.Module, plan: Plan) -> tuple[nn.Module, Plan]:
     return hf, adapter_plan(hf, plan)
 
 
-def finish(outer: nn.Module, hf: nn.Module) -> nn.Module:
-    """After ``parallelize``: ``save_pretrained`` of a ``PeftModel`` writes its adapter (:func:`save_adapter`), and
-    the transformers model inside refuses to save its PEFT-named tensors as a hub checkpoint."""
-    import functools
-
-    def refuse(*args, **kwargs):
-        raise ModelStateError("this model carries a PEFT adapter: save the adapter with xpar_zoo.save_adapter (or the "
-                              "PeftModel's save_pretrained), or merged hub weights from a checkpoint with "
-                              "`xpar-zoo convert to-hf --merge-adapter`")
-
-    hf.save_pretrained = refuse
-    if outer is not hf:
-        outer.save_pretrained = functools.partial(_save_pretrained, outer)
-    return outer
-
-
-def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, safe_serialization: bool = True,
-                     is_main_process: bool = True, selected_adapters: list[str] | None = None,
-                     save_embedding_layers: bool | str = "auto", state_dict: dict | None = None, **kwargs) -> Path:
-    """``PeftModel.save_pretrained`` on a parallelized model: :func:`save_adapter` (a collective; rank 0 writes,
-    ``is_main_process`` is accepted and ignored). Arguments it cannot honour from the live shards are refused."""
-    given = sorted([*kwargs] + [name for name, bad in (("safe_serialization=False", not safe_serialization),
-                                                       ("state_dict", state_dict is not None)) if bad])
-    adapters = adapter_names(model)
-    if selected_adapters not in (None, adapters):
-        given.append(f"selected_adapters={selected_adapters}")
-    if given:
-        raise ModelStateError(f"save_pretrained on a parallelized PEFT model writes its adapter from the live shards "
-                              f"(xpar_zoo.save_adapter) and does not take {given}")
-    from .peft_files import save_adapter
-
-    return save_adapter(model, save_directory)
+def expert_parameters(plan: Plan) -> list[str]:
+    """LoRA ``target_parameters`` for every fused expert tensor of ``plan``'s experts plans (e.g.
+    ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``)."""
+    return sorted({p.rpartition("*.")[2] for ep in plan.extra.values() if ep.style == "experts" for p in ep.params})
 
 
 # ---- the sizer's model ----------------------------------------------------------------------------------------
@@ -283,8 +258,7 @@ def lora_meta_model(model: nn.Module, plan: Plan, rank: int, modules: list[str] 
     if not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"the LoRA rank must be a positive integer, got {rank!r}")
     if parameters is None:
-        parameters = sorted({p.rpartition("*.")[2] for ep in plan.extra.values() if ep.style == "experts"
-                             for p in ep.params})
+        parameters = expert_parameters(plan)
     if modules is None:  # PEFT's "all-linear" would add MoE routers' weights as target_parameters
         head = model.get_output_embeddings()
         modules = sorted({n.rpartition(".")[2] for n, m in model.named_modules()

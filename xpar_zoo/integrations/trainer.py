@@ -28,15 +28,16 @@ from torch import nn
 from transformers import Trainer
 
 from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ..parallel.clip import clip_grad_norm_
 from ..errors import IntegrationError
 from ..loss.global_batch import IGNORE_INDEX
+from ..parallel.clip import clip_grad_norm_
 from ..styles.vocab import full_logits
 from .accelerate import check_accelerator, parallelized_module
 
 XPAR_CHECKPOINT_DIR = "xpar_checkpoint"  # inside the Trainer's checkpoint-N: the DCP checkpoint of model + optimizer
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name (transformers.trainer.SCHEDULER_NAME)
 TRAINING_ARGS_FILE = "training_args.bin"  # likewise (TRAINING_ARGS_NAME)
+TRAINER_STATE_FILE = "trainer_state.json"  # likewise (TRAINER_STATE_NAME)
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,29 @@ def _check_args(args: Any) -> None:
                                    "leave it off")
 
 
+def check_trainer_step(checkpoint: Path, xpar_checkpoint: Path) -> None:
+    """Raise :class:`IntegrationError` when the Trainer's ``checkpoint-N/trainer_state.json`` and the xpar_zoo
+    checkpoint inside it record different steps (one was copied over or left from another run): resuming would mix
+    one step's weights and optimizer with another step's schedule and data position."""
+    import json
+
+    from ..checkpoint import read_checkpoint_metadata
+
+    state_file = checkpoint / TRAINER_STATE_FILE
+    if not state_file.is_file():
+        return  # the Trainer names a missing state itself
+    try:
+        trainer_step = json.loads(state_file.read_bytes()).get("global_step")
+    except (OSError, ValueError, RecursionError, AttributeError) as e:
+        raise IntegrationError(f"{state_file}: unreadable Trainer state ({type(e).__name__})") from None
+    xpar_step = read_checkpoint_metadata(xpar_checkpoint).get("step")
+    if not isinstance(trainer_step, int) or isinstance(trainer_step, bool) or trainer_step != xpar_step:
+        raise IntegrationError(
+            f"{checkpoint}: the Trainer state is at step {str(trainer_step)[:40]} ({TRAINER_STATE_FILE}) but its "
+            f"xpar_zoo checkpoint at step {xpar_step} ({xpar_checkpoint}); they must be one save: resume from "
+            "another checkpoint")
+
+
 class XparTrainerMixin:
     """Put in front of ``transformers.Trainer`` or a subclass of it (``class SFT(XparTrainerMixin, SFTTrainer)``)
     to train an xpar_zoo model (from ``xpar_zoo.from_pretrained`` / ``parallelize``, or a PEFT model around one)
@@ -242,9 +266,9 @@ class XparTrainerMixin:
             raise IntegrationError("an xpar_zoo model is saved from its live shards; save_model takes no state_dict")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if _is_peft_model(self.model):
-            from .. import save_adapter
+            from .peft_files import save_adapter
 
-            save_adapter(self.model, output_dir)
+            save_adapter(self.model, output_dir, force=True)  # the Trainer's own directory: its files stay
         else:
             self._xpar_state.module.save_pretrained(output_dir, progress=not self.args.disable_tqdm)
         if not self.args.should_save:
@@ -270,10 +294,12 @@ class XparTrainerMixin:
     # ---- resuming -----------------------------------------------------------------------------------------------
     def _xpar_checkpoint(self, checkpoint: str) -> Path:
         root = Path(checkpoint) / XPAR_CHECKPOINT_DIR
-        if latest_checkpoint(root) is None:
+        newest = latest_checkpoint(root)
+        if newest is None:
             raise IntegrationError(
                 f"{checkpoint} holds no complete xpar_zoo checkpoint ({root}): it was written with "
                 "save_only_model=True, by another trainer, or was interrupted; resume from another checkpoint")
+        check_trainer_step(Path(checkpoint), newest)
         return root
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:

@@ -154,6 +154,10 @@ def check_output(out_dir: Path, force: bool, error: type[Exception] = ConvertErr
     clear_leftovers(out_dir)
 
 
+def _is_index(name: str) -> bool:
+    return name.endswith(".index.json")
+
+
 class StagingDir:
     """A new hidden directory beside ``out_dir`` to write into (``.path``), locked while this process writes:
     :meth:`commit` moves it into place, :meth:`discard` removes it. As a context manager (``with StagingDir(out)
@@ -161,10 +165,11 @@ class StagingDir:
     full disk (or quota) becomes one ``error`` saying so."""
 
     def __init__(self, out_dir: Path, error: type[Exception] = ConvertError,
-                 merge: Callable[[str], bool] | None = None) -> None:
+                 merge: Callable[[str], bool] | None = None, last: Callable[[str], bool] = _is_index) -> None:
         self.out_dir = out_dir
         self.error = error
         self.merge = merge
+        self.last = last
         self.path = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
         self.path.mkdir()
         self._lock: int | None = os.open(self.path / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o600)
@@ -208,7 +213,7 @@ class StagingDir:
         file by file (:func:`merge_into_place`)."""
         self._unlock()
         if self.merge is not None and self.out_dir.is_dir():
-            merge_into_place(self.path, self.out_dir, self.merge)
+            merge_into_place(self.path, self.out_dir, self.merge, self.last)
         else:
             move_into_place(self.path, self.out_dir)
 
@@ -235,12 +240,13 @@ def move_into_place(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def merge_into_place(tmp: Path, out_dir: Path, stale: Callable[[str], bool]) -> None:
-    """Move every file of ``tmp`` into the existing ``out_dir`` (index files last, so that an index never names a
-    file not yet there), remove the files of ``out_dir`` that ``stale`` names and the new output lacks (weight
+def merge_into_place(tmp: Path, out_dir: Path, stale: Callable[[str], bool], last: Callable[[str], bool] = _is_index
+                     ) -> None:
+    """Move every file of ``tmp`` into the existing ``out_dir`` (the files ``last`` names at the end: by default the
+    index files, so that an index never names a file not yet there), remove the files of ``out_dir`` that ``stale`` names and the new output lacks (weight
     shards of an earlier save), then ``tmp``. The other files of ``out_dir`` stay (a tokenizer, a trainer's state)."""
     new = sorted(p.name for p in tmp.iterdir() if p.name != LOCK_FILE)
-    for name in sorted(new, key=lambda n: n.endswith(".index.json")):
+    for name in sorted(new, key=last):
         os.replace(tmp / name, out_dir / name)
     for old in out_dir.iterdir():
         if old.is_file() and stale(old.name) and old.name not in new:

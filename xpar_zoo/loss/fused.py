@@ -12,14 +12,15 @@ exist at once, in one tensor. ``kernels="triton"``: each chunk's statistics and 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from ..parallel.collectives import gather_rows, scatter_sum_rows
+from ..compat import assert_async
 from ..errors import BatchError, KernelError
+from ..kernels import triton_runs_on
+from ..parallel.collectives import gather_rows, scatter_sum_rows
 from ..parallel.mesh import PlanShard
 
 # Logits per chunk ``[tokens, V/s]`` in the fused head, by device type: bounds its memory, yet large enough that
@@ -94,7 +95,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         t_all = gather_rows(targets, counts, shard)  # [N]
         valid = t_all != ignore_index
         vocab = shard.rows * shard.size
-        torch._assert_async(((t_all >= 0) & (t_all < vocab) | ~valid).all(),
+        assert_async(((t_all >= 0) & (t_all < vocab) | ~valid).all(),
                             f"fused loss: a target is outside the vocabulary [0, {vocab}) and is not ignore_index")
         local_t = t_all - shard.offset
         owned = valid & (local_t >= 0) & (local_t < shard.rows)
@@ -232,7 +233,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 def fused_cross_entropy(hidden, weight, targets, shard, counts, ignore_index, num_items, chunk_elements, kernels):
     """Apply the fused loss to ``[N, H]`` hidden states and ``[N]`` targets, computing only the gradients wanted."""
-    if kernels == "triton" and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if kernels == "triton" and not triton_runs_on(hidden):
         raise KernelError("the fused loss's Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU); "
                            f"the head got {hidden.device.type} hidden states")
     grad = torch.is_grad_enabled()

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..compat import redistribute_logger
 from ..errors import XparError
 
 T = TypeVar("T")
@@ -118,7 +119,7 @@ class _ExactGatherFilter(logging.Filter):
 def exact_gathers() -> Iterator[None]:
     """Full tensors gathered inside this block do not log DTensor's "inconsistent results" warning for all-gathers
     (see :class:`_ExactGatherFilter`); every other warning stands."""
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    logger = redistribute_logger()
     quiet = _ExactGatherFilter()
     logger.addFilter(quiet)
     try:

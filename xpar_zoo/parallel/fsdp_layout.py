@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..zoo.forward_source import embedding_weight_read
 from ..zoo.plan import Plan
-from ..styles.vocab import embedding_weight_read
 
 
 def planned_shard_dim(rows: int, fsdp: int) -> int:
@@ -62,7 +62,7 @@ def edge_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     (torchtitan's layout): the embedding is then gathered only around its own forward and backward and the head
     only from its forward to its backward, instead of both for the whole step as parameters of the root. None when
     they are tied (one weight, so one unit: the root's); not the embedding when the model reads its weight outside
-    its forward (:func:`~xpar_zoo.styles.vocab.embedding_weight_read`: Gemma4's pad embedding), which the root keeps
+    its forward (:func:`~xpar_zoo.zoo.forward_source.embedding_weight_read`: Gemma4's pad embedding), which the root keeps
     gathered through its forward."""
     found = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
@@ -104,21 +104,8 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, s
     shapes = {n: p.shape for n, p in model.named_parameters()}
     params = list(shapes)
     claimed: set[str] = set()
-    planned_units = []
     planned_fqns = {pm.fqn for pm in planned}
-    for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
-        own = tuple(_qualified(pm.fqn, p) for p in pm.params)  # also inside its children (an adapter wrapper's)
-        # a planned module's fully_shard takes every weight inside it on its plan's mesh: dense ones go first
-        for child, module in model.get_submodule(pm.fqn).named_children():
-            inner = _qualified(pm.fqn, child)
-            dense = tuple(p for p in params if _inside(p, inner) and p not in claimed and p not in own)
-            if dense and inner not in planned_fqns:
-                claimed.update(dense)
-                planned_units.append(FSDPUnit(inner, "inner", dense))
-        claimed.update(own)
-        size = sizes[pm.plan_name]
-        dims = tuple(planned_shard_dim(shapes[f][0] // size, shard_size // size) for f in own)
-        planned_units.append(FSDPUnit(pm.fqn, "planned", own, pm.plan_name, dims))
+    planned_units = _planned_units(model, planned, shapes, claimed, sizes, shard_size)
     classes = set(plan.unit_classes(model))
     layer_fqns = [n for n, m in model.named_modules() if type(m).__name__ in classes and n not in planned_fqns]
     layers = []
@@ -128,13 +115,10 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, s
         layers.append(FSDPUnit(fqn, "layer", own))
     edges = []
     for fqn, module in edge_units(model):
-        if fqn in planned_fqns:
-            continue
         own = tuple(_qualified(fqn, n) for n, _ in module.named_parameters())
-        if any(p in claimed for p in own):
-            continue
-        claimed.update(own)
-        edges.append(FSDPUnit(fqn, "edge", own))
+        if fqn not in planned_fqns and not any(p in claimed for p in own):
+            claimed.update(own)
+            edges.append(FSDPUnit(fqn, "edge", own))
     root = FSDPUnit("", "root", tuple(p for p in params if p not in claimed))
 
     # Planned modules and edge units: inside each layer, or before / after all of them.
@@ -149,23 +133,7 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, s
     if reshard_after_forward and layer_fqns:
         last = layer_fqns[-1]
         keep = {last, *inside[last], *after}
-    forward: dict[str, list[str]] = {}
-    backward: dict[str, list[str]] = {}
-    if prefetch:
-        for i, layer in enumerate(layer_fqns):
-            own = inside[layer]
-            forward[layer] = own + (layer_fqns[i + 1:i + 2] or after)
-            earlier = layer_fqns[i - 1:i] if i > 0 else before[-1:]
-            if own:
-                backward[layer] = own
-                if earlier:
-                    backward[own[-1]] = earlier
-            elif earlier:
-                backward[layer] = earlier
-        if layer_fqns:
-            forward[""] = before + [layer_fqns[0]]
-        if after:
-            backward[after[0]] = [layer_fqns[-1]]
+    forward, backward = _prefetches(layer_fqns, inside, before, after) if prefetch else ({}, {})
 
     def decided(u: FSDPUnit) -> FSDPUnit:
         return FSDPUnit(u.fqn, u.kind, u.params, u.plan_name, u.shard_dims,
@@ -173,3 +141,46 @@ def fsdp_layout(model: nn.Module, plan: Plan, planned: list[PlannedModule], *, s
                         forward_prefetch=tuple(forward.get(u.fqn, ())), backward_prefetch=tuple(backward.get(u.fqn, ())))
 
     return [decided(u) for u in planned_units + layers + edges + [root]]
+
+
+def _planned_units(model: nn.Module, planned: list[PlannedModule], shapes: Mapping[str, tuple[int, ...]],
+                   claimed: set[str], sizes: Mapping[str, int], shard_size: int) -> list[FSDPUnit]:
+    """The planned modules' units, deepest first, each after the dense weights inside it (claimed here)."""
+    planned_fqns = {pm.fqn for pm in planned}
+    units = []
+    for pm in sorted(planned, key=lambda p: -p.fqn.count(".")):
+        own = tuple(_qualified(pm.fqn, p) for p in pm.params)  # also inside its children (an adapter wrapper's)
+        # a planned module's fully_shard takes every weight inside it on its plan's mesh: dense ones go first
+        for child, _ in model.get_submodule(pm.fqn).named_children():
+            inner = _qualified(pm.fqn, child)
+            dense = tuple(p for p in shapes if _inside(p, inner) and p not in claimed and p not in own)
+            if dense and inner not in planned_fqns:
+                claimed.update(dense)
+                units.append(FSDPUnit(inner, "inner", dense))
+        claimed.update(own)
+        size = sizes[pm.plan_name]
+        dims = tuple(planned_shard_dim(shapes[f][0] // size, shard_size // size) for f in own)
+        units.append(FSDPUnit(pm.fqn, "planned", own, pm.plan_name, dims))
+    return units
+
+
+def _prefetches(layer_fqns: list[str], inside: Mapping[str, list[str]], before: list[str], after: list[str]
+                ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """``(forward, backward)``: the units each unit prefetches (see :func:`fsdp_layout`)."""
+    forward: dict[str, list[str]] = {}
+    backward: dict[str, list[str]] = {}
+    for i, layer in enumerate(layer_fqns):
+        own = inside[layer]
+        forward[layer] = own + (layer_fqns[i + 1:i + 2] or after)
+        earlier = layer_fqns[i - 1:i] if i > 0 else before[-1:]
+        if own:
+            backward[layer] = own
+            if earlier:
+                backward[own[-1]] = earlier
+        elif earlier:
+            backward[layer] = earlier
+    if layer_fqns:
+        forward[""] = before + [layer_fqns[0]]
+    if after:
+        backward[after[0]] = [layer_fqns[-1]]
+    return forward, backward

@@ -18,8 +18,11 @@ the all-gather delivers each chunk once to every other rank, as gloo's does (its
 joined into one work). Measured in ``bench/RESULTS.md`` ("gloo collectives in place"): 42 MiB less allocated per call
 and faster from a few MiB up; the CPU suite's training RSS 0.90× transformers' instead of 1.14×.
 :func:`use_in_place_collectives` gives them to an FSDP unit (``parallelize`` does, on every unit of a CPU model: there
-is no reason to keep gloo's copies, so no switch); on a group that is not gloo, or tensors off the CPU (NCCL), they
-call torch's own collectives.
+unless told not to); on a group that is not gloo, or tensors off the CPU (NCCL), they call torch's own collectives.
+
+CPU-only: this module is imported only where ``parallelize`` shards a model on a CPU mesh, never by ``import
+xpar_zoo``. The switch: ``parallelize(..., cpu_collectives="gloo")`` (or the environment variable
+``XPAR_ZOO_GLOO_IN_PLACE=0``) keeps FSDP2's own collectives on every unit; ``"in_place"`` is the default.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
-_create_work_from_future = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
+from ..compat import create_work_from_future, fsdp_collective_bases
+
+AllGather, ReduceScatter, DefaultAllocMixin = fsdp_collective_bases()
+_create_work_from_future = create_work_from_future()
 
 
 def _joined(works: list[dist.Work], async_op: bool) -> dist.Work | None:

@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from ..compat import init_module_weights
 from ..errors import LoadError, ModelStateError
 
 
@@ -62,10 +63,8 @@ def initialise_buffers(model: nn.Module, names: set[str]) -> None:
                 buf = getattr(module, attr)
                 buf.fill_(float("nan") if buf.is_floating_point() else torch.iinfo(buf.dtype).min
                           if buf.dtype != torch.bool else False)
-            for p in module.parameters(recurse=False):
-                p._is_hf_initialized = True
             with init.guard_torch_init_functions():
-                owners[mod_name]._init_weights(module)
+                init_module_weights(owners[mod_name], module)
             for attr in attrs:
                 buf = getattr(module, attr)
                 left = (buf.isnan().any() if buf.is_floating_point()

@@ -29,9 +29,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 if TYPE_CHECKING:  # imported where used: PlanShard (the fused loss) must import on an older torch (the GPU bench)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+    from torch.distributed.fsdp import DataParallelMeshDims
 
 from ..errors import MeshError
+from .distributed import all_gather
 
 RESERVED_NAMES = frozenset({"replicate", "fsdp", "extra", "innermost", "device_type"})
 # The sequence dimensions: not plans (no parameter is split over them), see the module docstring.
@@ -72,7 +73,7 @@ _DEVICE_MESHES: dict[int, tuple[object, dict[tuple, DeviceMesh]]] = {}
 
 
 def _device_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
-    world = dist.distributed_c10d._get_default_group()
+    world = dist.group.WORLD
     owner, cache = _DEVICE_MESHES.get(id(world), (None, None))
     if owner is not world:
         owner, cache = world, {}
@@ -86,8 +87,7 @@ def _device_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...])
 
 def check_same_on_all_ranks(value: object, what: str, error: type[Exception] = MeshError) -> None:
     """Raise ``error`` on every rank (instead of a later deadlock) when ranks were given different ``value``s."""
-    values: list = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    values = all_gather(value)
     if any(v != values[0] for v in values):
         differ = {r: v for r, v in enumerate(values) if v != values[0]}
         if isinstance(value, dict):  # name the arguments that differ, not every argument
@@ -299,7 +299,7 @@ class Mesh:
 
     def fsdp_dims(self, name: str) -> DataParallelMeshDims:
         """The data-parallel dims of plan ``name``'s mesh, for ``fully_shard(..., dp_mesh_dims=...)``."""
-        from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+        from torch.distributed.fsdp import DataParallelMeshDims
 
         return DataParallelMeshDims(shard=f"{name}_fsdp", replicate="replicate" if self.replicate > 1 else None)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..compat import default_store
 from .mesh import check_same_on_all_ranks
 
 _NS = "xpar_zoo/rendezvous"
@@ -38,7 +39,7 @@ def meet(call: str, arguments: Mapping[str, Any], error: type[Exception], timeou
         return
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise error(f"{call}: the rendezvous timeout must be a positive number of seconds, got {timeout!r}")
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     while True:  # skip calls closed before this rank came: the others gave up on them and moved on
         base = f"{_NS}/{store.add(f'{_NS}/seq/{rank}', 1)}"

@@ -1,12 +1,18 @@
-"""Whole-model views of a parallelized model."""
+"""Views of a parallelized model: the whole model on rank 0 (:func:`full_state_dict`), and the global region of a
+tensor this rank holds (:func:`local_region`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, Shard
 
+from ..compat import StridedShard, shard_size_and_offsets
+from ..errors import LoadError
 from .distributed import exact_gathers
+
+Box = tuple[tuple[int, int], ...]  # one [start, stop) per dim
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -14,3 +20,39 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     other ranks get ``{}``. A collective: every rank must call it."""
     with exact_gathers():
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """This rank's local shape of ``tensor`` and, per sharded dim, the global indices it holds in order: torch's own
+    per-placement rule (``compute_local_shape_and_global_offset`` keeps only the first), so that a
+    ``_StridedShard`` (what FSDP2 makes of a dim-0 shard of a slice already split on dim 0) can be checked."""
+    mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
+    shape, held = list(tensor.shape), {}
+    for i, placement in enumerate(tensor.placements):
+        if isinstance(placement, (Shard, StridedShard)):
+            d = placement.dim
+            shape[d], held[d] = shard_size_and_offsets(shape[d], mesh.size(i), coordinate[i], placement,
+                                                            held.get(d), tensor.shape[d], False)
+    return shape, held
+
+
+def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
+    """This rank's local tensor of ``tensor`` and the global ``[start, stop)`` it holds on each dim; a layout whose
+    local indices on some dim are not one block of the global tensor raises :class:`LoadError`."""
+    if not isinstance(tensor, DTensor):
+        return tensor, tuple((0, n) for n in tensor.shape)
+    shape, held = _held_indices(tensor)
+    local = tensor.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise LoadError(f"local shard of shape {tuple(local.shape)} where the placements {tensor.placements} give "
+                        f"{tuple(shape)}: a layout the loader does not understand")
+    region = []
+    for d, n in enumerate(shape):
+        index = held.get(d)
+        start = int(index[0]) if index is not None else 0
+        if n and index is not None and not torch.equal(index, torch.arange(start, start + n)):
+            raise LoadError(f"the placements {tensor.placements} give this rank the global indices "
+                            f"{index.tolist()[:8]}… on dim {d} of {tuple(tensor.shape)}, not one block: a layout the "
+                            "loader does not understand")
+        region.append((start, start + n))
+    return local, tuple(region)

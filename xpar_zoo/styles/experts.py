@@ -13,7 +13,6 @@ layout). Design: ``docs/design.md``, "EP dispatch".
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -21,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
-from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+from transformers.integrations.moe import ExpertsInterface
 
-from ..parallel.collectives import all_to_all, all_to_all_counts, to_local
+from ..compat import applies_default_gate, apply_gate
 from ..errors import KernelError
+from ..kernels import triton_runs_on
+from ..parallel.collectives import all_to_all, all_to_all_counts, to_local
 
 if TYPE_CHECKING:  # the experts path imports nothing of FSDP's (the GPU bench runs it on an older torch)
     from ..parallel.mesh import PlanShard
@@ -46,7 +47,7 @@ def _triton_module():
 def _default_silu_gate(module: nn.Module) -> bool:
     """Whether an experts module's activation is transformers' default gate (``silu(gate) * up`` on ``[gate;up]``)."""
     return (getattr(module, "has_gate", True)
-            and getattr(type(module), "_apply_gate", _default_apply_gate) is _default_apply_gate
+            and applies_default_gate(type(module))
             and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU)))
 
 
@@ -70,7 +71,7 @@ def triton_module_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
     if x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):  # fp32 tl.dot would round through TF32
         raise KernelError(f"{type(module).__name__}: the Triton experts kernels run bf16 or fp16 on CUDA (got "
                           f"{x.dtype}); fp32 experts stay on the exact torch path")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(x):
         raise KernelError(f"{type(module).__name__}: the Triton experts kernels run on CUDA tensors (on the CPU only "
                           f"under TRITON_INTERPRET=1, for tests); these are on {x.device}")
     return _triton_module()
@@ -255,7 +256,7 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
                  x, counts, first, num)
     if "down_proj" in adapters:  # the adapter needs the activation itself
         act = (SiluGate.apply(h) if _default_silu_gate(module) and h.requires_grad
-               else module._apply_gate(h) if has_gate else module.act_fn(h))
+               else apply_gate(module, h) if has_gate else module.act_fn(h))
         y = _adapted(grouped_linear(act, down_w, counts, transposed=transposed, bias=down_b), adapters["down_proj"],
                      act, counts, first, num)
     elif _default_silu_gate(module) and h.requires_grad:
@@ -267,7 +268,7 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
         else:
             y = grouped_linear(SiluGate.apply(h), down_w, counts, transposed=transposed, bias=down_b)
     else:
-        h = module._apply_gate(h) if has_gate else module.act_fn(h)
+        h = apply_gate(module, h) if has_gate else module.act_fn(h)
         y = grouped_linear(h, down_w, counts, transposed=transposed, bias=down_b)
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y)

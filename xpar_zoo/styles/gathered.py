@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat import parameter_slots
 from ..parallel.collectives import to_local
 from ..parallel.mesh import PlanShard
 
@@ -36,16 +37,17 @@ class _AllGatherDim0(torch.autograd.Function):
 
 def _gathered_forward(self: nn.Module, *args, **kwargs):
     shard: PlanShard = self._xpar_gathered
-    saved = {name: self._parameters[name] for name in self._xpar_gathered_params}
+    slots = parameter_slots(self)
+    saved = {name: slots[name] for name in self._xpar_gathered_params}
     try:
         for name, param in saved.items():
             # Each rank's gradient comes from its own micro-batch: the backward sums over the group, which a
             # DTensor redistribute (that assumes replicated gradients) would not.
-            self._parameters[name] = _AllGatherDim0.apply(to_local(param), shard)
+            slots[name] = _AllGatherDim0.apply(to_local(param), shard)
         return self._xpar_gathered_forward(*args, **kwargs)
     finally:
         for name, param in saved.items():
-            self._parameters[name] = param
+            slots[name] = param
 
 
 def install_gathered(module: nn.Module, params: tuple[str, ...], shard: PlanShard) -> None:

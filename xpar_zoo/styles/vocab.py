@@ -26,11 +26,12 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ..parallel.collectives import GatherRows, all_to_all, all_to_all_counts, group_row_counts, to_local
 from ..errors import BatchError, PlanError
 from ..loss.fused import check_kernel_name, fused_cross_entropy, whole_vocab
 from ..loss.global_batch import wrap_forward
+from ..parallel.collectives import GatherRows, all_to_all, all_to_all_counts, group_row_counts, to_local
 from ..parallel.mesh import PlanShard
+from ..zoo.forward_source import embedding_weight_read, forward_source
 
 
 # ---- embedding ------------------------------------------------------------------------------------------------
@@ -86,7 +87,7 @@ def _check_embedding_module(module: nn.Module) -> None:
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         raise PlanError("the vocab-parallel embedding supports neither max_norm, scale_grad_by_freq nor sparse")
     cls = type(module)
-    if cls.forward is not nn.Embedding.forward and "super().forward(" not in _source(cls.forward):
+    if cls.forward is not nn.Embedding.forward and "super().forward(" not in forward_source(cls.forward):
         raise PlanError(f"the vocab-parallel embedding replaces nn.Embedding's lookup, but {cls.__name__}.forward "
                         "does not call it (super().forward(ids)): it would look ids up in this rank's rows only")
 
@@ -100,14 +101,6 @@ def check_embedding(model: nn.Module, module: nn.Module) -> None:
     if line:
         raise PlanError(f"the vocab-parallel embedding splits {type(module).__name__}.weight, but "
                         f"{type(model).__name__} reads that weight outside the embedding's forward ({line!r})")
-
-
-@functools.cache
-def _source(fn) -> str:
-    try:
-        return inspect.getsource(fn)
-    except (OSError, TypeError):
-        return ""
 
 
 # ---- lm_head: the fused (vocab-parallel) head ------------------------------------------------------
@@ -223,28 +216,6 @@ def _forward_logits_transform(cls: type, name: str | None) -> str | None:
         return f"its forward does not visibly pass self.{name}(...) to self.loss_function"
     changed = [line.strip() for line in source[start:end].splitlines()[1:] if _LOGITS_CHANGED.search(line)]
     return changed[0] if changed else None
-
-
-def embedding_weight_read(model: nn.Module, module: nn.Module) -> str | None:
-    """The first line of a forward of ``model`` (or of a transformers model inside it) that reads the input
-    embedding ``module``'s weight directly instead of calling the module (e.g. Gemma4Model's pad embedding), or
-    ``None``. Such a model needs the whole weight outside the embedding's own forward: the ``emb`` plan cannot
-    split it, and FSDP keeps it with the root's parameters."""
-    from transformers import PreTrainedModel
-
-    attr = next((n.rpartition(".")[2] for n, m in model.named_modules() if m is module), None)
-    if not attr:
-        return None
-    classes = {type(m) for m in model.modules() if isinstance(m, PreTrainedModel)}
-    return next((line for cls in sorted(classes, key=lambda c: c.__name__)
-                 if (line := _forward_weight_read(cls, attr)) is not None), None)
-
-
-@functools.cache
-def _forward_weight_read(cls: type, attr: str) -> str | None:
-    source = _source(cls.forward)
-    pattern = re.compile(rf"\b{re.escape(attr)}\.weight\b(?!\.(dtype|device|shape))")
-    return next((line.strip() for line in source.splitlines() if pattern.search(line)), None)
 
 
 def check_head(model: nn.Module, module: nn.Module) -> None:

@@ -9,7 +9,7 @@
 - ``xpar_zoo.testing.proofs`` (the module :mod:`xpar_zoo.zoo.proofs`, where it lives: ``xpar-zoo list`` reads it too):
   the meshes each architecture of the zoo is proved on, the tiny configs (and
   refused plans, inputs) of the automatically planned types, and the MoE families of the pinned transformers
-  (tests/test_zoo.py and MODEL_CARDS.md read them).
+  (tests/distributed/test_zoo.py and MODEL_CARDS.md read them).
 - :mod:`~xpar_zoo.testing.modality`: image inputs of the tiny multimodal configs, one micro-batch per rank.
 """
 

@@ -1,6 +1,6 @@
 """Bytes each rank sends per collective kind, counted by wrapping torch.distributed's collectives (and xpar_zoo's
-in-place FSDP2 collectives on gloo) for the duration of a ``with`` block: what tests/test_sizing.py and
-tests/test_lora.py hold the sizer's predictions against."""
+in-place FSDP2 collectives on gloo) for the duration of a ``with`` block: what tests/unit/test_sizing.py and
+tests/distributed/test_lora.py hold the sizer's predictions against."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import pickle
 import socket
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -169,8 +169,108 @@ def _in_turn(jobs: dict) -> dict:
 
 def run_together(jobs: dict[str, tuple[Callable, tuple]], world_size: int, timeout_s: float = 300.0) -> dict:
     """Run the jobs ``{name: (fn, args)}`` one after another in one launched run (one start, one set of imports
-    and one process group for all): ``{name: rank 0's result of fn(*args)}``."""
+    and one process group for all): ``{name: rank 0's result of fn(*args)}``. A failing job fails them all; see
+    :func:`run_each` for one that fails only itself."""
     return run(_in_turn, world_size, jobs, timeout_s=timeout_s)
+
+
+class JobFailed(RuntimeError):
+    """A job of :func:`run_each` failed: its launched run's error, raised where the job's results are read."""
+
+
+_STARTED = "started"
+
+
+def _in_turn_recorded(jobs: list, progress: str) -> None:
+    """Run ``[(index, fn, args)]`` in turn; rank 0 records the index it starts (``progress/started``) and each result
+    (``progress/<index>.pkl``), before a barrier that keeps every rank in the same job."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for index, fn, args in jobs:
+        if rank == 0:
+            with open(os.path.join(progress, _STARTED), "w") as f:
+                f.write(str(index))
+        result = fn(*args)
+        if rank == 0:  # written before the barrier: a rank past it finds this job recorded
+            with open(os.path.join(progress, f"{index}.pkl.tmp"), "wb") as f:
+                pickle.dump(result, f)
+            os.replace(os.path.join(progress, f"{index}.pkl.tmp"), os.path.join(progress, f"{index}.pkl"))
+        dist.barrier()
+
+
+def _recorded(progress: str, indices) -> dict:
+    out = {}
+    for index in indices:
+        path = os.path.join(progress, f"{index}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                payload = f.read()
+            out[index] = pickle.loads(payload)  # written by our own child process (rank 0): trusted data
+    return out
+
+
+def _started(progress: str) -> int | None:
+    path = os.path.join(progress, _STARTED)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return int(f.read())
+
+
+def run_each(jobs: dict[Any, tuple[Callable, tuple]], world_size: int, timeout_s: float = 300.0) -> dict:
+    """Run the jobs ``{name: (fn, args)}`` one after another in one launched run, as :func:`run_together`, but a
+    failing job fails only itself: ``{name: rank 0's result of fn(*args), or a JobFailed with the run's error}``.
+    The job a failed run was in is the one rank 0 had started and not finished; a new run takes the jobs after it.
+    A run that fails before any job started fails every job it had."""
+    import tempfile
+
+    names = list(jobs)
+    outcomes: dict[int, Any] = {}
+    while len(outcomes) < len(names):
+        pending = [i for i in range(len(names)) if i not in outcomes]
+        with tempfile.TemporaryDirectory(prefix="xpar-zoo-jobs-") as progress:
+            try:
+                run(_in_turn_recorded, world_size, [(i, *jobs[names[i]]) for i in pending], progress,
+                    timeout_s=timeout_s)
+                error = None
+            except RuntimeError as e:
+                error = e
+            outcomes.update(_recorded(progress, pending))
+            started = _started(progress)
+        if error is None:
+            continue  # every pending job recorded (the loop ends), else another run takes the rest
+        if started is None:  # the run failed before its first job: nothing to tell the jobs apart by
+            failed = [i for i in pending if i not in outcomes]
+        else:
+            failed = [started] if started not in outcomes else []
+        for i in failed:
+            outcomes[i] = JobFailed(f"job {names[i]!r} failed in its launched run: {error}")
+    return {names[i]: outcomes[i] for i in range(len(names))}
+
+
+class JobResults(Mapping):
+    """The results of several :func:`run_each` jobs as one mapping: ``results[key]`` is found in the result (a dict)
+    of the job ``job_of(key)``, and raises that job's :class:`JobFailed` when it failed. By default a key's job is
+    its first element (``results[arch, mesh]`` in the job ``arch``), or the key itself."""
+
+    def __init__(self, outcomes: dict, job_of: Callable[[Any], Any] | None = None) -> None:
+        self.outcomes = outcomes
+        self.job_of = job_of or (lambda key: key[0] if isinstance(key, tuple) else key)
+
+    def __getitem__(self, key):
+        outcome = self.outcomes[self.job_of(key)]
+        if isinstance(outcome, JobFailed):
+            raise outcome
+        return outcome[key]
+
+    def __iter__(self):
+        for outcome in self.outcomes.values():
+            if not isinstance(outcome, JobFailed):
+                yield from outcome
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _alone(fn: Callable, args: tuple, from_caller: tuple | None) -> None:

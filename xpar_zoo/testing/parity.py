@@ -14,43 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..zoo.proofs import build_model, tiny_config  # noqa: F401  (the harness's tiny models, kept by their names here)
+
 # fp32 tolerances: loss |Δ| and each parameter's |Δ| relative to the norm of its own update.
 LOSS_TOL = 1e-5
 PARAM_REL_TOL = 1e-4
 # An update below this norm is rounding noise, not training: an attention key bias, whose true gradient is zero
 # (softmax ignores a shift of every key), moves ~1e-13 on both sides. Errors are measured against at least this.
 UPDATE_FLOOR = 1e-7
-
-
-def tiny_config(model_type: str = "qwen3_moe", **overrides):
-    """A tiny transformers config of ``model_type``: shared small dims plus the type's tiny overrides (its curated
-    plan's ``tiny``, else its entry in :data:`xpar_zoo.zoo.proofs.AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
-    for MoE types). A composite config (vision/audio + text) gets the small dims in its ``text_config``; its other
-    sub-configs come from the overrides as dicts."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from ..zoo.proofs import tiny_overrides
-
-    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-                rms_norm_eps=1e-6)
-    tiny = {**tiny_overrides(model_type), **overrides}
-    if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {}):
-        text = {**base, **tiny.pop("text_config", {})}
-        return AutoConfig.for_model(model_type, text_config=text, **tiny)
-    return AutoConfig.for_model(model_type, **{**base, **tiny})
-
-
-def build_model(config, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
-    """The transformers language model for ``config`` (:func:`xpar_zoo.zoo.registry.model_class`: causal LM, or the
-    config's own multimodal class) with weights drawn from ``seed`` (identical on every rank)."""
-    from ..zoo.registry import model_class
-
-    torch.manual_seed(seed)
-    kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
-    model = model_class(config)._from_config(config, dtype=torch.float32, **kwargs)
-    return model.train()
 
 
 def make_batches(vocab_size: int, steps: int, world: int, batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
@@ -139,19 +110,23 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     batch's. Every rank calls it; rank 0's record is complete. With sp/cp a rank reads its data shard
     (:func:`xpar_zoo.data_shard`: ``world/count`` consecutive micro-batches of ``data[step]`` at once, the same on
     every rank of a sequence group, passed whole)."""
-    import xpar_zoo
-    from xpar_zoo.styles.experts import set_experts_kernels
+    from ..parallel.clip import clip_grad_norm_
+    from ..parallel.mesh import Mesh
+    from ..parallel.state import full_state_dict
+    from ..parallelize import parallelize
+    from ..styles.experts import set_experts_kernels
+    from ..styles.sequence import data_shard
 
-    mesh = xpar_zoo.Mesh(**mesh_kwargs)
+    mesh = Mesh(**mesh_kwargs)
     model = build_model(config, seed)
     if checkpointing:
         model.activation_checkpointing_enable()
-    model = xpar_zoo.parallelize(model, mesh, plan=plan)
+    model = parallelize(model, mesh, plan=plan)
     set_experts_kernels(model, kernels)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     rank = dist.get_rank()
     labels = make_labels(data) if labels is None else labels
-    index, count = xpar_zoo.data_shard(model)
+    index, count = data_shard(model)
     per = data.shape[1] // count
     mine = range(index * per, (index + 1) * per)
     losses, norms = [], []
@@ -160,7 +135,7 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
         step_labels = labels[step, mine.start:mine.stop].reshape(-1, data.shape[-1])
         loss = model(input_ids=ids, labels=step_labels, **step_inputs(extra, step, mine)).loss
         loss.backward()
-        norm = xpar_zoo.clip_grad_norm_(model, max_norm if max_norm else float("inf"))
+        norm = clip_grad_norm_(model, max_norm if max_norm else float("inf"))
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -168,7 +143,7 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
         losses.append(mean.item() / dist.get_world_size())
         norms.append(norm.item())
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if hasattr(p, "to_local")}
-    return RunRecord(losses, norms, xpar_zoo.full_state_dict(model), local)
+    return RunRecord(losses, norms, full_state_dict(model), local)
 
 
 def compare_meshes(config, world: int, meshes: dict[str, dict], adamw_meshes=(), plans: dict | None = None
@@ -287,3 +262,41 @@ def live_peak_bytes(fn: Callable[[], object], trace_path: str) -> int:
     events.sort(key=lambda e: e["ts"])
     start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
     return max(e["args"]["Total Allocated"] for e in events) - start
+
+
+def clip_grad_norm_per_tensor(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """:func:`xpar_zoo.clip_grad_norm_` as it was computed before issue 29, one tensor at a time (each local piece's
+    norm to the power ``norm_type``, divided by its copies, added up in fp32; then every piece scaled alone): the
+    reference its batched computation is held to (tests/distributed/test_clip_batched.py, bench/host_cost.py)."""
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def copies(g) -> int:
+        if not isinstance(g, DTensor):
+            return dist.get_world_size() if dist.is_initialized() else 1
+        return math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if isinstance(p, Replicate))
+
+    def local(g):
+        return g.to_local() if isinstance(g, DTensor) else g
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm_type = float(norm_type)
+    acc = torch.zeros((), dtype=torch.float32, device=local(grads[0]).device if grads else "cpu")
+    for g in grads:
+        piece = local(g).detach().float()
+        if piece.numel() == 0:
+            continue
+        if math.isinf(norm_type):
+            acc = torch.maximum(acc, piece.abs().max())
+        else:
+            acc = acc + piece.norm(norm_type) ** norm_type / copies(g)
+    if dist.is_initialized():
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    total = acc if math.isinf(norm_type) else acc ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        piece = local(g)
+        piece.mul_(coef.to(piece.device, piece.dtype))
+    return total

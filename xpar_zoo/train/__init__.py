@@ -10,15 +10,12 @@ xpar_zoo plan, under torchrun on one node or many. See the README's "Training".
 
 from __future__ import annotations
 
-import sys
-
 import torch.distributed as dist
 
 from .config import TrainConfig, add_arguments, config_from_args, read_config_file
 from .loop import TrainResult, train
 
-__all__ = ["TrainConfig", "TrainResult", "add_arguments", "config_from_args", "main", "read_config_file", "run",
-           "train"]
+__all__ = ["TrainConfig", "TrainResult", "add_arguments", "config_from_args", "read_config_file", "run", "train"]
 
 
 def run(cfg: TrainConfig) -> TrainResult:
@@ -30,10 +27,3 @@ def run(cfg: TrainConfig) -> TrainResult:
     finally:
         if owned and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m xpar_zoo.train ARGS`` = ``xpar-zoo train ARGS``."""
-    from ..commands.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])

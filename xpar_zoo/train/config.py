@@ -9,16 +9,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..hub.writer import DTYPES
 from ..errors import TrainConfigError
+from . import sft_config
 
 SCHEDULES = ("cosine", "linear", "constant")
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-          "fp16": "float16", "float16": "float16"}
-REQUIRED = ("model", "data", "steps", "output")
+INT64_MAX = 2**63 - 1
+MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few hundred bytes; anything this large is not one
+MAX_CONFIG_NODES = 10_000  # YAML nodes composed before a file is refused (aliases are refused outright)
+DEFAULT_MAX_LINE_BYTES = 1 << 20
+# (low, high) of numeric settings beyond "finite"; None: no bound on that side. Checked on flags and YAML alike.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "steps": (1, 10**12), "seq_len": (2, 2**24), "micro_batch": (1, 2**20), "grad_accum": (1, 2**20),
+    "warmup": (0, None), "save_every": (0, None), "keep_last": (1, None), "stop_after": (1, None),
+    "seed": (0, INT64_MAX), "log_every": (1, None), "max_line_bytes": (1, 1 << 30),
+    "lr": (0, 1), "min_lr_ratio": (0, 1), "weight_decay": (0, None), "max_grad_norm": (0, None),
+    "expert_bias_update_rate": (0, None), "router_aux_loss_coef": (0, None),
+    "epochs": (1, 10**6), "lora_rank": (1, 2**16),  # lora_alpha, lora_dropout, eval_*: sft_config says it
+    "timeout_minutes": (1e-3, 525_600),  # a year: torch's timeout (a timedelta, then milliseconds) overflows past that
+}
+REQUIRED = ("model", "data", "output")  # and steps or epochs
 
 
 @dataclass
@@ -57,6 +72,25 @@ class TrainConfig:
     tensorboard: bool = True
     progress: bool = True
     timeout_minutes: float = 30.0
+    force: bool = False
+    log_every: int = 10
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    # fine-tuning (xpar_zoo.train.sft_config): conversations, epochs, LoRA, evaluation, reporting
+    epochs: int | None = None
+    loss_on: str | None = None
+    truncate: str | None = None
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+    lora_experts: bool = True
+    adapter: str | None = None
+    export_adapter: str | None = None
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_batches: int | None = None
+    save_best: bool = False
+    report_to: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The settings as JSON data (saved in checkpoints and printed at start)."""
@@ -70,7 +104,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 def parse_mesh(value: Any, where: str = "--mesh") -> dict[str, int]:
     """``"ep=2,emb=2,replicate=2"`` (or a mapping) as ``{"ep": 2, "emb": 2, "replicate": 2}``."""
-    if value is None or value == "" or value == {}:
+    if value is None or value == "" or value == {} or value == "none":
         return {}
     if isinstance(value, dict):
         items = list(value.items())
@@ -85,10 +119,14 @@ def parse_mesh(value: Any, where: str = "--mesh") -> dict[str, int]:
         raise TrainConfigError(f"{where}: expected NAME=SIZE pairs or a mapping, got {value!r}")
     out = {}
     for name, size in items:
-        try:
+        if isinstance(size, str) and size.strip().isdigit():
             size = int(size)
-        except (TypeError, ValueError):
-            raise TrainConfigError(f"{where}: size of {name!r} must be an integer, got {size!r}") from None
+        if isinstance(size, bool) or not isinstance(size, int):  # YAML's 2.7 is not 2
+            raise TrainConfigError(f"{where}: size of {name!r} must be a whole number, got {size!r}")
+        if not isinstance(name, str) or not name:
+            raise TrainConfigError(f"{where}: plan names are words (ep, emb, head, replicate), got {name!r}")
+        if size > 2**20:
+            raise TrainConfigError(f"{where}: size of {name!r} is {size}, more ranks than any run has")
         if size < 1:
             raise TrainConfigError(f"{where}: size of {name!r} must be positive, got {size}")
         if name in out:
@@ -97,18 +135,40 @@ def parse_mesh(value: Any, where: str = "--mesh") -> dict[str, int]:
     return out
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a hostile value must not flood the one-line error)."""
+    text = repr(value) if not isinstance(value, (dict, list, tuple)) else f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _in_range(name: str, value: int | float, where: str) -> int | float:
+    low, high = RANGES.get(name, (None, None))
+    if isinstance(value, int) and not -INT64_MAX <= value <= INT64_MAX:
+        raise TrainConfigError(f"{where}: {name} {_short(value)} does not fit a 64-bit integer")
+    if low is not None and value < low:
+        raise TrainConfigError(f"{where}: {name} must be at least {low:g}, got {value:g}")
+    if high is not None and value > high:
+        raise TrainConfigError(f"{where}: {name} must be at most {high:g}, got {value:g}")
+    return value
+
+
 def _coerce(name: str, value: Any, where: str) -> Any:
     """``value`` of key ``name`` checked and converted to the field's type."""
     if name == "mesh":
         return parse_mesh(value, where)
+    if name == "lora_targets" and isinstance(value, (list, tuple)):  # YAML: a list of module names
+        value = ",".join(map(str, value))
     if name == "adam_betas":
         parts = value.split(",") if isinstance(value, str) else value
         try:
             betas = tuple(float(b) for b in parts)
         except (TypeError, ValueError):
             betas = ()
+        if isinstance(parts, bool) or any(isinstance(b, bool) for b in (parts if isinstance(parts, (list, tuple))
+                                                                           else ())):
+            betas = ()
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-            raise TrainConfigError(f"{where}: adam_betas must be two numbers in [0, 1), got {value!r}")
+            raise TrainConfigError(f"{where}: adam_betas must be two numbers in [0, 1), got {_short(value)}")
         return betas
     kind = FIELDS[name].type  # the annotation as text
     if value is None:
@@ -120,44 +180,100 @@ def _coerce(name: str, value: Any, where: str) -> Any:
             return value
         raise TrainConfigError(f"{where}: {name} must be true or false, got {value!r}")
     if "int" in kind and "float" not in kind:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-                return int(value)
-            raise TrainConfigError(f"{where}: {name} must be an integer, got {value!r}")
-        return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit() and len(value) < 30:
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):  # 2.7 is refused, not truncated
+            raise TrainConfigError(f"{where}: {name} must be a whole number, got {_short(value)}")
+        return _in_range(name, value, where)
     if "float" in kind:
-        if isinstance(value, bool):
-            raise TrainConfigError(f"{where}: {name} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TrainConfigError(f"{where}: {name} must be a number, got {_short(value)}")
         try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise TrainConfigError(f"{where}: {name} must be a number, got {value!r}") from None
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise TrainConfigError(f"{where}: {name} must be a number, got {_short(value)}") from None
+        if not math.isfinite(number):
+            raise TrainConfigError(f"{where}: {name} must be a finite number, got {_short(value)}")
+        return _in_range(name, number, where)
     if not isinstance(value, str):
-        raise TrainConfigError(f"{where}: {name} must be a string, got {value!r}")
+        raise TrainConfigError(f"{where}: {name} must be a string, got {_short(value)}")
+    if "\x00" in value:
+        raise TrainConfigError(f"{where}: {name} holds a NUL character")
     return value
+
+
+def _strict_loader():
+    """PyYAML's safe loader, stricter: an alias (``*name``) is refused (expanding them is how a small file grows
+    past any memory), a key given twice in one mapping is refused (YAML would keep the last), and a file of more
+    than ``MAX_CONFIG_NODES`` nodes is refused while it is composed."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        nodes = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise TrainConfigError(f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                                       "accepted in a config: write the value out")
+            StrictLoader.nodes += 1
+            if StrictLoader.nodes > MAX_CONFIG_NODES:
+                raise TrainConfigError(f"more than {MAX_CONFIG_NODES} YAML nodes: not a settings file")
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else id(key_node)
+                if key in seen:
+                    raise TrainConfigError(f"line {key_node.start_mark.line + 1}: key {_short(key)} is given twice "
+                                           f"(first on line {seen[key]})")
+                seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    return StrictLoader
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The settings in a YAML file, keys normalised to field names; :class:`TrainConfigError` naming the file and key
-    on anything unknown or unreadable."""
+    on anything unknown, unreadable, given twice (``seq_len`` and ``seq-len`` too) or of the wrong type."""
     import yaml
 
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise TrainConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
-    except yaml.YAMLError as e:
-        raise TrainConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise TrainConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes: not a settings file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TrainConfigError(f"{path}: not UTF-8 text (byte offset {e.start})") from None
+    loader = _strict_loader()
+    try:
+        data = yaml.load(text, Loader=loader)  # noqa: S506 - a SafeLoader subclass
+    except TrainConfigError as e:
+        raise TrainConfigError(f"{path}: {e}") from None
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise TrainConfigError(f"{path}: not valid YAML ({first})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise TrainConfigError(f"{path}: the config must be a mapping of settings, got {type(data).__name__}")
-    out = {}
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for key, value in data.items():
-        name = str(key).replace("-", "_")
+        if not isinstance(key, str):
+            raise TrainConfigError(f"{path}: setting names are words, got {_short(key)}")
+        name = key.replace("-", "_")
         if name not in FIELDS:
-            raise TrainConfigError(f"{path}: unknown setting {key!r} (settings: {', '.join(FIELDS)})")
+            raise TrainConfigError(f"{path}: unknown setting {_short(key)} (settings: {', '.join(FIELDS)})")
+        if name in given:
+            raise TrainConfigError(f"{path}: {given[name]!r} and {key!r} are the same setting; give it once")
+        given[name] = key
         out[name] = _coerce(name, value, f"{path}: {key}")
     return out
 
@@ -205,6 +321,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="TensorBoard events in OUTPUT/tensorboard when tensorboard is installed (default on)")
     a("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bar on rank 0 (default on)")
     a("--timeout-minutes", type=float, default=S, help="process-group timeout (default 30)")
+    a("--force", action="store_true", default=S,
+      help="write into a non-empty --output without checkpoints, and replace an existing --export-hf (only once "
+           "the new export is complete)")
+    a("--log-every", type=int, default=S,
+      help="with --no-progress: a plain line every N steps and at the last (default 10)")
+    a("--max-line-bytes", type=int, default=S,
+      help=f"longest data line (JSONL record, .txt document) read, in bytes (default {DEFAULT_MAX_LINE_BYTES})")
+    sft_config.add_arguments(parser)
+    add_launcher_arguments(parser)
+
+
+LAUNCHER_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+
+
+def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--nproc-per-node`` & co.: ``xpar-zoo train`` starts the ranks itself (see :mod:`xpar_zoo.train.launcher`);
+    not training settings (not in the config file, not saved)."""
+    a = parser.add_argument
+    a("--nproc-per-node", type=int, default=None,
+      help="start this many ranks on this node (instead of torchrun); with --nnodes, on every node")
+    a("--nnodes", type=int, default=1, help="with --nproc-per-node: number of nodes (default 1)")
+    a("--node-rank", type=int, default=0, help="with --nproc-per-node: this node's index (default 0)")
+    a("--master-addr", default=None, help="with --nproc-per-node: address of node 0 (default 127.0.0.1)")
+    a("--master-port", type=int, default=None,
+      help="with --nproc-per-node: a free port on node 0 (default: any free port on one node, 29500 on several)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -220,35 +361,35 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
+def attention_implementations() -> list[str]:
+    """The attention implementations transformers registers (``eager`` and its ``AttentionInterface`` names)."""
+    from transformers import AttentionInterface
+
+    return sorted({"eager", *AttentionInterface().valid_keys()})
+
+
 def validate(cfg: TrainConfig) -> None:
-    """Raise :class:`TrainConfigError` on any setting that cannot work."""
+    """Raise :class:`TrainConfigError` on any setting that cannot work: every value of its type, finite and in its
+    range (:data:`RANGES`), and the settings consistent with each other."""
     missing = [f"--{n}" for n in REQUIRED if getattr(cfg, n) in (None, "")]
+    if cfg.steps is None and cfg.epochs is None:
+        missing.append("--steps (or --epochs)")
     if missing:
         raise TrainConfigError(f"missing setting(s): {', '.join(missing)} (flags or keys of --config)")
-    for name in ("steps", "seq_len", "micro_batch", "grad_accum"):
-        if getattr(cfg, name) < 1:
-            raise TrainConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.seq_len < 2:
-        raise TrainConfigError(f"seq_len must be at least 2, got {cfg.seq_len}")
-    for name in ("warmup", "save_every", "seed"):
-        if getattr(cfg, name) < 0:
-            raise TrainConfigError(f"{name} must not be negative, got {getattr(cfg, name)}")
-    for name in ("lr", "weight_decay", "max_grad_norm", "expert_bias_update_rate", "min_lr_ratio"):
-        if getattr(cfg, name) < 0:
-            raise TrainConfigError(f"{name} must not be negative, got {getattr(cfg, name)}")
-    if cfg.router_aux_loss_coef is not None and cfg.router_aux_loss_coef < 0:
-        raise TrainConfigError(f"router_aux_loss_coef must not be negative, got {cfg.router_aux_loss_coef}")
-    if cfg.min_lr_ratio > 1:
-        raise TrainConfigError(f"min_lr_ratio must be at most 1, got {cfg.min_lr_ratio}")
+    for name in FIELDS:  # types, finiteness and ranges first: the checks below compare numbers
+        _coerce(name, getattr(cfg, name), f"--{name.replace('_', '-')}")
+    sft_config.validate(cfg)
     if cfg.schedule not in SCHEDULES:
         raise TrainConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.warmup > cfg.steps:
-        raise TrainConfigError(f"warmup ({cfg.warmup}) is longer than the run (steps {cfg.steps})")
-    if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
-        raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
-    if cfg.keep_last is not None and cfg.keep_last < 1:
-        raise TrainConfigError(f"keep_last must be at least 1, got {cfg.keep_last}")
+    if cfg.steps is not None:  # --epochs: checked again once the data gives the steps
+        if cfg.warmup > cfg.steps:
+            raise TrainConfigError(f"warmup ({cfg.warmup}) is longer than the run (steps {cfg.steps})")
+        if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
+            raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise TrainConfigError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {cfg.dtype!r}")
-    if cfg.timeout_minutes <= 0:
-        raise TrainConfigError(f"timeout_minutes must be positive, got {cfg.timeout_minutes}")
+    if cfg.attn_implementation is not None:
+        known = attention_implementations()
+        if cfg.attn_implementation not in known:
+            raise TrainConfigError(f"--attn-implementation {_short(cfg.attn_implementation)} is not one transformers "
+                                   f"knows: {', '.join(known)}")

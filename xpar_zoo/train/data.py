@@ -15,9 +15,10 @@ Design: ``docs/design.md``, "Training".
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +27,11 @@ import torch
 
 from ..errors import DataError
 from ..loss.global_batch import IGNORE_INDEX
+from .config import DEFAULT_MAX_LINE_BYTES, INT64_MAX
 
 NATIVE_SUFFIXES = (".jsonl", ".json", ".txt")
 DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+DATASETS_METADATA = ("dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,18 @@ class Documents:
 
     def __len__(self) -> int:
         return len(self.texts if self.texts is not None else self.token_ids)
+
+
+def _token_ids(value, where: str) -> list[int]:
+    """``input_ids`` of a record: a list of non-negative integers that fit int64 (JSON ``true`` is not 1)."""
+    if not isinstance(value, list):
+        raise DataError(f"{where}: 'input_ids' must be a list of non-negative integers, got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if type(t) is not int or not 0 <= t <= INT64_MAX:  # bool is an int subclass: JSON true/false are refused
+            shown = json.dumps(t) if isinstance(t, (bool, int, float)) or t is None else type(t).__name__
+            shown = shown if len(shown) <= 40 else shown[:40] + "…"
+            raise DataError(f"{where}: input_ids[{i}] is {shown}: token ids are non-negative integers below 2**63")
+    return value
 
 
 def _from_records(records: Iterator[tuple[str, dict]], field: str, source: str) -> Documents:
@@ -59,13 +74,11 @@ def _from_records(records: Iterator[tuple[str, dict]], field: str, source: str) 
             if value:
                 texts.append(value)
         elif "input_ids" in record:
-            value = record["input_ids"]
-            if not (isinstance(value, Sequence) and all(isinstance(t, int) and t >= 0 for t in value)):
-                raise DataError(f"{where}: 'input_ids' must be a list of non-negative integers")
+            value = _token_ids(record["input_ids"], where)
             if texts:
                 raise DataError(f"{where}: mixes text and 'input_ids' records")
             if value:
-                ids.append([int(t) for t in value])
+                ids.append(value)
         else:
             raise DataError(f"{where}: no {field!r} field (fields: {', '.join(map(str, record)) or 'none'}); "
                             f"set text_field / --text-field, or give token ids as 'input_ids'")
@@ -74,17 +87,58 @@ def _from_records(records: Iterator[tuple[str, dict]], field: str, source: str) 
     return Documents(texts, None, source)
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[str, dict]]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield f"{path}:{n}", json.loads(line)
-                except ValueError as e:
-                    raise DataError(f"{path}:{n}: not a JSON object ({e})") from None
+def text_lines(path: Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each line of a UTF-8 text file, read as bytes a line at a time (memory stays
+    bounded by ``max_line_bytes``). :class:`DataError` naming the file, the line and the byte offset on a line
+    longer than the cap, a NUL byte (binary data) or invalid UTF-8."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    with f:
+        offset = 0
+        for n in itertools.count(1):
+            try:
+                raw = f.readline(max_line_bytes + 1)
+            except OSError as e:
+                raise DataError(f"{path}:{n}: cannot read it ({e.strerror or e})") from None
+            if not raw:
+                return
+            if len(raw) > max_line_bytes and not (len(raw) == max_line_bytes + 1 and raw.endswith(b"\n")):
+                raise DataError(f"{path}:{n}: line longer than {max_line_bytes} bytes (--max-line-bytes): split the "
+                                "document, or raise the cap")
+            nul = raw.find(b"\0")
+            if nul >= 0:
+                raise DataError(f"{path}:{n}: binary data (a NUL byte at byte offset {offset + nul}); the data must "
+                                "be UTF-8 text: JSONL or .txt")
+            if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+                raw, offset = raw[3:], 3
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: invalid UTF-8 at byte offset {offset + e.start} (byte "
+                                f"0x{raw[e.start]:02x}); the data must be UTF-8 text") from None
+            offset += len(raw)
+            yield n, text
 
 
-def _datasets_records(path: Path) -> Iterator[tuple[str, dict]]:
+def _jsonl_records(path: Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[tuple[str, dict]]:
+    for n, line in text_lines(path, max_line_bytes):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except RecursionError:
+                raise DataError(f"{path}:{n}: JSON nested too deeply to be a record") from None
+            except ValueError as e:
+                raise DataError(f"{path}:{n}: not a JSON object ({str(e)[:200]})") from None
+            yield f"{path}:{n}", record
+
+
+def _text_documents(path: Path, max_line_bytes: int) -> list[str]:
+    return [line.rstrip("\r\n") for _, line in text_lines(path, max_line_bytes) if line.strip()]
+
+
+def _datasets_records(path: Path, files: list[Path] | None = None) -> Iterator[tuple[str, dict]]:
     try:
         import datasets
     except ModuleNotFoundError:
@@ -93,12 +147,13 @@ def _datasets_records(path: Path) -> Iterator[tuple[str, dict]]:
     try:
         if path.is_dir() and (path / "state.json").is_file():
             ds = datasets.load_from_disk(str(path))
-        elif path.is_dir():
-            ds = datasets.load_dataset(str(path), split="train")
         else:
-            ds = datasets.load_dataset(DATASETS_BUILDERS[path.suffix], data_files=str(path), split="train")
-    except (OSError, ValueError, KeyError) as e:
-        raise DataError(f"{path}: datasets cannot read it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+            files = files or [path]
+            ds = datasets.load_dataset(DATASETS_BUILDERS[files[0].suffix.lower()],
+                                       data_files=[str(p) for p in files], split="train")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: datasets cannot read it ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]})") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(f"{path}: a dataset without a 'train' split (splits: {', '.join(ds)})")
@@ -107,26 +162,99 @@ def _datasets_records(path: Path) -> Iterator[tuple[str, dict]]:
         yield f"{path}[{n}]", record
 
 
-def read_documents(path: str | os.PathLike, text_field: str = "text") -> Documents:
-    """The documents in ``path`` (see the module docstring for the formats); empty documents are skipped. Raises
-    :class:`DataError` naming the file (and line or record) on anything unreadable."""
+def data_files(directory: Path) -> list[Path]:
+    """The data files of a directory (every file below it of a data format, hidden folders and the ``datasets``
+    metadata files aside), all of ONE format. :class:`DataError` on a loading script (xpar_zoo never runs code from
+    data), on several formats (naming them), or on none."""
+    scripts = sorted(p for p in directory.rglob("*.py") if not _hidden(p, directory))
+    if scripts:
+        raise DataError(f"{directory}: holds a dataset loading script ({scripts[0].relative_to(directory)}); "
+                        "xpar_zoo never runs code from data: convert the dataset to JSONL or parquet files")
+    found: dict[str, list[Path]] = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and not _hidden(p, directory) and p.name not in DATASETS_METADATA:
+            suffix = p.suffix.lower()
+            if suffix in NATIVE_SUFFIXES or suffix in DATASETS_BUILDERS:
+                found.setdefault(".jsonl" if suffix == ".json" else suffix, []).append(p)
+    if len(found) > 1:
+        kinds = ", ".join(f"{len(v)} {k}" for k, v in sorted(found.items()))
+        raise DataError(f"{directory}: a directory of mixed formats ({kinds}); xpar_zoo reads every file of one "
+                        "format: keep one format per directory, or pass a file")
+    if not found:
+        raise DataError(f"{directory}: no data files (.jsonl, .json, .txt, .parquet, .arrow, .csv) in it")
+    return next(iter(found.values()))
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def iter_records(path: str | os.PathLike, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+                 ) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` of every record of a JSONL file, of what ``datasets`` reads locally, or of a directory of
+    such files (``where`` names the file and line or record); nothing for ``.txt`` (documents, not records)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or directory")
     suffix = path.suffix.lower()
+    if path.is_dir() and not (path / "state.json").is_file():
+        files = data_files(path)
+        kind = files[0].suffix.lower()
+        if kind in (".jsonl", ".json"):
+            return itertools.chain.from_iterable(_jsonl_records(p, max_line_bytes) for p in files)
+        return iter(()) if kind == ".txt" else _datasets_records(path, files)
     if path.is_file() and suffix in (".jsonl", ".json"):
-        docs = _from_records(_jsonl_records(path), text_field, str(path))
+        return _jsonl_records(path, max_line_bytes)
+    if path.is_file() and suffix == ".txt":
+        return iter(())
+    if path.is_dir() or suffix in DATASETS_BUILDERS:
+        return _datasets_records(path)
+    raise DataError(f"{path}: unknown data format {suffix!r}; use .jsonl, .txt, .parquet, .arrow, .csv or a "
+                    "datasets directory")
+
+
+def read_documents(path: str | os.PathLike, text_field: str = "text",
+                   max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Documents:
+    """The documents in ``path`` (see the module docstring for the formats); empty documents are skipped. A
+    directory is read whole: every data file of its one format, in sorted order (:func:`data_files`). Raises
+    :class:`DataError` naming the file (and line, byte offset or record) on anything unreadable."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    suffix = path.suffix.lower()
+    if path.is_dir() and not (path / "state.json").is_file():
+        files = data_files(path)
+        kind = files[0].suffix.lower()
+        if kind in (".jsonl", ".json"):
+            records = itertools.chain.from_iterable(_jsonl_records(p, max_line_bytes) for p in files)
+            docs = _from_records(records, text_field, str(path))
+        elif kind == ".txt":
+            docs = Documents([t for p in files for t in _text_documents(p, max_line_bytes)], None, str(path))
+        else:
+            docs = _from_records(_capped(_datasets_records(path, files), text_field, max_line_bytes), text_field,
+                                 str(path))
+    elif path.is_file() and suffix in (".jsonl", ".json"):
+        docs = _from_records(_jsonl_records(path, max_line_bytes), text_field, str(path))
     elif path.is_file() and suffix == ".txt":
-        with open(path, encoding="utf-8") as f:
-            docs = Documents([line.rstrip("\n") for line in f if line.strip()], None, str(path))
+        docs = Documents(_text_documents(path, max_line_bytes), None, str(path))
     elif path.is_dir() or suffix in DATASETS_BUILDERS:
-        docs = _from_records(_datasets_records(path), text_field, str(path))
+        docs = _from_records(_capped(_datasets_records(path), text_field, max_line_bytes), text_field, str(path))
     else:
         raise DataError(f"{path}: unknown data format {suffix!r}; use .jsonl (a {text_field!r} field), .txt, "
                         f".parquet, .arrow, .csv or a datasets directory")
     if not len(docs):
         raise DataError(f"{path}: no documents (no non-empty {text_field!r} field)")
     return docs
+
+
+def _capped(records: Iterator[tuple[str, dict]], field: str, max_bytes: int) -> Iterator[tuple[str, dict]]:
+    """Records of a ``datasets`` file whose text is at most ``max_bytes`` (UTF-8), as lines of JSONL are."""
+    for where, record in records:
+        text = record.get(field) if isinstance(record, dict) else None
+        if isinstance(text, str) and len(text) * 4 > max_bytes and len(text.encode("utf-8")) > max_bytes:
+            raise DataError(f"{where}: {field!r} is longer than {max_bytes} bytes (--max-line-bytes): split the "
+                            "document, or raise the cap")
+        yield where, record
 
 
 def load_tokenizer(name_or_dir: str):
@@ -136,7 +264,7 @@ def load_tokenizer(name_or_dir: str):
 
     hint = "pass --tokenizer NAME_OR_DIR, or give pre-tokenized data ('input_ids' records)"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_dir)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = (str(e).splitlines() or [""])[0]
         raise DataError(f"no tokenizer in {name_or_dir} ({type(e).__name__}: {first}); {hint}") from None
@@ -146,24 +274,41 @@ def load_tokenizer(name_or_dir: str):
     return tokenizer
 
 
-def tokenize(docs: Documents, tokenizer, batch: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+def _text_batches(texts: list[str], max_docs: int, max_chars: int) -> Iterator[list[str]]:
+    """``texts`` in consecutive batches of at most ``max_docs`` documents and about ``max_chars`` characters."""
+    batch: list[str] = []
+    chars = 0
+    for text in texts:
+        if batch and (len(batch) >= max_docs or chars + len(text) > max_chars):
+            yield batch
+            batch, chars = [], 0
+        batch.append(text)
+        chars += len(text)
+    if batch:
+        yield batch
+
+
+def tokenize(docs: Documents, tokenizer, batch: int = 1024, batch_chars: int = 1 << 20
+             ) -> tuple[np.ndarray, np.ndarray]:
     """All documents as one flat int64 token array and the length of each document. Text is encoded with the
     tokenizer's special tokens and EOS appended where the tokenizer has one and the document does not end with it;
-    pre-tokenized documents are taken as they are."""
+    pre-tokenized documents are taken as they are. The tokenizer sees at most ``batch`` documents and about
+    ``batch_chars`` characters at a time, and each batch's ids become an int64 array at once, so memory beyond the
+    texts stays bounded."""
     if docs.token_ids is not None:
-        pieces = docs.token_ids
+        arrays = [np.asarray(p, dtype=np.int64) for p in docs.token_ids]
     else:
         if tokenizer is None:
             raise DataError(f"{docs.source}: text documents need a tokenizer")
         eos = tokenizer.eos_token_id
-        pieces = []
-        for start in range(0, len(docs.texts), batch):
-            for ids in tokenizer(docs.texts[start:start + batch], add_special_tokens=True)["input_ids"]:
+        arrays = []
+        for texts in _text_batches(docs.texts, batch, batch_chars):
+            for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]:
                 if eos is not None and (not ids or ids[-1] != eos):
                     ids = [*ids, eos]
-                pieces.append(ids)
-    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-    tokens = np.fromiter((t for p in pieces for t in p), dtype=np.int64, count=int(lengths.sum()))
+                arrays.append(np.asarray(ids, dtype=np.int64))
+    lengths = np.fromiter((len(p) for p in arrays), dtype=np.int64, count=len(arrays))
+    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
     return tokens, lengths
 
 

@@ -13,10 +13,14 @@ One optimizer step on every rank:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
+import signal
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -27,18 +31,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat import attn_implementation
 from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..errors import DataError, TrainConfigError
+from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
+from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
-from ..errors import DataError, TrainConfigError
-from ..loss.global_batch import count_targets, global_count
-from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
+from .agreement import check_same_settings, resume_changes
 from .config import DTYPES, TrainConfig
+from . import sft_config
+from .config import validate
+from .chat import conversation_corpus, load_examples, pad_token_id
+from .evaluate import Evaluator
+from .lora import export_adapter, export_merged, from_pretrained_kwargs, is_lora
+from .metrics import read_metrics
+from .packing import EpochLimit, steps_for_epochs
+from .reporting import Reporter
+from .tiny import resolve_model
 from .data import (PackedCorpus, flatten_rows, load_tokenizer, micro_batches, read_documents, rows_per_step,
                    tokenize)
 from .metrics import MetricsLog, peak_memory_bytes
+from .outputs import CHECKPOINTS, ExportTarget, check_outputs
+from .stop import StopOnSignal, Stopped
 
 CHECKPOINTS = "checkpoints"
+BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
 SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 # transformers' masking utilities build a block-causal mask from restarting position_ids for these (no attention
 # mask, no cache); its flash-attention kernels run packed rows as varlen from position_ids in a batch of one row.
@@ -71,36 +89,72 @@ def init_distributed(timeout_minutes: float = 30.0) -> bool:
     return True
 
 
-def _checkpoint_to_resume(cfg: TrainConfig) -> Path | None:
-    """Rank 0: the checkpoint to resume from (``None``: start at step 0); refuses to start over a run's
-    checkpoints without ``--resume``."""
+def _checkpoint_to_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
+    """Rank 0, before anything is loaded: every output checked (:func:`~xpar_zoo.train.outputs.check_outputs`);
+    the checkpoint to resume from (``None``: start at step 0) and the settings this run changes from it (one line
+    each; refused ones raise). Refuses to start over a run's checkpoints without ``--resume``."""
     output = Path(cfg.output)
-    if output.exists() and not output.is_dir():
-        raise TrainConfigError(f"--output {output} exists and is not a directory")
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TrainConfigError(f"--output {output}: cannot create it ({e.strerror or e})") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # incomplete checkpoints are reported by load_checkpoint's own warning
-        found = latest_checkpoint(output / CHECKPOINTS)
+        found = latest_checkpoint(output / CHECKPOINTS) if (output / CHECKPOINTS).is_dir() else None
+    check_outputs(cfg, has_checkpoint=found is not None)
     if found is not None and not cfg.resume:
         raise TrainConfigError(f"--output {output} already holds checkpoints (newest: {found.name}); pass --resume "
                                "to continue that run, or choose another --output")
-    return found
+    if found is None:
+        return None, []
+    try:
+        extra = json.loads((found / EXTRA_FILE).read_text())
+        step, saved = int(extra["step"]), dict(extra.get("config") or {})
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TrainConfigError(f"{found / EXTRA_FILE}: unreadable ({type(e).__name__}); resume from an earlier "
+                               "step (move this one aside)") from None
+    return found, resume_changes(saved, cfg, step)
 
 
-def _load_corpus(cfg: TrainConfig, vocab_size: int) -> tuple[PackedCorpus, Any]:
-    """Every rank: read, tokenize and pack the data; the tokenizer (``None`` for pre-tokenized data without one)."""
-    docs = read_documents(cfg.data, cfg.text_field)
+def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None) -> tuple[PackedCorpus, Any]:
+    """Every rank: read, tokenize and pack the data (``path``, default ``cfg.data``); the tokenizer (``None`` for
+    pre-tokenized data without one). Conversations (``messages``, ``prompt``/``completion``) are packed whole
+    (:mod:`xpar_zoo.train.chat`, :mod:`xpar_zoo.train.packing`)."""
+    path = path or cfg.data
+    conversations = load_examples(path)
+    if conversations is not None:
+        tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        return conversation_corpus(path, *conversations, tokenizer, loss_on=cfg.loss_on, seq_len=cfg.seq_len,
+                                   seed=cfg.seed, truncate=cfg.truncate, vocab_size=vocab_size), tokenizer
+    if cfg.loss_on not in (None, "all") or cfg.truncate is not None:
+        raise DataError(f"{path}: --loss-on / --truncate apply to conversations ('messages' or 'prompt'/'completion' "
+                        "records); plain text trains on every token and is cut into rows")
+    docs = read_documents(path, cfg.text_field, cfg.max_line_bytes)
     tokenizer = None
     if docs.texts is not None or cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     tokens, lengths = tokenize(docs, tokenizer)
     if len(tokens) and int(tokens.max()) >= vocab_size:
-        raise DataError(f"{cfg.data}: token id {int(tokens.max())} is outside the model's vocabulary "
+        raise DataError(f"{path}: token id {int(tokens.max())} is outside the model's vocabulary "
                                f"({vocab_size} rows); use the model's tokenizer")
-    return PackedCorpus(tokens, lengths, cfg.seq_len, cfg.seed, source=str(cfg.data)), tokenizer
+    return PackedCorpus(tokens, lengths, cfg.seq_len, cfg.seed, source=str(path)), tokenizer
+
+
+def resolve_epochs(cfg: TrainConfig, corpus, tokenizer, world: int) -> tuple[TrainConfig, Any]:
+    """``--epochs N``: the settings with the steps that read N epochs, and the corpus read for N epochs only (the
+    last step's rows past the end are padding). Otherwise both as they are."""
+    if cfg.epochs is None:
+        return cfg, corpus
+    steps = steps_for_epochs(cfg.epochs, corpus.rows_per_epoch, rows_per_step(world, cfg.micro_batch, cfg.grad_accum))
+    cfg = dataclasses.replace(cfg, steps=steps)
+    try:
+        validate(dataclasses.replace(cfg, epochs=None))
+    except TrainConfigError as e:
+        raise TrainConfigError(f"--epochs {cfg.epochs} is {steps} steps of {corpus.rows_per_epoch} rows per epoch: "
+                               f"{e}") from None
+    return cfg, EpochLimit(corpus, cfg.epochs, pad_token_id(tokenizer) if tokenizer is not None else 0)
+
+
+def best_eval_loss(output: Path, step: int) -> float:
+    """Rank 0: the lowest ``eval_loss`` in ``metrics.jsonl`` up to ``step`` (a resumed ``--save-best`` run)."""
+    seen = [m["eval_loss"] for m in read_metrics(output) if m.get("step", 0) <= step and "eval_loss" in m]
+    return min(seen, default=math.inf)
 
 
 def _model_config(name: str):
@@ -118,13 +172,36 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.adam_betas)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
-    """transformers' schedule for ``cfg.schedule`` over ``cfg.steps`` steps after ``cfg.warmup`` warmup steps."""
-    from transformers import get_scheduler
+def lr_factor(cfg: TrainConfig, done: int) -> float:
+    """The learning rate of step ``done + 1`` as a fraction of ``cfg.lr`` (``done`` steps finished). Warmup:
+    step ``k`` ≤ ``warmup`` trains at ``k / warmup`` (step 1 at ``lr / warmup``, never at 0); after it,
+    transformers' schedules over the remaining steps (cosine down to ``min_lr_ratio``, linear to 0, constant)."""
+    if done < cfg.warmup:
+        return (done + 1) / cfg.warmup
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = (done - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    if cfg.schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
-    extra = {"min_lr_rate": cfg.min_lr_ratio} if cfg.schedule == "cosine" else None
-    return get_scheduler(SCHEDULER_NAMES[cfg.schedule], optimizer, num_warmup_steps=cfg.warmup,
-                         num_training_steps=cfg.steps, scheduler_specific_kwargs=extra)
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, done: int = 0):
+    """The schedule of :func:`lr_factor` over ``cfg.steps`` steps, positioned after ``done`` steps (a resumed run:
+    ``cfg.lr`` and the schedule settings are this run's, whatever the checkpoint's were)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = cfg.lr
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg), last_epoch=done - 1)
+
+
+def apply_optimizer_settings(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """This run's weight decay (matrices' group) and betas on an optimizer whose state was loaded from a
+    checkpoint (loading restores the saved hyperparameters)."""
+    for group in optimizer.param_groups:
+        if all(p.dim() >= 2 for p in group["params"]):  # the matrices' group (build_optimizer)
+            group["weight_decay"] = cfg.weight_decay
+        group["betas"] = tuple(cfg.adam_betas)
 
 
 @dataclass
@@ -165,7 +242,8 @@ def _check_aux(aux: RouterAux, local: torch.Tensor, model_aux: torch.Tensor) -> 
     aux.checked = True
 
 
-def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: int, corpus: PackedCorpus) -> Path:
+def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: int, corpus: PackedCorpus,
+          root: Path | None = None, keep_last: int | None = None) -> Path:
     extra = {
         "step": step,
         "data": {"position": position, "fingerprint": corpus.fingerprint(), "rows_per_epoch": corpus.rows_per_epoch,
@@ -174,8 +252,8 @@ def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: in
         "world_size": dist.get_world_size(),
         "config": cfg.to_json(),
     }
-    return save_checkpoint(Path(cfg.output) / CHECKPOINTS, model, optimizer, extra_state=extra, step=step,
-                           keep_last=cfg.keep_last)
+    return save_checkpoint(root or Path(cfg.output) / CHECKPOINTS, model, optimizer, extra_state=extra, step=step,
+                           keep_last=keep_last or cfg.keep_last, trainable_only=is_lora(model))
 
 
 def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
@@ -189,9 +267,9 @@ def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
                                "same data, seq_len and seed, or start a new --output")
 
 
-def _resume(ckpt: Path, model, optimizer, scheduler) -> tuple[int, int]:
-    extra = load_checkpoint(ckpt, model, optimizer)
-    scheduler.load_state_dict(extra["scheduler"])
+def _resume(ckpt: Path, model, optimizer, cfg: TrainConfig) -> tuple[int, int]:
+    extra = load_checkpoint(ckpt, model, optimizer, trainable_only=is_lora(model))
+    apply_optimizer_settings(optimizer, cfg)
     return int(extra["step"]), int(extra["data"]["position"])
 
 
@@ -213,12 +291,14 @@ class _Run:
     rank: int
 
 
-def _load_model(cfg: TrainConfig, mesh, rank: int) -> nn.Module:
-    """The model from ``cfg.model`` on ``mesh``, in training mode with the run's attention and recompute settings."""
-    import xpar_zoo
+def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
+    """The model from ``cfg.model`` on ``mesh`` (``peft``: ``from_pretrained``'s LoRA arguments), in training mode
+    with the run's attention and recompute settings."""
+    from ..hub.loader import from_pretrained
 
-    model = xpar_zoo.from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                                     mixed_precision=cfg.mixed_precision, progress=cfg.progress and rank == 0)
+    model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
+                            mixed_precision=cfg.mixed_precision,
+                            progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
     if cfg.attn_implementation:
@@ -279,7 +359,7 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     position += rows_per_step(run.world, cfg.micro_batch, cfg.grad_accum)
     record = {"loss": loss / run.world, "grad_norm": float(grad_norm), "lr": lr, "tokens": int(tokens),
-              "targets": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+              "targets": int(targets), "target_tokens": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
               "peak_mem_bytes": int(peak.item()), "data_position": position,
               "epoch": (position - 1) // run.corpus.rows_per_epoch}
     if run.aux:
@@ -290,67 +370,164 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
 
 
 def _export(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int) -> None:
-    model.save_pretrained(cfg.export_hf)  # every rank: the hub's own format, rank 0 writes
-    if rank == 0 and tokenizer is not None:
-        tokenizer.save_pretrained(cfg.export_hf)
-    dist.barrier()
+    """The hub's own format into a staging directory beside ``--export-hf``, moved into place once complete (an
+    existing export, with ``--force``, is replaced only then)."""
+    target = ExportTarget(Path(cfg.export_hf))
+    try:
+        if is_lora(model):  # merged weights, W + s·BA
+            export_merged(model, target.path)
+        else:
+            model.save_pretrained(target.path, progress=cfg.progress and sys.stderr.isatty())  # every rank: rank 0 writes
+        if rank == 0 and tokenizer is not None:
+            tokenizer.save_pretrained(target.path)
+        target.commit()
+    except BaseException:
+        target.discard()
+        raise
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Warnings once, not once per rank: on ranks other than 0, transformers' and PEFT's logging shows errors only
+    and Python warnings are ignored (every rank runs the same code on the same settings, so rank 0's are all)."""
+    if rank == 0:
+        return
+    import logging
+
+    warnings.simplefilter("ignore")
+    for name in ("transformers", "peft", "accelerate", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+
+
+def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
+    """Before the model loads: the mesh's plan names are the model's plans, and its sizes fit the world (on one
+    process, said as such: start ranks, or train without the mesh)."""
+    from ..errors import MeshError
+    from ..parallel.mesh import validate_sizes
+    from ..styles.planned import check_plan_names
+    from ..zoo.registry import get_plan
+
+    sizes = dict(cfg.mesh)
+    replicate = sizes.pop("replicate", 1)
+    check_plan_names([n for n, size in sizes.items() if size > 1], get_plan(model_config.model_type, model_config))
+    try:
+        validate_sizes(world, sizes, replicate)
+    except MeshError as e:
+        if world > 1:
+            raise
+        need = max([replicate, *sizes.values()])
+        raise MeshError(f"--mesh {','.join(f'{k}={v}' for k, v in cfg.mesh.items())} needs several ranks, and this "
+                        f"is one process ({e}): start {need} or more with --nproc-per-node (or torchrun), or pass "
+                        "--mesh none to train on one process") from None
 
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Run the training ``cfg`` describes on every rank of the default process group (initialised from the
     launcher's environment when needed; a plain process runs as world 1). A collective: every rank calls it with
-    the same settings. Returns the trained model and the last step's metrics."""
-    import xpar_zoo
-
-    from ..parallel.mesh import init_single_process
+    the same settings (checked first). Returns the trained model and the last step's metrics. Raises
+    :class:`~xpar_zoo.train.stop.Stopped` after saving when SIGINT or SIGTERM stopped it."""
+    from ..parallel.mesh import Mesh, init_single_process
 
     if not dist.is_initialized() and not init_distributed(cfg.timeout_minutes):
         init_single_process()
     rank, world = dist.get_rank(), dist.get_world_size()
+    quiet_other_ranks(rank)
+    check_same_settings(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     output = Path(cfg.output)
-    ckpt = run_everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
+    ckpt, changes = run_everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
+    cfg = dataclasses.replace(cfg, model=run_everywhere(lambda: resolve_model(cfg.model, output), rank0_only=True))
     model_config = run_everywhere(lambda: _model_config(cfg.model))
-    corpus, tokenizer = run_everywhere(lambda: _load_corpus(cfg, model_config.vocab_size))
+    run_everywhere(lambda: check_mesh(cfg, model_config, world), rank0_only=True)
+    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size))
+    cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
+    check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
+    evaluator = None
+    if cfg.eval_data:
+        eval_corpus = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size, cfg.eval_data)[0])
     if ckpt is not None:
         run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
     sizes = dict(cfg.mesh)
-    mesh = xpar_zoo.Mesh(replicate=sizes.pop("replicate", 1), **sizes)
+    mesh = Mesh(replicate=sizes.pop("replicate", 1), **sizes)
 
-    model = _load_model(cfg, mesh, rank)
-    attn = model.config._attn_implementation
+    peft = from_pretrained_kwargs(cfg, model_config)
+    if peft:
+        torch.manual_seed(cfg.seed)  # a new adapter is drawn from --seed (rank 0's RNG)
+    model = _load_model(cfg, mesh, rank, **peft)
+    attn = attn_implementation(model.config)
     load = ExpertLoad(model, device)
     biases = correction_biases(model, load) if cfg.expert_bias_update_rate else []
     if cfg.expert_bias_update_rate and not biases:
         raise TrainConfigError(f"--expert-bias-update-rate {cfg.expert_bias_update_rate}: {type(model).__name__} "
                                "has no router with an e_score_correction_bias (DeepSeek-V3 / GLM-4-MoE style)")
     optimizer = build_optimizer(model, cfg)
-    run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg), corpus, load, biases, router_aux(model, cfg),
-               attn.startswith("flash_attention"), device, world, rank)
-    step, position = _resume(ckpt, model, optimizer, run.scheduler) if ckpt is not None else (0, 0)
+    step, position = _resume(ckpt, model, optimizer, cfg) if ckpt is not None else (0, 0)
+    run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg, step), corpus, load, biases,
+               router_aux(model, cfg), attn.startswith("flash_attention"), device, world, rank)
     last_step = cfg.stop_after or cfg.steps
+    sinks = sft_config.reporters(cfg)
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
-                     progress=cfg.progress, tensorboard=cfg.tensorboard)
+                     tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
+                     lines=not cfg.progress)  # with --progress the Reporter's line per step says it
+    report = Reporter(cfg, output, active=rank == 0, start_step=step, total_steps=cfg.steps, wandb="wandb" in sinks)
+    if cfg.eval_data:
+        evaluator = Evaluator(eval_corpus, world=world, rank=rank, micro_batch=cfg.micro_batch,
+                              max_batches=cfg.eval_batches, flatten=run.flatten, device=device,
+                              pad_id=pad_token_id(tokenizer))
+        best = run_everywhere(lambda: best_eval_loss(output, step), rank0_only=True)
     log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
                 f"ranks x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
                 f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
                 + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
+    for line in changes:
+        log.message(f"changed on resume: {line}")
+    for data in (corpus, eval_corpus if cfg.eval_data else None):
+        if getattr(data, "summary", ""):
+            log.message(data.summary)
     if attn not in DOCUMENT_MASKING and not run.flatten:
         log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
                     f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
     record = None
     try:
-        while step < last_step:
-            record = {"step": step + 1, **optimizer_step(run, position)}
-            step, position = record["step"], record["data_position"]
-            log.write(record)
-            if step == last_step or (cfg.save_every and step % cfg.save_every == 0):
-                path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus)  # every rank
-                log.message(f"step {step}: saved {path}")
+        with StopOnSignal(announce=log.message) as stop:
+            while step < last_step:
+                record = {"step": step + 1, **optimizer_step(run, position)}
+                step, position = record["step"], record["data_position"]
+                if evaluator is not None and (step == last_step or (cfg.eval_every and step % cfg.eval_every == 0)):
+                    record.update(evaluator(model))
+                    load.take()  # the evaluation's tokens are no step's expert load
+                log.write(record)
+                report.write(record)
+                if (line := report.line(record)) is not None:
+                    log.message(line)
+                signum = stop.agreed(device)
+                if cfg.save_best and "eval_loss" in record and record["eval_loss"] < best:
+                    best = record["eval_loss"]
+                    path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus, root=output / BEST,
+                                 keep_last=1)
+                    log.message(f"step {step}: eval_loss {best:.4f}, the lowest so far: saved {path}")
+                if step == last_step or signum or (cfg.save_every and step % cfg.save_every == 0):
+                    path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus)  # every rank
+                    log.message(f"step {step}: saved {path}")
+                if signum:
+                    name = signal.Signals(signum).name
+                    log.message(f"{name}: saved step-{step}; rerun with --resume to continue")
+                    raise Stopped(signum, f"stopped by {name} after step {step}")
         if cfg.export_hf and step == cfg.steps:
             _export(cfg, model, tokenizer, rank)
-            log.message(f"exported the model in the hub's format to {cfg.export_hf}")
+            log.message(f"exported the {'merged ' if is_lora(model) else ''}model in the hub's format to "
+                        f"{cfg.export_hf}")
+        if cfg.export_adapter and step == cfg.steps:
+            export_adapter(model, cfg.export_adapter, tokenizer, rank)
+            log.message(f"exported the LoRA adapter (PEFT's files) to {cfg.export_adapter}")
     finally:
         load.remove()
         log.close()
+        report.close()
     return TrainResult(model=model, step=step, last=record, output=output)

@@ -14,6 +14,7 @@ from types import MappingProxyType
 
 from torch import nn
 
+from ..compat import no_split_modules
 from ..errors import PlanError
 
 # How a module computes with the dim-0 slice of its planned tensors.
@@ -92,7 +93,7 @@ class Plan:
 
     def unit_classes(self, model: nn.Module) -> tuple[str, ...]:
         """Class names of the modules that become FSDP units (decoder layers)."""
-        return self.fsdp_units or tuple(getattr(model, "_no_split_modules", None) or ())
+        return self.fsdp_units or no_split_modules(model)
 
 
 @lru_cache(maxsize=256)

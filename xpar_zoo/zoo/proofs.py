@@ -1,6 +1,6 @@
 """What the zoo's parity tests prove: the meshes each architecture is trained on (4 ranks), the tiny configs of the
 types proved through the automatic plan, and which transformers MoE families exist at all. One source of truth for
-tests/test_zoo*.py and MODEL_CARDS.md.
+tests/distributed/test_zoo*.py and MODEL_CARDS.md.
 
 An automatic-plan type is proved on FSDP, ``ep=2`` and ``ep=2, emb=2, head=2``; a plan that ``parallelize`` refuses
 for the type (its :attr:`Proof.without`, e.g. ``head`` for a model that softcaps its logits) is left out of the
@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from ..compat import from_config
+from .registry import curated_plans, model_class, supported_architectures
 
 # Special token ids of the tiny multimodal configs (inside their 128-token vocab; the text tokens stay below them).
 IMAGE_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
@@ -291,9 +297,7 @@ AUTO_PROVED: dict[str, Proof] = {
 def tiny_overrides(model_type: str) -> dict:
     """The tiny-config overrides of ``model_type``: its curated plan's ``tiny``, else its :data:`AUTO_PROVED` entry
     (a deep copy: the caller may change it), else none."""
-    from .registry import _curated
-
-    curated = _curated().get(model_type)
+    curated = curated_plans().get(model_type)
     tiny = curated.tiny if curated is not None else AUTO_PROVED[model_type].tiny if model_type in AUTO_PROVED else {}
     return copy.deepcopy(dict(tiny))
 
@@ -303,10 +307,8 @@ def _mesh_name(kwargs: dict) -> str:
 
 
 def proof_meshes(model_type: str) -> dict[str, dict]:
-    """``{mesh name: Mesh kwargs}`` that tests/test_zoo.py proves for ``model_type``."""
-    from .registry import _curated
-
-    plan = _curated().get(model_type)
+    """``{mesh name: Mesh kwargs}`` that tests/distributed/test_zoo.py proves for ``model_type``."""
+    plan = curated_plans().get(model_type)
     if plan is not None:
         return MOE_MESHES if "ep" in plan.extra else DENSE_MESHES
     without = AUTO_PROVED[model_type].without
@@ -317,15 +319,13 @@ def proof_meshes(model_type: str) -> dict[str, dict]:
 def long_context_meshes(model_type: str) -> dict[str, dict]:
     """``{mesh name: Mesh kwargs}`` of the long-context proof of ``model_type`` (unless ``parallelize`` refuses sp
     and cp for it: then the proof is the refusal)."""
-    from .registry import _curated
-
-    plan = _curated().get(model_type)
+    plan = curated_plans().get(model_type)
     return LONG_CONTEXT_MESHES if plan is None or "ep" in plan.extra else LONG_CONTEXT_DENSE_MESHES
 
 
-# The meshes above leave every planned slice divisible by its FSDP ranks (8 experts, 128 vocab rows), so FSDP2 shards
-# it on dim 0. Each type is also proved with FSDP2 on dim 1 (tests/test_zoo_placement.py): its tiny config with 6
-# experts and 130 vocab rows (slices of 3 experts and 65 rows over 2 FSDP ranks) on its plans of size 2.
+# The meshes above leave every planned slice divisible by its FSDP ranks (8 experts, 128 vocab rows), so FSDP2 shards it
+# on dim 0. Each type is also proved with FSDP2 on dim 1 (tests/distributed/test_zoo_placement.py): its tiny config with
+# 6 experts and 130 vocab rows (slices of 3 experts and 65 rows over 2 FSDP ranks) on its plans of size 2.
 DIM1_VOCAB = 130
 # Other sizes that must follow the vocab: gemma4's per-layer embedding is indexed by the same ids, inkling2's head
 # has unpadded_vocab_size rows.
@@ -360,8 +360,6 @@ def dim1_proof(model_type: str) -> tuple[dict, dict]:
 
 def proved_architectures() -> list[str]:
     """Every ``model_type`` with a parity proof: the curated plans, then the automatic ones, each sorted."""
-    from .registry import supported_architectures
-
     return supported_architectures() + sorted(AUTO_PROVED)
 
 
@@ -397,3 +395,31 @@ def family_of(model_type: str) -> str:
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     return model_type_to_module_name(model_type)
+
+
+# ---- the tiny proof models -----------------------------------------------------------------------------
+def tiny_config(model_type: str = "qwen3_moe", **overrides):
+    """A tiny transformers config of ``model_type``: shared small dims plus the type's tiny overrides (its curated
+    plan's ``tiny``, else its entry in :data:`AUTO_PROVED`) (≥ 2 layers; 8 experts, top-2
+    for MoE types). A composite config (vision/audio + text) gets the small dims in its ``text_config``; its other
+    sub-configs come from the overrides as dicts."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+                rms_norm_eps=1e-6)
+    tiny = {**tiny_overrides(model_type), **overrides}
+    if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {}):
+        text = {**base, **tiny.pop("text_config", {})}
+        return AutoConfig.for_model(model_type, text_config=text, **tiny)
+    return AutoConfig.for_model(model_type, **{**base, **tiny})
+
+
+def build_model(config, seed: int = 0, experts_implementation: str | None = None) -> nn.Module:
+    """The transformers language model for ``config`` (:func:`~xpar_zoo.zoo.registry.model_class`: causal LM, or the
+    config's own multimodal class) with weights drawn from ``seed`` (identical on every rank)."""
+    torch.manual_seed(seed)
+    kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    model = from_config(model_class(config), config, dtype=torch.float32, **kwargs)
+    return model.train()

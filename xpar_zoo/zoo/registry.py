@@ -15,6 +15,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from ..compat import from_config
 from ..errors import RefusedArchitectureError, UnknownArchitectureError
 from .plan import ExtraPlan, Plan, embedding, lm_head
 
@@ -25,7 +26,8 @@ _LM_MAPPINGS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TE
 
 
 @lru_cache(maxsize=1)
-def _curated() -> dict[str, Plan]:
+def curated_plans() -> dict[str, Plan]:
+    """``{model_type: PLAN}`` of every plan file in ``plans/`` (cached; treat as read-only)."""
     from .. import plans
 
     found: dict[str, Plan] = {}
@@ -67,6 +69,13 @@ def model_class(config) -> type[nn.Module]:
         "image-text-to-text or multimodal-LM class)")
 
 
+def build_meta(config, dtype: torch.dtype) -> nn.Module:
+    """The transformers language model for ``config`` (:func:`model_class`: the causal LM, or
+    the config's own multimodal class) with every parameter and buffer on the meta device."""
+    with torch.device("meta"):
+        return from_config(model_class(config), config, dtype=dtype)
+
+
 def derive_plan(model: nn.Module) -> Plan | None:
     """The automatic plan of a transformers model, from transformers' own declarations on the instance: its resolved
     ``ep_plan`` (``grouped_gemm`` entries are the fused expert tensors, split on dim 0 by ``ep``; a multimodal
@@ -94,11 +103,11 @@ def _static_plan(model_type: str) -> Plan | None:
     """The automatic plan of a text-only causal LM from its classes alone (the config class's
     ``base_model_ep_plan`` under the causal LM's ``base_model_prefix``): for types whose default config transformers
     cannot build."""
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    model_cls = AutoModelForCausalLM._model_mapping.get(config_class, None)
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(config_class, None)
     tensors = [k for k, v in (getattr(config_class, "base_model_ep_plan", None) or {}).items() if v == "grouped_gemm"]
     if model_cls is None or not tensors or getattr(config_class, "sub_configs", {}):
         return None
@@ -117,7 +126,7 @@ def _default_plan(model_type: str) -> Plan | None:
     try:
         config = AutoConfig.for_model(model_type)
         with torch.device("meta"):
-            model = model_class(config)._from_config(config)
+            model = from_config(model_class(config), config)
     except Exception:  # transformers cannot build this type's default config (e.g. a field left None)
         return _static_plan(model_type)
     return derive_plan(model)
@@ -126,13 +135,13 @@ def _default_plan(model_type: str) -> Plan | None:
 def supported_architectures() -> list[str]:
     """The ``model_type`` names that have a curated plan, sorted (MoE types without one get an automatic plan from
     :func:`get_plan`; MODEL_CARDS.md lists those proved)."""
-    return sorted(_curated())
+    return sorted(curated_plans())
 
 
 def _unknown(model_type: str) -> UnknownArchitectureError:
     return UnknownArchitectureError(
         f"no xpar_zoo plan for model_type {model_type!r} (no curated plan, and transformers declares no fused "
-        f"experts for it); curated: {', '.join(sorted(_curated()))}"
+        f"experts for it); curated: {', '.join(sorted(curated_plans()))}"
     )
 
 
@@ -148,7 +157,7 @@ def get_plan(model_type: str, config=None) -> Plan:
     instance of ``config``, default: transformers' default config of the type). Raises
     :class:`RefusedArchitectureError` with the reason for a refused type, :class:`UnknownArchitectureError` listing
     the curated types when there is no plan."""
-    plans = _curated()
+    plans = curated_plans()
     if model_type in plans:
         return plans[model_type]
     check_supported(model_type)
@@ -160,7 +169,7 @@ def get_plan(model_type: str, config=None) -> Plan:
         plan = _default_plan(model_type)
     else:
         with torch.device("meta"):
-            plan = derive_plan(model_class(config)._from_config(config))
+            plan = derive_plan(from_config(model_class(config), config))
     if plan is None:
         raise _unknown(model_type)
     return plan
@@ -171,7 +180,7 @@ def plan_for(model: nn.Module) -> Plan:
     automatic plan (:func:`derive_plan` on the model itself); refused and unknown types raise as in
     :func:`get_plan`."""
     model_type = model.config.model_type
-    plans = _curated()
+    plans = curated_plans()
     if model_type in plans:
         return plans[model_type]
     check_supported(model_type)

@@ -1,0 +1,147 @@
+"""Every private upstream name that :mod:`xpar_zoo.compat` relies on still exists under the pinned torch,
+transformers, safetensors and peft, each checked by its own test id: a version bump that moves one fails here, by
+name. And no module of the package but compat reaches a private upstream name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from xpar_zoo import compat
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _source_mentions(module: str, name: str) -> bool:
+    return name in inspect.getsource(importlib.import_module(module))
+
+
+def _fsdp_param_group_state() -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
+
+    return (hasattr(FSDPModule, "_get_fsdp_state") and "_fsdp_param_group" in inspect.getsource(_fsdp_state.FSDPState)
+            and "fsdp_params" in inspect.getsource(_fsdp_param_group.FSDPParamGroup)
+            and {"sharded_param", "_unsharded_param"} <= set(re.findall(r"\w+", inspect.getsource(_fsdp_param.FSDPParam))))
+
+
+def _tiny_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("qwen3_moe")
+
+
+CHECKS = {
+    # torch
+    "torch._StridedShard": lambda: isinstance(compat.StridedShard, type) and compat.StridedShard.__name__ == "_StridedShard",
+    "torch._get_shard_size_and_offsets": lambda: callable(compat.shard_size_and_offsets),
+    "torch.distributed.tensor._redistribute logger": lambda: importlib.import_module(
+        compat.DTENSOR_REDISTRIBUTE_LOGGER).__name__ == compat.redistribute_logger().name,
+    "torch c10d _get_default_store": lambda: callable(torch.distributed.distributed_c10d._get_default_store),
+    "torch._assert_async": lambda: compat.assert_async(torch.tensor(True), "holds") is None,
+    "torch nn.Module._parameters": lambda: "weight" in compat.parameter_slots(torch.nn.Linear(2, 2)),
+    "torch FSDP2 param group state": _fsdp_param_group_state,
+    "torch FSDP2 AllGather / ReduceScatter / DefaultAllocMixin": lambda: [c.__name__ for c in compat.fsdp_collective_bases()]
+    == ["AllGather", "ReduceScatter", "DefaultAllocMixin"],
+    "torch c10d _create_work_from_future": lambda: callable(compat.create_work_from_future()),
+    "torch FileSystemReader._get_metadata_path": lambda: callable(
+        importlib.import_module("torch.distributed.checkpoint").FileSystemReader._get_metadata_path),
+    # transformers
+    "transformers _default_apply_gate": lambda: callable(compat.DEFAULT_APPLY_GATE) and compat.applies_default_gate(object),
+    "transformers PreTrainedModel._can_set_experts_implementation": lambda: callable(
+        importlib.import_module("transformers").PreTrainedModel._can_set_experts_implementation),
+    "transformers config._experts_implementation": lambda: hasattr(_tiny_config(), "_experts_implementation"),
+    "transformers config._attn_implementation": lambda: hasattr(_tiny_config(), "_attn_implementation"),
+    "transformers PreTrainedModel._from_config": lambda: callable(
+        importlib.import_module("transformers").PreTrainedModel._from_config),
+    "transformers PreTrainedModel._init_weights": lambda: callable(
+        importlib.import_module("transformers").PreTrainedModel._init_weights),
+    "transformers _is_hf_initialized": lambda: _source_mentions("transformers.modeling_utils", "_is_hf_initialized"),
+    "transformers _no_split_modules / _tied_weights_keys": lambda: all(
+        hasattr(importlib.import_module("transformers").PreTrainedModel, n)
+        for n in ("_no_split_modules", "_tied_weights_keys")),
+    "transformers _keys_to_ignore_on_load_missing / _unexpected": lambda: all(
+        hasattr(importlib.import_module("transformers").PreTrainedModel, f"_keys_to_ignore_on_load_{k}")
+        for k in ("missing", "unexpected")),
+    "transformers _is_fsdp_managed_module": lambda: _source_mentions("transformers.distributed.fsdp",
+                                                                     "_is_fsdp_managed_module"),
+    "accelerate _is_accelerate_prepared": lambda: _source_mentions("accelerate.accelerator", "_is_accelerate_prepared"),
+    # safetensors
+    "safetensors.torch._TYPES": lambda: compat.SAFETENSORS_TYPES["BF16"] is torch.bfloat16,
+    # peft
+    "peft _did_swap_in_out_features": lambda: _source_mentions("peft.tuners.lora.layer", "_did_swap_in_out_features"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_private_upstream_name_still_exists(name):
+    assert CHECKS[name](), f"{name} moved or changed in this version: update xpar_zoo/compat.py"
+
+
+@pytest.mark.parametrize("method", sorted(compat.TRAINER_PRIVATE_OVERRIDES))
+def test_the_trainer_still_has_the_private_method_xpar_trainer_overrides(method):
+    from transformers import Trainer
+
+    assert callable(getattr(Trainer, method, None)), f"transformers.Trainer.{method} is gone: update XparTrainer"
+
+
+def test_xpar_trainer_overrides_exactly_the_listed_private_methods():
+    from xpar_zoo.integrations.trainer import XparTrainerMixin
+
+    overridden = {n for n in vars(XparTrainerMixin) if n.startswith("_") and not n.startswith("__")
+                  and not n.startswith("_xpar") and hasattr(importlib.import_module("transformers").Trainer, n)}
+    assert overridden == set(compat.TRAINER_PRIVATE_OVERRIDES)
+
+
+_UPSTREAM = ("torch", "transformers", "safetensors", "huggingface_hub", "peft", "accelerate")
+_PRIVATE_ATTRS = {
+    "_apply_gate", "_assert_async", "_attn_implementation", "_can_set_experts_implementation",
+    "_create_work_from_future", "_did_swap_in_out_features", "_experts_implementation", "_from_config",
+    "_fsdp_param_group", "_get_default_group", "_get_default_store", "_get_fsdp_state", "_get_metadata_path",
+    "_init_weights", "_is_accelerate_prepared", "_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected", "_is_fsdp_managed_module", "_is_hf_initialized", "_model_mapping",
+    "_no_split_modules", "_parameters", "_tied_weights_keys", "_unsharded_param",
+}
+
+
+def _private_uses(path: Path) -> list[str]:
+    """Private upstream imports (``from torch.x._y import``, ``import ... _name``) and the known private attributes
+    (as ``obj._name`` or a ``getattr`` string) in one file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            top = node.module.split(".")[0]
+            if top in _UPSTREAM and (any(p.startswith("_") for p in node.module.split("."))
+                                     or any(a.name.startswith("_") for a in node.names)):
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Attribute) and node.attr in _PRIVATE_ATTRS:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in _PRIVATE_ATTRS:
+            found.append(f"line {node.lineno}: {node.value!r}")
+    return found
+
+
+def test_only_compat_reaches_private_upstream_names():
+    offenders = {}
+    for folder in ("xpar_zoo", "plans", "converters"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == ROOT / "xpar_zoo" / "compat.py":
+                continue
+            if uses := _private_uses(path):
+                offenders[str(path.relative_to(ROOT))] = uses
+    assert not offenders, "private upstream names outside xpar_zoo/compat.py: " + repr(offenders)
+
+
+def test_the_private_name_scan_finds_what_it_looks_for(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather\n"
+                      "from safetensors.torch import _TYPES\n"
+                      "def f(m):\n    return m._get_fsdp_state(), getattr(m, '_unsharded_param', None)\n")
+    assert _private_uses(sample) == ["line 1: from torch.distributed.fsdp._fully_shard._fsdp_api import ...",
+                                     "line 2: from safetensors.torch import ...", "line 4: ._get_fsdp_state",
+                                     "line 4: '_unsharded_param'"]

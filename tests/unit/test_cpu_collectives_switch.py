@@ -1,0 +1,54 @@
+"""The CPU-only in-place gloo collectives stay off the common path: ``import xpar_zoo`` does not import them, and
+``parallelize``'s switch (``cpu_collectives``, or ``XPAR_ZOO_GLOO_IN_PLACE=0``) is read and checked before any work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from xpar_zoo.errors import PlanError
+from xpar_zoo.parallelize import GLOO_IN_PLACE_ENV, resolve_cpu_collectives
+
+
+def test_importing_the_package_does_not_import_the_gloo_collectives():
+    code = ("import sys, xpar_zoo, xpar_zoo.commands.cli, xpar_zoo.train, xpar_zoo.integrations.trainer\n"
+            "print(sorted(m for m in sys.modules if m.startswith('xpar_zoo.parallel.gloo')))")
+    env = {k: v for k, v in os.environ.items() if k != GLOO_IN_PLACE_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_in_place_is_the_default_and_the_environment_turns_it_off(monkeypatch):
+    monkeypatch.delenv(GLOO_IN_PLACE_ENV, raising=False)
+    assert resolve_cpu_collectives(None) == "in_place"
+    for off in ("0", "false", "No", " off "):
+        monkeypatch.setenv(GLOO_IN_PLACE_ENV, off)
+        assert resolve_cpu_collectives(None) == "gloo"
+    monkeypatch.setenv(GLOO_IN_PLACE_ENV, "1")
+    assert resolve_cpu_collectives(None) == "in_place"
+
+
+def test_the_keyword_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv(GLOO_IN_PLACE_ENV, "0")
+    assert resolve_cpu_collectives("in_place") == "in_place"
+    monkeypatch.setenv(GLOO_IN_PLACE_ENV, "1")
+    assert resolve_cpu_collectives("gloo") == "gloo"
+
+
+def test_an_unknown_choice_is_refused_by_name():
+    with pytest.raises(PlanError, match=r"cpu_collectives must be one of \['in_place', 'gloo'\], got 'nccl'"):
+        resolve_cpu_collectives("nccl")
+
+
+def test_only_the_kernels_package_reads_the_triton_interpreter_switch():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "xpar_zoo"
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if any(isinstance(n, ast.Constant) and n.value == "TRITON_INTERPRET"
+                            for n in ast.walk(ast.parse(p.read_text()))))
+    assert readers and all(r.startswith("kernels/") for r in readers), readers

@@ -1,0 +1,96 @@
+"""FSDP2's placement of planned tensors, computed on meta models: dim 0 where the planned slice divides by the FSDP
+ranks, else dim 1 (which must divide only where it is used); one module may hold tensors on both dims."""
+
+import pytest
+import torch
+from torch import nn
+
+import xpar_zoo
+from xpar_zoo import ExtraPlan, get_plan
+from xpar_zoo.commands import sizing
+
+from xpar_zoo.parallel.fsdp_layout import fsdp_layout, planned_shard_dim
+from xpar_zoo.styles.planned import match_plan
+from xpar_zoo.testing import parity
+
+WORLD = 4
+DIM1 = dict(num_experts=6, vocab_size=126)  # slices of 3 experts / 63 rows: odd over 2 FSDP ranks
+EXPERTS = "model.layers.0.mlp.experts"
+EMB, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+O_PROJ = "model.layers.0.self_attn.o_proj"
+RANK = 6  # the low-rank update's rank: its ``down`` [6, in] splits into 3 rows per rank of a plan of size 2
+
+
+class LowRankLinear(nn.Module):
+    """A linear layer plus a rank-``RANK`` update (as LoRA adds one): under a plan of size 2 on 4 ranks, ``weight``
+    [32, 32] and ``up`` [32, 6] keep 16 rows per rank (dim 0 over 2 FSDP ranks) and ``down`` [6, 32] 3 (dim 1): one
+    FSDP unit whose tensors are sharded on different dims."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.down = nn.Parameter(0.1 * torch.randn(RANK, linear.in_features))
+        self.up = nn.Parameter(0.1 * torch.randn(linear.out_features, RANK))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight) + nn.functional.linear(nn.functional.linear(x, self.down), self.up)
+
+
+def with_low_rank(model: nn.Module) -> nn.Module:
+    """Every decoder layer's ``o_proj`` as a :class:`LowRankLinear` (the same on every rank: seeded)."""
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = LowRankLinear(layer.self_attn.o_proj)
+    return model
+
+
+LOW_RANK_PLAN = get_plan("qwen3_moe").with_extra("lowrank", ExtraPlan(
+    params=tuple(f"model.layers.*.self_attn.o_proj.{p}" for p in ("weight", "down", "up")), style="gathered"))
+
+
+def _layout(cfg, sizes: dict, shard_size: int, plan=None, model=None) -> dict:
+    model = model if model is not None else sizing.meta_model(cfg)
+    plan = plan or get_plan(cfg.model_type)
+    units = fsdp_layout(model, plan, match_plan(model, plan, sizes, shard_size), sizes=sizes, shard_size=shard_size)
+    return {u.fqn: u for u in units}
+
+
+# ---- the decision (no process group) -----------------------------------------------------------------------------
+def test_the_rule_is_dim0_where_the_slice_divides():
+    assert [planned_shard_dim(rows, fsdp) for rows, fsdp in [(4, 2), (3, 2), (2, 1), (6, 3), (4, 3), (1, 1)]] == \
+        [0, 1, 0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("overrides,sizes,shard_size,experts_dim,vocab_dim", [
+    ({}, {"ep": 2, "emb": 2, "head": 2}, 4, 0, 0),         # 4 experts, 64 rows over 2 FSDP ranks
+    (DIM1, {"ep": 2, "emb": 2, "head": 2}, 4, 1, 1),       # 3 experts, 63 rows over 2
+    (dict(num_experts=6), {"ep": 2}, 6, 0, None),          # 3 experts over 3 FSDP ranks (world 6)
+    (dict(num_experts=8), {"ep": 2}, 8, 0, None),          # 4 over 4
+    (dict(num_experts=12), {"ep": 2}, 8, 1, None),         # 6 over 4
+    ({}, {"ep": 4, "emb": 4}, 4, 0, 0),                    # one FSDP rank: always dim 0
+])
+def test_each_planned_tensor_is_sharded_on_dim0_where_its_slice_divides(overrides, sizes, shard_size, experts_dim,
+                                                                        vocab_dim):
+    units = _layout(parity.tiny_config("qwen3_moe", **overrides), sizes, shard_size)
+    experts = units[EXPERTS]
+    assert experts.kind == "planned" and experts.shard_dims == (experts_dim, experts_dim)
+    if vocab_dim is not None:
+        assert units["model.embed_tokens"].shard_dim(EMB) == vocab_dim
+    assert all(u.shard_dims == () for u in units.values() if u.kind != "planned")  # dense: FSDP2's dim 0
+
+
+def test_one_module_holds_tensors_on_both_dims():
+    cfg = parity.tiny_config("qwen3_moe")
+    model = with_low_rank(sizing.meta_model(cfg))
+    unit = _layout(cfg, {"lowrank": 2}, WORLD, LOW_RANK_PLAN, model)[O_PROJ]
+    assert {p.rpartition(".")[2]: unit.shard_dim(p) for p in unit.params} == {"weight": 0, "down": 1, "up": 0}
+
+
+def test_dim1_must_divide_only_where_it_is_used():
+    """World 6, ep=2: 3 FSDP ranks. 12 experts (6 per slice) go on dim 0, so their dim 1 (2I = 32) need not divide
+    by 3; 8 experts (4 per slice) go on dim 1, which must."""
+    match_plan(sizing.meta_model(parity.tiny_config("qwen3_moe", num_experts=12)), get_plan("qwen3_moe"),
+               {"ep": 2}, 6)
+    with pytest.raises(xpar_zoo.PlanError, match=r"has 32 on dim 1 .* not divisible by ep_fsdp=3 .* 4 rows"):
+        match_plan(sizing.meta_model(parity.tiny_config("qwen3_moe", num_experts=8)), get_plan("qwen3_moe"),
+                   {"ep": 2}, 6)

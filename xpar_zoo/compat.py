@@ -1,0 +1,194 @@
+"""Every private name of torch, transformers, safetensors, huggingface_hub and peft that xpar_zoo uses, in one place,
+each with the reason no public API serves. ``tests/unit/test_compat.py`` touches every one, so a pinned version that
+moves or renames one fails there, by name, instead of somewhere deep in a training run.
+
+The rest of the package reaches these names only through this module. Names needed only on one path (the CPU's
+in-place gloo collectives) are imported when that path asks for them, so that ``import xpar_zoo`` does not depend
+on them.
+
+Where we change an upstream object without a public extension point, it is said here, not hidden at the call site:
+
+- ``parallelize`` sets ``model.save_pretrained`` on the instance (:func:`xpar_zoo.hub.save_pretrained
+  .install_save_pretrained`, and a ``PeftModel``'s in :func:`xpar_zoo.integrations.peft_files.finish`):
+  transformers' ``save_pretrained`` cannot write sharded DTensors and offers no hook to gather and write them.
+- ``parallelize`` sets two flags that transformers and accelerate read (:func:`mark_fsdp_managed`): no public switch
+  says "this model is sharded by FSDP2 already".
+- ``XparTrainer`` overrides private ``Trainer`` methods (:data:`TRAINER_PRIVATE_OVERRIDES`): transformers' public
+  overrides (``compute_loss``, ``create_optimizer``, callbacks) cannot change how the model is moved to a device,
+  clipped, saved or resumed.
+- huggingface_hub: no private name is used.
+- The vocab styles read transformers' forward *source* (:mod:`xpar_zoo.zoo.forward_source`, ``check_head``): no
+  public API says whether a forward reads the embedding weight directly or changes the logits after the head.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import _TYPES as _SAFETENSORS_TYPES  # the dtype table of safetensors' own torch reader
+from torch import nn
+from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+from torch.distributed.tensor.placement_types import _StridedShard
+from transformers.integrations.moe import _default_apply_gate
+
+# ---- torch ---------------------------------------------------------------------------------------------------
+
+# FSDP2's dim-0 shard of a tensor already split on dim 0 by a plan is this placement; there is no public type.
+StridedShard = _StridedShard
+
+# torch's own per-placement local size and global indices (``_StridedShard`` included); the public
+# ``compute_local_shape_and_global_offset`` keeps only each dim's first offset.
+shard_size_and_offsets = _get_shard_size_and_offsets
+
+# The logger of DTensor's redistribution warnings (filtered for exact all-gathers): a private module's name.
+DTENSOR_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
+def redistribute_logger() -> logging.Logger:
+    return logging.getLogger(DTENSOR_REDISTRIBUTE_LOGGER)
+
+
+def default_store() -> dist.Store:
+    """The default process group's store: the checkpoint rendezvous meets there (torch has no public getter)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """A check on the device without a host sync (``torch._assert_async``; no public equivalent)."""
+    torch._assert_async(condition, message)
+
+
+def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | torch.Tensor | None]:
+    """``module._parameters``: the gathered style swaps a plain tensor in for the forward and the parameter back
+    after it, which ``setattr`` (it accepts only parameters there) and ``register_parameter`` refuse."""
+    return module._parameters
+
+
+def fsdp_managed_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters the FSDP2 unit ``module`` manages, sharded and (while gathered) unsharded: FSDP2's param group
+    is private state and ``FSDPModule`` has no public accessor for it."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    out = []
+    for fsdp_param in group.fsdp_params if group is not None else ():
+        out.append(fsdp_param.sharded_param)
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)  # set only while the unit is gathered
+        if unsharded is not None:
+            out.append(unsharded)
+    return out
+
+
+def fsdp_collective_bases() -> tuple[type, type, type]:
+    """``(AllGather, ReduceScatter, DefaultAllocMixin)``: ``FSDPModule.set_custom_all_gather`` /
+    ``set_custom_reduce_scatter`` are public, the base classes they take and the default buffer allocation live in
+    private modules. Imported on demand: only the CPU's in-place gloo collectives use them."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
+
+    return AllGather, ReduceScatter, DefaultAllocMixin
+
+
+def create_work_from_future():
+    """c10d's ``_create_work_from_future`` (one ``Work`` over several futures), or ``None`` where this torch lacks
+    it: FSDP2 waits on one work per collective, and torch makes no public ``Work`` from futures."""
+    return getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
+
+
+def dcp_metadata_path(reader, rank: int | None) -> str:
+    """The path of a DCP checkpoint's metadata file, as ``FileSystemReader`` computes it (our reader reads it
+    without unpickling code, and the name is only known through the reader's private method)."""
+    return reader._get_metadata_path(rank)
+
+
+# ---- transformers ----------------------------------------------------------------------------------------------
+
+# transformers' default gate of fused experts: a model whose experts class overrides ``_apply_gate`` is not SwiGLU.
+DEFAULT_APPLY_GATE = _default_apply_gate
+
+
+def applies_default_gate(experts_class: type) -> bool:
+    return getattr(experts_class, "_apply_gate", _default_apply_gate) is _default_apply_gate
+
+
+def apply_gate(experts: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The experts module's own gate (``_apply_gate``, what transformers' experts forward calls; not public)."""
+    return experts._apply_gate(h)
+
+
+def can_set_experts_implementation(model: nn.Module) -> bool:
+    """Whether the model's class takes ``set_experts_implementation`` and its config names one (transformers asks
+    the same through a private class method and config attribute)."""
+    return type(model)._can_set_experts_implementation() and bool(
+        getattr(model.config, "_experts_implementation", None))
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a config resolved (``config._attn_implementation``, ``None`` where it has none;
+    no public getter)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def from_config(model_class: type, config, **kwargs) -> nn.Module:
+    """``model_class._from_config``: builds the model from ``config`` with the dtype and implementations resolved as
+    ``from_pretrained`` does; the public ``from_config`` is on the auto classes only, and we choose the class."""
+    return model_class._from_config(config, **kwargs)
+
+
+def init_module_weights(owner: nn.Module, module: nn.Module) -> None:
+    """Run the model ``owner``'s own ``_init_weights`` on ``module`` alone, its parameters marked initialised (the
+    flag transformers' ``from_pretrained`` uses) so that only its buffers are computed: transformers has no public
+    per-module init."""
+    for p in module.parameters(recurse=False):
+        p._is_hf_initialized = True
+    owner._init_weights(module)
+
+
+def tied_weights_keys(model: nn.Module) -> dict:
+    """The model's tied weights (``all_tied_weights_keys``, else the class's ``_tied_weights_keys``)."""
+    return getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+
+
+def no_split_modules(model: nn.Module) -> tuple[str, ...]:
+    """The model's decoder-layer classes (``_no_split_modules``): transformers names its FSDP units nowhere else."""
+    return tuple(getattr(model, "_no_split_modules", None) or ())
+
+
+def keys_to_ignore_on_load(model: nn.Module, kind: str) -> tuple[str, ...]:
+    """The model's regexes of checkpoint keys to ignore when they are ``"missing"`` or ``"unexpected"``
+    (``_keys_to_ignore_on_load_missing`` / ``_unexpected``), as transformers' loader honours them; no public getter."""
+    return tuple(getattr(model, f"_keys_to_ignore_on_load_{kind}", None) or ())
+
+
+def mark_fsdp_managed(model: nn.Module) -> None:
+    """No public extension point: transformers' ``generate`` keeps the ranks in step (``synced_gpus``) only for a
+    module flagged ``_is_fsdp_managed_module``, and accelerate's ``prepare`` hands back a model flagged
+    ``_is_accelerate_prepared`` as is (no DDP wrapper over FSDP2)."""
+    model._is_fsdp_managed_module = True
+    model._is_accelerate_prepared = True
+
+
+# Private ``Trainer`` methods that ``XparTrainer`` overrides, each with its reason (no public override serves).
+TRAINER_PRIVATE_OVERRIDES = {
+    "_move_model_to_device": "the model is already placed by parallelize (its shards on the mesh's device)",
+    "_clip_grad_norm": "clipping goes through xpar_zoo.clip_grad_norm_ (every mesh, one norm)",
+    "_get_grad_norm": "the norm clip_grad_norm_ returned, not accelerate's",
+    "_save": "save_pretrained of a parallelized model (a collective on every rank)",
+    "_save_optimizer_and_scheduler": "the optimizer goes into an xpar_zoo checkpoint (DCP at global shapes)",
+    "_load_from_checkpoint": "resume from an xpar_zoo checkpoint",
+    "_load_optimizer_and_scheduler": "resume from an xpar_zoo checkpoint",
+    "_load_best_model": "the best model is an xpar_zoo checkpoint",
+}
+
+# ---- safetensors -----------------------------------------------------------------------------------------------
+
+# safetensors' dtype names → torch dtypes, as its own torch reader maps them (no public table).
+SAFETENSORS_TYPES: dict[str, torch.dtype] = dict(_SAFETENSORS_TYPES)
+
+# ---- peft ------------------------------------------------------------------------------------------------------
+
+
+def lora_swapped_in_out(layer: nn.Module) -> bool:
+    """Whether PEFT's LoRA wrapper of a fused experts tensor stores it transposed (``_did_swap_in_out_features``):
+    PEFT records it nowhere public."""
+    return layer._did_swap_in_out_features
