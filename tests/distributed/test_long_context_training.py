@@ -117,7 +117,7 @@ def test_train_command_on_a_sequence_mesh_matches_ep2_on_the_same_global_rows(jo
         assert g["data_position"] == r["data_position"]  # the same global rows: 4 per step
         assert _close(g["loss"], r["loss"], LOSS_RTOL), (name, g["step"], g["loss"], r["loss"])
         assert _close(g["grad_norm"], r["grad_norm"], NORM_RTOL), (name, g["step"], g["grad_norm"], r["grad_norm"])
-    assert ref[-1]["loss"] < ref[0]["loss"] - 1e-3  # the steps train (lr 3e-3): the comparison is not of constants
+    assert len({round(m["loss"], 4) for m in ref}) == STEPS  # steps on other rows: not a comparison of constants
 
 
 @pytest.mark.parametrize("name", TRAIN_MESHES)

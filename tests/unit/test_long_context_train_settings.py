@@ -44,3 +44,42 @@ def test_yaml_sequence_mesh_is_the_flags_and_checked_the_same(tmp_path, capsys):
                                                ({"sp": 2, "ep": 2}, 4, 2), ({"cp": 2, "replicate": 2}, 8, 4)])
 def test_a_step_reads_one_data_part_per_sequence_group(mesh, world, parts):
     assert data_parts(TrainConfig(model="m", data="d", output="o", steps=1, mesh=mesh), world) == parts
+
+
+def _tiny_config(**overrides):
+    from xpar_zoo.testing import parity
+
+    return parity.tiny_config("qwen3_moe", **overrides)
+
+
+def test_sequence_sizes_are_checked_with_the_sizers_rules_before_the_model_loads():
+    from xpar_zoo.errors import MeshError, PlanError
+    from xpar_zoo.train.loop import check_mesh
+
+    def cfg(mesh, **kw):
+        return TrainConfig(model="m", data="d", output="o", steps=1, seq_len=64, mesh=mesh, **kw)
+
+    config = _tiny_config()
+    check_mesh(cfg({"sp": 2, "ep": 2}), config, 4)  # sp and cp are not plan names: accepted beside the plans
+    check_mesh(cfg({"cp": 2, "sp": 2}, attn_implementation="eager"), config, 8)
+    heads = config.num_attention_heads
+    with pytest.raises(PlanError, match=f"sp={2 * heads} does not divide the {heads} query heads"):
+        check_mesh(cfg({"sp": 2 * heads}), config, 2 * heads)
+    with pytest.raises(MeshError, match="sp=2 does not divide the ranks of a replica"):
+        check_mesh(cfg({"sp": 2}), config, 3)
+    with pytest.raises(MeshError, match="needs several ranks, and this is one process"):
+        check_mesh(cfg({"sp": 2}), config, 1)
+    with pytest.raises(PlanError, match="flex_attention"):
+        check_mesh(cfg({"sp": 2}, attn_implementation="flex_attention"), config, 2)
+
+
+def test_dry_run_reads_one_data_part_per_sequence_group(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "tokens.jsonl"
+    data.write_text("".join(f'{{"input_ids": {list(range(1, 60))}}}\n' for _ in range(40)))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    argv = ["train", "--model", "tiny-qwen3-moe", "--data", str(data), "--output", str(tmp_path / "never"),
+            "--steps", "2", "--seq-len", "64", "--micro-batch", "2", "--mesh", "sp=2,cp=2,ep=2", "--dry-run"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "mesh: sp=2, cp=2, ep=2 over 8 rank(s)" in text
+    assert "rows of 64 per epoch; 4 rows per step" in text  # 8 ranks / (sp·cp) = 2 parts x 2 rows

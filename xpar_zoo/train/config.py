@@ -287,7 +287,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--data", default=S, help="JSONL ('text' field), .txt, or parquet/arrow/csv/datasets dir (xpar_zoo[data])")
     a("--tokenizer", default=S, help="tokenizer hub id or directory (default: the model's)")
     a("--text-field", default=S, help="the text field of JSONL / datasets records (default: text)")
-    a("--mesh", default=S, help="extra plans and HSDP replicas, e.g. ep=2,emb=2,replicate=2 (default: FSDP only)")
+    a("--mesh", default=S, help="extra plans, long context and HSDP replicas, e.g. ep=2,emb=2,replicate=2 or "
+                                 "sp=4,cp=2,ep=8 (default: FSDP only)")
     a("--seq-len", type=int, default=S, help="tokens per packed row (default 2048)")
     a("--micro-batch", type=int, default=S, help="rows per rank per forward (default 1)")
     a("--grad-accum", type=int, default=S, help="micro-batches per optimizer step (default 1)")

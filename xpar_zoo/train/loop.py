@@ -41,7 +41,7 @@ from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss
 from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
-from ..styles.sequence import data_shard
+from ..styles.sequence import data_shard, set_inner_attention
 from .agreement import check_same_settings, resume_changes
 from .config import DTYPES, TrainConfig
 from . import sft_config
@@ -315,7 +315,9 @@ def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
-    if cfg.attn_implementation:
+    if cfg.attn_implementation and mesh.sequence_size > 1:
+        set_inner_attention(model, cfg.attn_implementation)  # inside the sp/cp attention, not instead of it
+    elif cfg.attn_implementation:
         model.set_attn_implementation(cfg.attn_implementation)
     if cfg.recompute:
         model.activation_checkpointing_enable()
