@@ -377,6 +377,41 @@ def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
                         "--mesh none to train on one process") from None
 
 
+def _announce(log: MetricsLog, cfg: TrainConfig, model: nn.Module, mesh, world: int, corpus, ckpt, step: int,
+              changes: list[str], attn: str, flatten: bool) -> None:
+    """The run's first lines: what trains on what, the settings changed on resume, and a packing caveat."""
+    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
+                f"ranks x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
+                f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
+                + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
+    for line in changes:
+        log.message(f"changed on resume: {line}")
+    if attn not in DOCUMENT_MASKING and not flatten:
+        log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
+                    f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
+
+
+def _run_steps(cfg: TrainConfig, run: _Run, log: MetricsLog, step: int, position: int, last_step: int,
+               device: torch.device) -> tuple[int, dict | None]:
+    """Optimizer steps up to ``last_step``, saving every ``save_every`` steps, at the end, and when a signal stops
+    the run (then :class:`Stopped` is raised after the save). Returns the last step and its record."""
+    record = None
+    with StopOnSignal(announce=log.message) as stop:
+        while step < last_step:
+            record = {"step": step + 1, **optimizer_step(run, position)}
+            step, position = record["step"], record["data_position"]
+            log.write(record)
+            signum = stop.agreed(device)
+            if step == last_step or signum or (cfg.save_every and step % cfg.save_every == 0):
+                path = _save(cfg, run.model, run.optimizer, run.scheduler, step, position, run.corpus)  # every rank
+                log.message(f"step {step}: saved {path}")
+            if signum:
+                name = signal.Signals(signum).name
+                log.message(f"{name}: saved step-{step}; rerun with --resume to continue")
+                raise Stopped(signum, f"stopped by {name} after step {step}")
+    return step, record
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run the training ``cfg`` describes on every rank of the default process group (initialised from the
     launcher's environment when needed; a plain process runs as world 1). A collective: every rank calls it with
@@ -415,30 +450,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     last_step = cfg.stop_after or cfg.steps
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
                      progress=cfg.progress, tensorboard=cfg.tensorboard, log_every=cfg.log_every)
-    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
-                f"ranks x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
-                f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
-                + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
-    for line in changes:
-        log.message(f"changed on resume: {line}")
-    if attn not in DOCUMENT_MASKING and not run.flatten:
-        log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
-                    f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
+    _announce(log, cfg, model, mesh, world, corpus, ckpt, step, changes, attn, run.flatten)
     record = None
     try:
-        with StopOnSignal(announce=log.message) as stop:
-            while step < last_step:
-                record = {"step": step + 1, **optimizer_step(run, position)}
-                step, position = record["step"], record["data_position"]
-                log.write(record)
-                signum = stop.agreed(device)
-                if step == last_step or signum or (cfg.save_every and step % cfg.save_every == 0):
-                    path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus)  # every rank
-                    log.message(f"step {step}: saved {path}")
-                if signum:
-                    name = signal.Signals(signum).name
-                    log.message(f"{name}: saved step-{step}; rerun with --resume to continue")
-                    raise Stopped(signum, f"stopped by {name} after step {step}")
+        step, record = _run_steps(cfg, run, log, step, position, last_step, device)
         if cfg.export_hf and step == cfg.steps:
             _export(cfg, model, tokenizer, rank)
             log.message(f"exported the model in the hub's format to {cfg.export_hf}")
