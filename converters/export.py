@@ -23,22 +23,20 @@ from xpar_zoo.errors import CheckpointError, ConvertError
 from xpar_zoo.hub.resolve import SIDE_FILES, resolve
 from xpar_zoo.hub.writer import HubWriter, parse_dtype, parse_size
 from xpar_zoo.zoo.registry import build_meta
+from xpar_zoo.zoo.configs import read_config_json
 
 EXPORT_INFO_FILE = "xpar_export.json"
 
 
 def _config_from(meta: dict, source_dir: Path | None):
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from xpar_zoo.zoo.configs import config_from_dict, load_config
 
     if meta.get("config"):
         config = dict(meta["config"])
-        model_type = config.get("model_type") or meta.get("model_type")
-        if model_type not in CONFIG_MAPPING:
-            raise ConvertError(f"the checkpoint's model_type {model_type!r} is unknown to this transformers")
-        return CONFIG_MAPPING[model_type].from_dict(config)
+        config.setdefault("model_type", meta.get("model_type"))
+        return config_from_dict(config, "the checkpoint's config", ConvertError)
     if source_dir is not None:
-        return AutoConfig.from_pretrained(source_dir)
+        return load_config(source_dir, ConvertError)
     raise ConvertError("the checkpoint records no config; pass --model NAME_OR_DIR to take it from the source model")
 
 
@@ -70,7 +68,12 @@ def export_to_hf(
         raise CheckpointError(f"{checkpoint} is damaged, not exported: damaged files: {'; '.join(damage)}")
     meta = read_checkpoint_metadata(checkpoint)
     source_dir = resolve(model, weights=False).directory if model is not None else None  # config, side files
+    if source_dir is not None:
+        read_config_json(source_dir, ConvertError)  # its custom code (auto_map), checked even where unused
     config = _config_from(meta, source_dir)
+    if meta.get("trainable_only"):
+        raise ConvertError(f"{checkpoint} holds only the trained parameters (a LoRA run's adapters, not the base): "
+                           "export with `xpar-zoo train --export-hf DIR` (merged) or --export-adapter DIR")
     specs = model_tensor_specs(checkpoint)
     if meta.get("peft") and not merge_adapter:
         raise ConvertError(f"{checkpoint} holds a PEFT adapter ({', '.join(meta['peft'])}): pass --merge-adapter for "
@@ -81,7 +84,7 @@ def export_to_hf(
     if merge_adapter:
         from xpar_zoo.integrations.peft_files import AdapterMerge
 
-        merge = AdapterMerge(config, meta["peft"], specs)
+        merge = AdapterMerge(config, meta["peft"], specs, where=str(checkpoint))
         specs = {name: (shape, dt) for name, shape, dt in merge.outputs}
     hub = HubWriter(build_meta(config, torch.float32), config, specs, cast=cast, max_shard_bytes=shard_bytes)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from xpar_zoo.checkpoint import (DCP_METADATA, META_FILE, MODEL_KEY, STEP_PREFIX, TMP_PREFIX, SafeReader,
                                  incomplete_reason, read_dcp_metadata, scan_root, step_of, verify_checkpoint)
+from xpar_zoo.checkpoint.layout import run_checkpoint_root
 from xpar_zoo.errors import ConvertError, XparError
 
 HUB_PER_EXPERT = "hub per-expert"
@@ -46,17 +47,14 @@ def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
 
 
 def _inspect_hub(directory: Path) -> dict[str, Any]:
-    from transformers import AutoConfig
-
     from xpar_zoo.hub.safetensors_files import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
 
     def _dtype_name(code: str) -> str:  # torch's names, so that hub and DCP reports read alike
         return str(SAFETENSORS_DTYPES[code]).removeprefix("torch.") if code in SAFETENSORS_DTYPES else code
 
-    try:
-        config = AutoConfig.from_pretrained(directory)
-    except Exception as e:
-        raise ConvertError(f"{directory / 'config.json'}: unreadable config ({type(e).__name__}: {e})") from None
+    from xpar_zoo.zoo.configs import load_config
+
+    config = load_config(directory, ConvertError)
     tensors = read_checkpoint_headers(directory)
     fmt, note = _hub_format(directory, config, tensors)
     files: dict[str, dict[str, int]] = {}
@@ -175,6 +173,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> dict
         return _inspect_hub(directory)
     if any(c.is_dir() and c.name.startswith((STEP_PREFIX, TMP_PREFIX)) for c in directory.iterdir()):
         return _inspect_root(directory, verify)
+    if run_checkpoint_root(directory) != directory:  # a training run directory: its checkpoints/
+        return inspect_checkpoint(run_checkpoint_root(directory), verify=verify)
     raise ConvertError(f"{directory}: neither a hub checkpoint (no config.json), nor a DCP checkpoint (no "
                        f"{DCP_METADATA}), nor a root of xpar_zoo checkpoints (no {STEP_PREFIX}* directory)")
 

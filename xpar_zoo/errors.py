@@ -77,6 +77,11 @@ class ConvertError(XparError, ValueError):
     disagree or that the format cannot hold."""
 
 
+class RemoteCodeError(XparError, ValueError):
+    """A model directory whose config asks for custom code (``auto_map``) that transformers' own classes cannot
+    stand in for: xpar_zoo never runs code from a model directory."""
+
+
 class HubResolutionError(XparError, FileNotFoundError):
     """A name that is neither a usable local directory nor a hub repository reachable (or cached) now."""
 

@@ -7,7 +7,8 @@
 5. ``apply_fsdp``          ``fully_shard`` planned modules (dim 0 of each slice where it divides, else dim 1),
                            decoder layers, embedding and head, then the root (on the CPU each with its
                            collectives in place, :mod:`xpar_zoo.parallel.gloo_comms`, unless ``cpu_collectives``
-                           says ``"gloo"``); then reshard and prefetch;
+                           says ``"gloo"``); then reshard and prefetch, and every unit resharded after a forward no
+                           backward follows (:func:`reshard_after_inference`);
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
                            loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`);
 7. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +58,9 @@ class ParallelState:
     plan: Plan
     planned: list[PlannedModule] = field(default_factory=list)
     unset_buffers: tuple[str, ...] = ()  # built on meta: buffers no checkpoint holds, until materialize()
+    # check_ready's last pass: the module-tree generation it saw, and the parameters no FSDP unit manages (frozen)
+    ready_at: int | None = None
+    frozen_unmanaged: tuple[nn.Parameter, ...] = ()
 
     def planned_params(self) -> dict[str, str]:
         """``{parameter FQN: plan name}`` for every planned parameter."""
@@ -151,36 +156,96 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], *, cpu_colle
             module.set_modules_to_backward_prefetch([model.get_submodule(f) for f in unit.backward_prefetch])
 
 
+def reshard_after_inference(model: nn.Module) -> None:
+    """After every forward of ``model`` without gradients or in eval mode (``torch.no_grad()``, ``model.eval()``,
+    ``generate``), reshard every FSDP unit, the root and the units kept gathered for backward included: FSDP2 leaves
+    them unsharded for a backward that does not come, so ``model.parameters()`` would hand an optimizer built then
+    plain unsharded tensors outside FSDP. In training mode with gradients nothing changes (a backward regathers a
+    resharded unit, at the cost of one all-gather, should one follow an eval-mode forward)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def reshard(module: nn.Module, args, output):
+        if torch.is_grad_enabled() and module.training:
+            return None
+        for unit in units:
+            unit.reshard()
+        return None
+
+    model.register_forward_hook(reshard)  # after FSDP2's own post-forward hook, registered by fully_shard
+
+
 def _fingerprint(model: nn.Module, plan: Plan) -> str:
     """A short digest of the model's parameter names and shapes and of the plan, to compare across ranks."""
     text = repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]) + repr(sorted(plan.extra.items()))
     return f"{model.config.model_type}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
-def unmanaged_parameters(model: nn.Module) -> list[str]:
-    """Names of ``model``'s trainable parameters that no FSDP unit manages — added after ``parallelize`` (e.g. a
-    LoRA adapter) or swapped in for a managed one: FSDP never reduces their gradients, so each rank would train its
-    own copy."""
+def _unmanaged(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``model``'s parameters that no FSDP unit manages, trainable or not."""
     managed: set[int] = set()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             managed.update(id(t) for t in fsdp_managed_tensors(module))
-    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in managed]
+    return [(n, p) for n, p in model.named_parameters() if id(p) not in managed]
+
+
+def unmanaged_parameters(model: nn.Module) -> list[str]:
+    """Names of ``model``'s trainable parameters that no FSDP unit manages — added after ``parallelize`` (e.g. a
+    LoRA adapter) or swapped in for a managed one: FSDP never reduces their gradients, so each rank would train its
+    own copy."""
+    return [n for n, p in _unmanaged(model) if p.requires_grad]
+
+
+# The module tree's generation: torch's global registration hooks count every parameter, buffer and submodule
+# registered on a module of a model check_ready has passed (assignment, register_*), so that check_ready walks a
+# model again only after such a change. Registrations on other modules do not count: transformers builds a fresh
+# ModuleList from ``self.layers[:n]`` at every forward.
+_tree_generation = [0]
+_watched: weakref.WeakSet = weakref.WeakSet()
+_tree_hooks: list = []
+
+
+def _count_registration(module: nn.Module, *args) -> None:
+    if module in _watched:
+        _tree_generation[0] += 1
+
+
+def _watch_module_tree() -> None:
+    if not _tree_hooks:
+        from torch.nn.modules import module as nn_module
+
+        _tree_hooks.extend(register(_count_registration) for register in (
+            nn_module.register_module_parameter_registration_hook, nn_module.register_module_buffer_registration_hook,
+            nn_module.register_module_module_registration_hook))
 
 
 def check_ready(model: nn.Module) -> None:
     """Raise :class:`~xpar_zoo.errors.ModelStateError` when a parallelized model cannot run exactly: tensors still on
     meta or buffers never initialised (see :mod:`xpar_zoo.parallel.materialize`), or trainable parameters that
-    ``parallelize`` does not manage (:func:`unmanaged_parameters`). ``parallelize`` runs it before every forward."""
+    ``parallelize`` does not manage (:func:`unmanaged_parameters`). ``parallelize`` runs it before every forward.
+
+    The walk over every parameter, buffer and FSDP unit runs once, and again only after a parameter, buffer or
+    module was registered on one of the model's modules (torch's global registration hooks) or while
+    ``materialize`` is still due; in between, only the frozen parameters no FSDP unit manages are looked at (one
+    made trainable fails the check)."""
+    state = getattr(model, "_xpar", None)
+    if (state is not None and state.ready_at == _tree_generation[0] and not state.unset_buffers
+            and not any(p.requires_grad for p in state.frozen_unmanaged)):
+        return
+    generation = _tree_generation[0]  # read first: a registration during the walk makes the next call walk again
     check_materialized(model)
-    unmanaged = unmanaged_parameters(model)
-    if unmanaged:
-        shown = ", ".join(unmanaged[:6]) + (f", … ({len(unmanaged)} in all)" if len(unmanaged) > 6 else "")
+    unmanaged = _unmanaged(model)
+    trainable = [n for n, p in unmanaged if p.requires_grad]
+    if trainable:
+        shown = ", ".join(trainable[:6]) + (f", … ({len(trainable)} in all)" if len(trainable) > 6 else "")
         raise ModelStateError(
             f"trainable parameters that xpar_zoo.parallelize does not manage: {shown}. They were added or swapped in "
             "after parallelize, so their gradients are never reduced across ranks and every rank would train its own "
             "copy. Create them before parallelize (e.g. apply the PEFT adapter to the model first) or freeze them "
             "(requires_grad=False)")
+    if state is not None:
+        _watched.update(model.modules())
+        state.ready_at, state.frozen_unmanaged = generation, tuple(p for _, p in unmanaged)
 
 
 CPU_COLLECTIVES = ("in_place", "gloo")
@@ -253,10 +318,12 @@ def parallelize(
                                         reshard_after_forward=reshard_after_forward, prefetch=prefetch),
                cpu_collectives=cpu_collectives, **fsdp_kwargs)
     model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
+    reshard_after_inference(model)
     install_global_loss(model, mesh.world_size)
     if inner_attention is not None:  # outermost: the global-batch loss counts this rank's split targets
         install_sequence_parallel(model, mesh, inner_attention)
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
+    _watch_module_tree()
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)
     mark_fsdp_managed(model)  # transformers' generate keeps the ranks in step; accelerate's prepare adds no DDP
     install_save_pretrained(model)

@@ -83,6 +83,49 @@ def _unmanaged(cfg, ids) -> dict:
     return out
 
 
+def _checked_after_steps(cfg, ids) -> dict:
+    """How many times the readiness check walks the model over three steps, and the error a forward raises after a
+    change made once those steps passed: a trainable parameter added or swapped in, a frozen one added and unfrozen."""
+    import importlib
+
+    import xpar_zoo
+
+    par = importlib.import_module("xpar_zoo.parallelize")  # the module (xpar_zoo.parallelize is also the function)
+    walks = []
+    walk = par.check_materialized
+
+    def counted(model, *args, **kwargs):
+        walks.append(1)
+        return walk(model, *args, **kwargs)
+
+    out = {}
+    par.check_materialized = counted
+    try:
+        for how in ("added", "swapped", "unfrozen"):
+            model = xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(ep=2))
+            walks.clear()
+            for _ in range(3):
+                model(input_ids=ids, labels=ids).loss.backward()
+            out["walks in 3 steps"] = len(walks)
+            attn = model.model.layers[1].self_attn.q_proj
+            if how == "added":
+                attn.register_parameter("lora_A", torch.nn.Parameter(torch.zeros(4, cfg.hidden_size)))
+            elif how == "swapped":
+                model.model.norm.weight = torch.nn.Parameter(torch.ones(cfg.hidden_size))
+            else:
+                attn.register_parameter("lora_A", torch.nn.Parameter(torch.zeros(4, cfg.hidden_size), False))
+                model(input_ids=ids, labels=ids).loss.backward()  # frozen: trains nothing, no error
+                attn.lora_A.requires_grad_(True)
+            try:
+                model(input_ids=ids, labels=ids).loss.backward()
+                out[how] = None
+            except xpar_zoo.XparError as e:
+                out[how] = f"{type(e).__name__}: {e}"
+    finally:
+        par.check_materialized = walk
+    return out
+
+
 def _meta_recipe(cfg, ids, labels, root: str) -> dict:
     """Build on meta, parallelize, materialize, load a DCP checkpoint: the forward equals the saved model's. And the
     ways of getting it wrong: loading into the meta model, or after a plain to_empty."""
@@ -194,6 +237,7 @@ def _job(root: str) -> dict:
     ids = parity.make_batches(cfg.vocab_size, 1, WORLD, seed=12)[0]
     return {"accumulation": _accumulation(cfg, data, labels),
             "unmanaged": _unmanaged(cfg, ids[0]),
+            "checked": _checked_after_steps(cfg, ids[0]),
             "meta": _meta_recipe(cfg, ids, parity.make_labels(ids[None])[0], root),
             "generate": _generate(parity.make_batches(cfg.vocab_size, 1, WORLD, batch=1, seq=5, seed=13)[0, :, 0]),
             "save_pretrained": _save_pretrained(cfg, data, root)}
@@ -217,6 +261,13 @@ def test_a_parameter_added_or_swapped_in_after_parallelize_is_refused_at_the_nex
     assert "model.layers.1.self_attn.q_proj.lora_A" in row["added"] and "before parallelize" in row["added"]
     assert row["swapped"] and "model.norm.weight" in row["swapped"], row
     assert row["added_frozen"] is None, "a frozen parameter trains nothing: no error"
+
+
+def test_the_readiness_check_walks_the_model_once_and_again_after_a_change(results):
+    row = results["checked"]
+    assert row["walks in 3 steps"] == 1, row
+    for how, name in (("added", "q_proj.lora_A"), ("swapped", "model.norm.weight"), ("unfrozen", "q_proj.lora_A")):
+        assert row[how] and row[how].startswith("ModelStateError") and name in row[how], (how, row[how])
 
 
 def test_a_meta_model_materialized_and_loaded_runs_like_the_saved_one(results):

@@ -6,8 +6,9 @@ every row (one micro-batch has none), so the ranks hold unequal numbers of valid
 
 Cases: qwen3_moe on sp, sp+ep, sp=4 over 2 key/value heads (repeated), cp+ep, sp+cp, sp+ep+emb+head, on plain
 and on packed rows (position_ids restart per document: no token attends across a boundary, also across cp
-chunks), with eager and sdpa inner attention; a dense model (qwen3) on sp=4 and cp=4; mixtral with a sliding
-window; gpt_oss (attention sinks, sliding and full layers); deepseek_v3 (MLA: q/k head dim 16, v head dim 8). The
+chunks) and right-padded rows, with eager and sdpa inner attention; a dense model (qwen3) on sp=4 and cp=4;
+mixtral and gemma4_text with a sliding window; gpt_oss (attention sinks, sliding and full layers); deepseek_v2/v3
+(MLA: q/k head dim 16, v head dim 8); activation checkpointing; three clipped AdamW steps. The
 same launched run checks ``shard_sequence``, ``data_shard`` and the refusals that need ranks. One 4-rank run for
 all (the zoo's: tests/conftest.py ``zoo_proofs``)."""
 
@@ -18,7 +19,7 @@ from xpar_zoo.testing import parity
 SEQ = 16
 QWEN3_MOE = ("qwen3_moe", {})
 CASES = {
-    # name: ((model_type, config overrides), mesh, packed rows)
+    # name: ((model_type, config overrides), mesh, rows: plain (False), packed (True) or right-"padded")
     "qwen3_moe_sp2": (QWEN3_MOE, {"sp": 2}, False),
     "qwen3_moe_sp2_sdpa": (("qwen3_moe", {"attn_implementation": "sdpa"}), {"sp": 2}, False),
     "qwen3_moe_sp2_ep2": (QWEN3_MOE, {"sp": 2, "ep": 2}, False),
@@ -34,6 +35,8 @@ CASES = {
     "packed_qwen3_moe_cp2_ep2_sdpa": (("qwen3_moe", {"attn_implementation": "sdpa"}), {"cp": 2, "ep": 2}, True),
     "packed_qwen3_moe_sp2_cp2": (QWEN3_MOE, {"sp": 2, "cp": 2}, True),
     "packed_qwen3_moe_sp2_ep2_emb2_head2": (QWEN3_MOE, {"sp": 2, "ep": 2, "emb": 2, "head": 2}, True),
+    "padded_qwen3_moe_sp2_cp2": (QWEN3_MOE, {"sp": 2, "cp": 2}, "padded"),
+    "padded_qwen3_moe_sp2_ep2_sdpa": (("qwen3_moe", {"attn_implementation": "sdpa"}), {"sp": 2, "ep": 2}, "padded"),
     "qwen3_sp4": (("qwen3", {}), {"sp": 4}, False),
     "qwen3_cp4": (("qwen3", {}), {"cp": 4}, False),
     "packed_qwen3_cp4": (("qwen3", {}), {"cp": 4}, True),
@@ -41,8 +44,16 @@ CASES = {
     "gpt_oss_sinks_sp2_ep2": (("gpt_oss", {}), {"sp": 2, "ep": 2}, False),
     # not packed: transformers' gpt_oss attends across packed documents in one process (its mask ignores them)
     "gpt_oss_sinks_cp2_sp2": (("gpt_oss", {}), {"cp": 2, "sp": 2}, False),
+    "gemma4_text_window4_sp2_cp2": (("gemma4_text", {}), {"sp": 2, "cp": 2}, True),
+    "deepseek_v2_mla_sp2_cp2": (("deepseek_v2", {}), {"sp": 2, "cp": 2}, True),
     "deepseek_v3_mla_sp2_ep2": (("deepseek_v3", {}), {"sp": 2, "ep": 2}, False),
     "deepseek_v3_mla_cp4": (("deepseek_v3", {}), {"cp": 4}, True),
+}
+# Cases with more than one SGD step, or activation checkpointing: name -> (case above, train_parallel options)
+VARIANTS = {
+    "qwen3_moe_sp2_cp2_checkpointing": ("packed_qwen3_moe_sp2_cp2", {"checkpointing": True}),
+    "qwen3_moe_sp2_ep2_adamw3_clipped": ("packed_qwen3_moe_sp2_ep2", {"optimizer": "adamw", "steps": 3,
+                                                                     "max_norm": 0.5}),
 }
 
 
@@ -69,20 +80,44 @@ def packed_positions(world: int, batch: int, seq: int, seed: int = 3):
     return [out]
 
 
+def padding_masks(world: int, batch: int, seq: int):
+    """Per micro-batch ``{"attention_mask": [batch, seq]}`` with right padding of a different length per row."""
+    import torch
+
+    out = []
+    for r in range(world):
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        for b in range(batch):
+            mask[b, seq - 1 - 3 * ((r + b) % 4):] = 0
+        out.append({"attention_mask": mask})
+    return [out]
+
+
+def _rows(kind, world: int, steps: int):
+    if kind == "padded":
+        return padding_masks(world, 2, SEQ) * steps
+    return packed_positions(world, 2, SEQ) * steps if kind else None
+
+
 def _cases(world: int) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
     refs, results = {}, {}
-    for name, ((model_type, overrides), mesh, packed) in CASES.items():
+    runs = {name: (case, {}) for name, case in CASES.items()}
+    runs.update({name: (CASES[base], options) for name, (base, options) in VARIANTS.items()})
+    for name, (((model_type, overrides), mesh, packed), options) in runs.items():
+        options = dict(options)
+        optimizer, steps, max_norm = options.pop("optimizer", "sgd"), options.pop("steps", 1), options.pop("max_norm",
+                                                                                                          None)
         config = _config(model_type, overrides)
-        data = parity.make_batches(config.vocab_size, 1, world, batch=2, seq=SEQ, seed=1)
-        extra = packed_positions(world, 2, SEQ) if packed else None
-        key = (model_type, tuple(sorted(overrides.items())), packed)
+        data = parity.make_batches(config.vocab_size, steps, world, batch=2, seq=SEQ, seed=1)
+        extra = _rows(packed, world, steps)
+        key = (model_type, tuple(sorted(overrides.items())), packed, optimizer, steps, max_norm)
         if rank == 0 and key not in refs:
-            refs[key] = (parity.train_reference(_config(model_type, overrides), data, "sgd", None, extra=extra),
-                         parity.build_model(config).state_dict())
-        rec = parity.train_parallel(config, data, mesh, "sgd", None, extra=extra)
+            refs[key] = (parity.train_reference(_config(model_type, overrides), data, optimizer, max_norm,
+                                                extra=extra), parity.build_model(config).state_dict())
+        rec = parity.train_parallel(config, data, mesh, optimizer, max_norm, extra=extra, **options)
         if rank == 0:
             ref, before = refs[key]
             results[name] = {"loss": (rec.losses, ref.losses), "norm": (rec.grad_norms, ref.grad_norms),
@@ -120,7 +155,9 @@ def _semantics(world: int) -> dict:
     errors = {}
     for what, call in {
         "seq_not_divisible": lambda: model(input_ids=ids[:, :12], labels=ids[:, :12]),
+        "rows_differ": lambda: model(input_ids=ids if dist.get_rank() != 3 else ids.flip(0), labels=ids),
         "generate": lambda: model.generate(input_ids=ids, max_new_tokens=2),
+        "logits_to_keep": lambda: model(input_ids=ids, logits_to_keep=1),
         "part_twice": lambda: xpar_zoo.shard_sequence(part, model),
         "sp8_on_4_ranks": lambda: xpar_zoo.Mesh(sp=8),
         "sp_over_heads": lambda: xpar_zoo.parallelize(parity.build_model(_config("qwen3_moe", {
@@ -135,14 +172,82 @@ def _semantics(world: int) -> dict:
     return out
 
 
-def _job(world: int) -> dict:
-    return {"cases": _cases(world), "semantics": _semantics(world)}
+def _exactness(world: int, root: str) -> dict:
+    """The router aux loss over the global batch, a checkpoint saved under sp/cp and loaded without, and LoRA."""
+    import torch
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    import xpar_zoo
+    from xpar_zoo.integrations.peft_files import adapter_state
+    from xpar_zoo.loss.balance import global_router_aux_loss
+
+    rank, out = dist.get_rank(), {}
+    config = _config("qwen3_moe", {})
+    ids = parity.make_batches(config.vocab_size, 1, 1, batch=2, seq=SEQ, seed=6)[0, 0]
+    pos = packed_positions(1, 2, SEQ, seed=4)[0][0]["position_ids"]
+    reference = parity.build_model(config, experts_implementation="eager") if rank == 0 else None
+
+    # the router aux loss of xpar_zoo.train.balance counts each token once over the sequence group
+    model = xpar_zoo.parallelize(parity.build_model(config), xpar_zoo.Mesh(sp=2, cp=2))
+    routed = model(input_ids=ids, position_ids=pos, output_router_logits=True)
+    share, _ = global_router_aux_loss(routed.router_logits, config.num_experts, config.num_experts_per_tok)
+    share = share.detach().clone()
+    dist.all_reduce(share)
+    if rank == 0:
+        with torch.no_grad():
+            ref = reference(input_ids=ids, position_ids=pos, output_router_logits=True).aux_loss
+        out["aux_loss"] = (share.item() / world, ref.item())
+
+    # sp/cp do not change the parameter layout: a checkpoint saved under sp=2, cp=2 loads on ep=2 alone
+    xpar_zoo.save_checkpoint(root, model, step=1)
+    saved = xpar_zoo.full_state_dict(model)
+    plain = xpar_zoo.parallelize(parity.build_model(config, seed=9), xpar_zoo.Mesh(ep=2))
+    xpar_zoo.load_checkpoint(root, plain)
+    loaded = xpar_zoo.full_state_dict(plain)
+    if rank == 0:
+        out["checkpoint_equal"] = sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k])
+                                                                         for k in saved)
+
+    # LoRA on the attention under sp=2, ep=2: one SGD step equals single-process PEFT on the whole rows
+    lora = dict(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    labels = ids.clone()
+    labels[:, :5] = -100
+
+    def peft_step(model, batch):
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = parity.sgd(trainable)
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    torch.manual_seed(11)
+    tuned = xpar_zoo.parallelize(get_peft_model(parity.build_model(config), LoraConfig(**lora)),
+                                 xpar_zoo.Mesh(sp=2, ep=2))
+    tuned.train()
+    loss = peft_step(tuned, {"input_ids": ids, "labels": labels, "position_ids": pos}).detach().clone()
+    dist.all_reduce(loss)
+    adapter = adapter_state(tuned)
+    if rank == 0:
+        torch.manual_seed(11)
+        single = get_peft_model(parity.build_model(config, experts_implementation="eager"), LoraConfig(**lora))
+        init = {k: v.detach().clone() for k, v in adapter_state(single).items()}
+        ref_loss = peft_step(single, {"input_ids": ids, "labels": labels, "position_ids": pos})
+        out["lora_loss"] = (loss.item() / world, ref_loss.item())
+        out["lora_errors"] = parity.param_errors(adapter, adapter_state(single), init)
+        out["lora_moved"] = sum((adapter[k] - init[k]).norm().item() for k in init)
+    return out
+
+
+def _job(world: int, root: str) -> dict:
+    return {"cases": _cases(world), "semantics": _semantics(world), "exactness": _exactness(world, root)}
 
 
 def zoo_job(tmp_path_factory):
     from xpar_zoo.testing.proofs import PROOF_WORLD
 
-    return _job, (PROOF_WORLD,)
+    return _job, (PROOF_WORLD, str(tmp_path_factory.mktemp("long_context") / "ckpt"))
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +255,8 @@ def results(zoo_proofs):
     return zoo_proofs[__name__]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_one_sgd_step_matches_single_process_on_the_whole_rows(results, case):
+@pytest.mark.parametrize("case", [*CASES, *VARIANTS])
+def test_training_matches_single_process_on_the_whole_rows(results, case):
     row = results["cases"][case]
     parity.assert_losses_match(*row["loss"], what=case)
     parity.assert_norms_match(*row["norm"], what=case)
@@ -172,9 +277,26 @@ def test_shard_sequence_hands_the_model_its_part_with_the_same_loss(results):
     assert abs(whole - part) < 1e-6
 
 
+def test_router_aux_loss_over_the_global_batch_counts_each_token_once(results):
+    ours, reference = results["exactness"]["aux_loss"]
+    assert abs(ours - reference) < 1e-6
+
+
+def test_a_checkpoint_saved_with_sp_and_cp_loads_on_a_mesh_without_them(results):
+    assert results["exactness"]["checkpoint_equal"]
+
+
+def test_lora_under_sp_matches_single_process_peft(results):
+    parity.assert_losses_match([results["exactness"]["lora_loss"][0]], [results["exactness"]["lora_loss"][1]], "lora")
+    parity.assert_params_match(results["exactness"]["lora_errors"], "lora sp2 ep2, one SGD step:")
+    assert results["exactness"]["lora_moved"] > 1e-2  # the adapters trained
+
+
 @pytest.mark.parametrize("what, expected", [
     ("seq_not_divisible", "BatchError: sequence length 12 does not divide by 2·cp·sp = 2·2·2 = 8"),
+    ("rows_differ", "BatchError: sp/cp: the ranks of a sequence group (sp=2 x cp=2) were given different rows"),
     ("generate", "ModelStateError: generate is not supported on an sp/cp mesh (sp=2, cp=2)"),
+    ("logits_to_keep", "BatchError: sp/cp: logits_to_keep=1 would keep the last tokens of this rank's part"),
     ("part_twice", "BatchError: shard_sequence: the batch is already this rank's part"),
     ("sp8_on_4_ranks", "MeshError: sp=8 does not divide the ranks of a replica (4: world 4 / replicate 1)"),
     ("sp_over_heads", "PlanError: sp=4 does not divide the 2 query heads of Qwen3MoeForCausalLM; use cp (e.g. "

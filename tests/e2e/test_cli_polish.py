@@ -47,7 +47,7 @@ def test_plan_names_the_model_it_sized(capsys):
     config = cli.load_model_config("qwen3_moe")
     params = sum(p.numel() for p in sizing.meta_model(config).parameters())
     assert first == (f"model: qwen3_moe (transformers' default qwen3_moe config): {config.num_hidden_layers} layers, "
-                     f"{params / 1e9:.2f}B parameters, {config.num_experts} experts, top-{config.num_experts_per_tok}")
+                     f"{params / 1e9:.1f}B parameters, {config.num_experts} experts, top-{config.num_experts_per_tok}")
 
 
 @pytest.fixture

@@ -135,3 +135,14 @@ def test_export_hf_with_force_replaces_the_old_export_once_complete(files, tmp_p
     assert (hf / "tokenizer.json").is_file() and not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     assert model.config.model_type == "qwen3_moe"
+
+
+def test_console_shows_each_step_once_without_control_codes(files, tmp_path, capsys):
+    """Progress on (the default) with stdout and stderr not terminals: one plain line per step, none twice."""
+    argv = [a for a in _common(files, tmp_path / "o", "--steps", "3") if a != "--no-progress"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "\r" not in out and "\x1b" not in out
+    steps = [line.split()[1] for line in captured.out.splitlines() if line.startswith("step ") and "/" in line.split()[1]]
+    assert steps == ["1/3", "2/3", "3/3"], captured.out

@@ -139,7 +139,7 @@ def test_metrics_are_appended_never_truncated_when_checkpoints_were_removed(tmp_
     read_metrics gives the new run's lines."""
     old = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3))
     (tmp_path / METRICS_FILE).write_text(old)
-    log = MetricsLog(tmp_path, active=True, start_step=0, total_steps=2, progress=False, tensorboard=False)
+    log = MetricsLog(tmp_path, active=True, start_step=0, total_steps=2, tensorboard=False)
     for s in (1, 2):
         log.write({"step": s, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_s": 1.0, "step_time_s": 1.0})
     log.close()
@@ -151,7 +151,7 @@ def test_metrics_are_appended_never_truncated_when_checkpoints_were_removed(tmp_
 def test_resumed_metrics_supersede_the_lines_after_the_checkpoint(tmp_path):
     lines = [{"event": "start", "step": 0}] + [{"step": s, "loss": float(s)} for s in (1, 2, 3)]
     (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in lines))
-    log = MetricsLog(tmp_path, active=True, start_step=2, total_steps=4, progress=False, tensorboard=False)
+    log = MetricsLog(tmp_path, active=True, start_step=2, total_steps=4, tensorboard=False)
     log.write({"step": 3, "loss": 30.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_s": 1.0, "step_time_s": 1.0})
     log.close()
     assert [(m["step"], m["loss"]) for m in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]

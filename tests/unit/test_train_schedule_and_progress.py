@@ -4,7 +4,6 @@ with their ranks, the progress bar shows the step just finished, no terminal con
 terminal, a plain line every --log-every steps, and docs/training.md lists every flag of `xpar-zoo train`."""
 
 import argparse
-import io
 import math
 import re
 from pathlib import Path
@@ -85,6 +84,19 @@ def test_resume_change_of_the_data_layout_is_refused_with_the_reason(name, value
         resume_changes(_cfg().to_json(), _cfg(**{name: value}), step=4)
 
 
+@pytest.mark.parametrize("name, value", [("lora_rank", 16), ("lora_targets", "q_proj"), ("loss_on", "all")])
+def test_resume_change_of_what_trains_is_refused_with_the_reason(name, value):
+    saved = _cfg(lora_rank=8, loss_on="assistant").to_json()
+    now = {"lora_rank": 8, "loss_on": "assistant", name: value}
+    with pytest.raises(TrainConfigError, match=rf"--resume: {name} was .*: cannot change on resume \(the checkpoint"):
+        resume_changes(saved, _cfg(**now), step=4)
+
+
+def test_resume_with_epochs_compares_steps_once_known():
+    """--epochs: the steps come from the data later; the settings compare without them."""
+    assert resume_changes(_cfg().to_json(), _cfg(steps=None, epochs=2), step=4) == []
+
+
 def test_resume_past_steps_is_refused():
     with pytest.raises(TrainConfigError, match="the checkpoint is at step 6, past --steps 5"):
         resume_changes(_cfg().to_json(), _cfg(steps=5), step=6)
@@ -95,50 +107,26 @@ def test_rank_differences_name_the_setting_and_the_ranks():
     assert differences([0.1, 0.1], "lr") is None
 
 
-class _Stream(io.StringIO):
-    def __init__(self, tty):
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self):
-        return self.tty
-
-
 def _record(step, loss):
     return {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "step_time_s": 0.1}
 
 
-def test_progress_bar_shows_the_step_just_finished(tmp_path, monkeypatch):
-    err = _Stream(tty=True)
-    monkeypatch.setattr("sys.stderr", err)
-    log = MetricsLog(tmp_path, active=True, start_step=0, total_steps=4, progress=True, tensorboard=False)
-    log._bar.mininterval = 0
-    log.write(_record(1, 1.2345))
-    last = err.getvalue().split("\r")[-1]
-    assert "1/4" in last and "loss=1.2345" in last
-    log.write(_record(2, 0.5))
-    last = err.getvalue().split("\r")[-1]
-    assert "2/4" in last and "loss=0.5000" in last
-    log.close()
+def test_console_line_shows_the_step_just_finished():
+    """The command's line per step (xpar_zoo.train.reporting) names the step whose numbers it shows, counted out of
+    the global --steps, with no terminal control codes."""
+    from types import SimpleNamespace
 
+    from xpar_zoo.train.reporting import Reporter
 
-def test_no_control_codes_when_not_a_terminal(tmp_path, monkeypatch, capsys):
-    err = _Stream(tty=False)
-    monkeypatch.setattr("sys.stderr", err)
-    log = MetricsLog(tmp_path, active=True, start_step=0, total_steps=3, progress=True, tensorboard=False,
-                     log_every=1)
-    for s in (1, 2, 3):
-        log.write(_record(s, 1.0 / s))
-    log.close()
-    out = capsys.readouterr().out + err.getvalue()
-    assert "\r" not in out and "\x1b" not in out
-    assert out.splitlines() == [f"step {s}/3  loss {1.0 / s:.4f}  lr 0.001  grad_norm 0.5  100 tok/s  0.10 s/step"
-                                for s in (1, 2, 3)]
+    report = Reporter(SimpleNamespace(progress=True), Path("."), active=True, start_step=0, total_steps=4, wandb=False)
+    lines = [report.line(_record(s, 1.0 / s)) for s in (1, 2)]
+    assert lines[0].startswith("step 1/4 [#####---------------]  25% loss 1.0000")
+    assert lines[1].startswith("step 2/4 [##########----------]  50% loss 0.5000")
+    assert not any("\r" in line or "\x1b" in line for line in lines)
 
 
 def test_no_progress_prints_a_line_every_n_steps_and_the_last(tmp_path, capsys):
-    log = MetricsLog(tmp_path, active=True, start_step=0, total_steps=7, progress=False, tensorboard=False,
-                     log_every=3)
+    log = MetricsLog(tmp_path, active=True, start_step=0, total_steps=7, tensorboard=False, log_every=3)
     for s in range(1, 8):
         log.write(_record(s, 1.0))
     log.close()

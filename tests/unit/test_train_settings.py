@@ -49,6 +49,19 @@ def test_flag_out_of_range_or_not_finite_is_one_line(flag, value, message, capsy
     assert message in _one_line_error([*BASE, flag, value], capsys)
 
 
+@pytest.mark.parametrize("flag, value, message", [("--lora-alpha", "nan", "lora_alpha must be a finite number"),
+                                                  ("--lora-dropout", "inf", "lora_dropout must be a finite number"),
+                                                  ("--lora-rank", "0", "lora_rank must be at least 1")])
+def test_lora_numbers_are_checked_like_the_others(flag, value, message, capsys):
+    args = [*BASE, flag, value] + (["--lora-rank", "4"] if flag != "--lora-rank" else [])
+    assert message in _one_line_error(args, capsys)
+
+
+def test_yaml_epochs_must_be_whole(tmp_path):
+    with pytest.raises(TrainConfigError, match=r"epochs must be a whole number, got 2\.5"):
+        read_config_file(_yaml(tmp_path, "epochs: 2.5\n"))
+
+
 def test_oversized_seed_is_refused_at_start_not_at_save(capsys):
     """An oversized seed used to train to the end and then fail to save (the data fingerprint packs it as int64)."""
     err = _one_line_error([*BASE, "--seed", str(2**70)], capsys)

@@ -40,6 +40,7 @@ COMPLETE_FILE = "COMPLETE"
 RNG_DIR = "rng"
 DCP_METADATA = ".metadata"
 _STEP_RE = re.compile(r"^step-(\d+)$")
+RUN_CHECKPOINTS = "checkpoints"  # the checkpoint root inside a training run directory (xpar-zoo train --output)
 
 
 def checkpoint_name(step: int) -> str:
@@ -137,9 +138,18 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return complete[-1][1] if complete else None
 
 
+def run_checkpoint_root(path: Path) -> Path:
+    """``path/checkpoints`` when ``path`` is a training run directory (``xpar-zoo train --output``: no checkpoint
+    directories of its own, a ``checkpoints/`` root inside), else ``path``."""
+    inner = path / RUN_CHECKPOINTS
+    if inner.is_dir() and not any(c.name.startswith((STEP_PREFIX, TMP_PREFIX)) for c in path.iterdir()):
+        return inner
+    return path
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The checkpoint directory ``path`` names: itself (complete, or an error), or the newest complete one under a
-    root. Resolve once when reading several parts of one checkpoint, so that they all come from the same step."""
+    root (or under a training run directory's ``checkpoints/``). Resolve once when reading several parts of one checkpoint, so that they all come from the same step."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint at {path} (not a directory)")
@@ -153,6 +163,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if why:
             raise CheckpointError(f"{path} is not a complete checkpoint: {why}; it is never loaded")
         return path
+    path = run_checkpoint_root(path)
     complete, broken = scan_root(path)
     _warn_broken(broken)
     if not complete:

@@ -24,7 +24,7 @@ from .json_state import from_json
 from .layout import EXTRA_FILE, FORMAT, META_FILE, complete_record, resolve_checkpoint
 from .rng import apply_rng, read_rng
 from .save import DEFAULT_RENDEZVOUS_TIMEOUT, control, wait_pending
-from .state import check_compatible, dcp_state, expected_shapes, nonfinite_message, state_dicts
+from .state import check_compatible, dcp_state, expected_shapes, nonfinite_message, state_dicts, state_options
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -88,6 +88,7 @@ def load_checkpoint(
     verify: bool = True,
     check_finite: bool = False,
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``) on any mesh or world size, or into a plain
     single-process model (no process group needed), and return its ``extra_state``. ``path`` is a checkpoint
@@ -98,11 +99,13 @@ def load_checkpoint(
     damaged checkpoint, or one of another architecture, shapes or groups, raises :class:`CheckpointError` naming
     them. ``check_finite=True`` then raises naming every loaded tensor that holds NaN or inf. A collective when
     distributed, guarded as :func:`save_checkpoint` is (``rendezvous_timeout``; the ranks must agree on the
-    optimizer class, ``restore_rng``, ``verify`` and ``check_finite``)."""
+    optimizer class, ``restore_rng``, ``verify`` and ``check_finite``). ``trainable_only=True`` loads a checkpoint
+    saved so: the trainable parameters and buffers, the frozen parameters keep the model's own weights."""
     check_materialized(model, CheckpointError)  # built on meta: xpar_zoo.materialize(model) first
     meet("load_checkpoint", {"optimizer": None if optimizer is None else type(optimizer).__name__,
                              "restore_rng": bool(restore_rng), "verify": bool(verify),
-                             "check_finite": bool(check_finite)}, CheckpointError, rendezvous_timeout)
+                             "check_finite": bool(check_finite), "trainable_only": bool(trainable_only)},
+         CheckpointError, rendezvous_timeout)
     wait_pending(control(model))
     rank = distributed.rank()
     ckpt = distributed.run_everywhere(lambda: resolve_checkpoint(path), rank0_only=True)
@@ -120,7 +123,10 @@ def load_checkpoint(
     meta, extra, rng, dcp_meta = side
     saved = {k: tuple(v.size) for k, v in dcp_meta.state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
-    msd, osd = state_dicts(model, optimizer)  # collective; initialises an optimizer that has no state yet
+    if bool(meta.get("trainable_only")) != bool(trainable_only):
+        raise CheckpointError(f"{ckpt} holds {'only the trainable' if meta.get('trainable_only') else 'all'} "
+                              f"parameters: load it with trainable_only={bool(meta.get('trainable_only'))}")
+    msd, osd = state_dicts(model, optimizer, trainable_only)  # collective; initialises an optimizer without state
     check_compatible(ckpt, saved, meta, model, expected_shapes(msd, osd), optimizer is not None,
                       None if osd is None else osd["param_groups"])
 
@@ -128,14 +134,15 @@ def load_checkpoint(
         dcp.load(dcp_state(msd, osd), storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(),
                  no_dist=not distributed.is_distributed())
     if osd is None:
-        set_model_state_dict(model, msd)
+        set_model_state_dict(model, msd, options=state_options(trainable_only))
     else:
         saved_opt = meta.get("optimizer") or {}
         osd = {"state": {fqn: dict(state) for fqn, state in osd["state"].items()},
                "param_groups": from_json(saved_opt.get("param_groups", osd["param_groups"]))}
         for fqn, values in from_json(saved_opt.get("non_tensor_state", {})).items():
             osd["state"].setdefault(fqn, {}).update(values)
-        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
+                       options=state_options(trainable_only))
     if check_finite:
         bad = distributed.every_error(nonfinite_message(msd, osd))
         if bad:

@@ -155,6 +155,7 @@ def save_checkpoint(
     keep_last: int | None = None,
     allow_nonfinite: bool = False,
     rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT,
+    trainable_only: bool = False,
 ) -> Path | CheckpointFuture:
     """Save ``model`` (and ``optimizer``, the RNG state and the JSON-able ``extra_state``) as the checkpoint
     ``path/step-N`` — DCP at global shapes, loadable on any mesh or world size — atomically: written under a
@@ -170,22 +171,24 @@ def save_checkpoint(
     apart) for the others to call too, then all ranks check that they were given the same optimizer (class or
     none), ``step``, ``async_save``, ``keep_last`` and ``allow_nonfinite`` — a rank that calls alone, or ranks that
     disagree, get a :class:`CheckpointError` instead of a hang (:mod:`xpar_zoo.parallel.rendezvous`). ``path`` and
-    ``extra_state`` are rank 0's."""
+    ``extra_state`` are rank 0's. ``trainable_only=True`` leaves the frozen parameters out (a LoRA run: the adapters,
+    the buffers and the optimizer; load it with ``load_checkpoint(..., trainable_only=True)`` into the same base)."""
     root = Path(path)
     extra = dict(extra_state or {})
     meet("save_checkpoint", {"optimizer": None if optimizer is None else type(optimizer).__name__,
                              "step": step if step is not None else extra.get("step"), "async_save": bool(async_save),
-                             "keep_last": keep_last, "allow_nonfinite": bool(allow_nonfinite)},
+                             "keep_last": keep_last, "allow_nonfinite": bool(allow_nonfinite),
+                             "trainable_only": bool(trainable_only)},
          CheckpointError, rendezvous_timeout)
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise CheckpointError(f"keep_last must be a positive integer or None, got {keep_last!r}")
     ctl = control(model)
     wait_pending(ctl)
-    msd, osd = state_dicts(model, optimizer)  # collective
+    msd, osd = state_dicts(model, optimizer, trainable_only)  # collective
     extra_json = _checked_values(root, extra, msd, osd, allow_nonfinite)
     n, tmp = distributed.run_everywhere(lambda: _new_step_dir(root, step, extra), rank0_only=True)
     tmp, final = Path(tmp), root / checkpoint_name(n)
-    _write_side_files(tmp, final, root, model, n, optimizer, osd, extra_json)
+    _write_side_files(tmp, final, root, model, n, optimizer, osd, extra_json, trainable_only)
     writer, written = dcp_writer(tmp)
     state = dcp_state(msd, osd)
     if async_save:
@@ -235,7 +238,8 @@ def _new_step_dir(root: Path, step: int | None, extra: dict) -> tuple[int, str]:
 
 
 def _write_side_files(tmp: Path, final: Path, root: Path, model: nn.Module, n: int,
-                      optimizer: torch.optim.Optimizer | None, osd: dict | None, extra_json: Any) -> None:
+                      optimizer: torch.optim.Optimizer | None, osd: dict | None, extra_json: Any,
+                      trainable_only: bool = False) -> None:
     """Every rank's RNG state, and rank 0's metadata record and extra state, into ``tmp``; on a failure anywhere
     ``tmp`` is removed and every rank raises."""
     rank = distributed.rank()
@@ -244,7 +248,7 @@ def _write_side_files(tmp: Path, final: Path, root: Path, model: nn.Module, n: i
         save_rng(tmp, rank)
         if rank == 0:
             scalars, groups = ({}, None) if osd is None else split_optimizer(osd)[1:]
-            record = metadata_record(model, n, optimizer, scalars, groups)
+            record = metadata_record(model, n, optimizer, scalars, groups, trainable_only)
             durable_write(tmp / META_FILE, json.dumps(record, indent=1).encode())
             durable_write(tmp / EXTRA_FILE, json.dumps(extra_json, indent=1).encode())
     except Exception as e:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
 from ..errors import CheckpointError
 from ..io.integrity import nonfinite_names
@@ -20,11 +20,19 @@ from .dcp_io import NAMES_SHOWN, MODEL_KEY, OPTIM_KEY, listing, plain_name
 from .json_state import from_json, to_json
 from .layout import FORMAT
 
-def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None):
-    """``(model state dict, optimizer state dict or None)``: sharded DTensors at global shapes, HF names."""
+def state_options(trainable_only: bool = False) -> StateDictOptions:
+    """torch's state-dict options of a checkpoint: every tensor, or (``trainable_only``) the trainable parameters and
+    the persistent buffers, the frozen parameters left to the model's own weights."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False):
+    """``(model state dict, optimizer state dict or None)``: sharded DTensors at global shapes, HF names
+    (``trainable_only``: without the frozen parameters)."""
+    options = state_options(trainable_only)
     if optimizer is None:
-        return get_model_state_dict(model), None
-    return get_state_dict(model, optimizer)
+        return get_model_state_dict(model, options=options), None
+    return get_state_dict(model, optimizer, options=options)
 
 
 def split_optimizer(osd: dict) -> tuple[dict, dict, list]:
@@ -119,7 +127,8 @@ def model_class(model: nn.Module) -> str:
     return cls.__name__
 
 
-def metadata_record(model: nn.Module, step: int, optimizer, scalars: dict, param_groups: list | None) -> dict:
+def metadata_record(model: nn.Module, step: int, optimizer, scalars: dict, param_groups: list | None,
+                    trainable_only: bool = False) -> dict:
     """The checkpoint's ``xpar_checkpoint.json``: format, step, versions, model class and config, mesh and plans,
     the optimizer's class, parameter groups and scalar state."""
     from ..version import __version__
@@ -150,6 +159,7 @@ def metadata_record(model: nn.Module, step: int, optimizer, scalars: dict, param
         "plan_model_type": xpar.plan.model_type if xpar is not None else None,
         "plans": plans,
         "peft": _adapter_metadata(model),
+        "trainable_only": trainable_only,
         "tensors": "DCP at global shapes; planned tensors hold every expert / vocab row in global order",
         "rng": "per rank: rng/rank-NNNNN.safetensors (torch CPU, CUDA when initialised, Python random)",
         "optimizer": None if optimizer is None else {

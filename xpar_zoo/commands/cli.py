@@ -49,7 +49,9 @@ def load_model_config(name: str):
         raise UnknownArchitectureError(
             f"unknown model type {name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
             + "; see `xpar-zoo list`, or give a local directory or a hub id (org/name) with config.json")
-    return AutoConfig.from_pretrained(resolve_config(name).parent)
+    from ..zoo.configs import load_config
+
+    return load_config(resolve_config(name).parent)
 
 
 def _describe_model(config, name: str) -> str:
@@ -61,7 +63,7 @@ def _describe_model(config, name: str) -> str:
                     if getattr(config, k, None)), None)
     moe = f", {experts} experts, top-{config.num_experts_per_tok}" if experts else ""
     source = f"transformers' default {name} config" if name == config.model_type else config.model_type
-    return f"model: {name} ({source}): {config.num_hidden_layers} layers, {params / 1e9:.2f}B parameters{moe}"
+    return f"model: {name} ({source}): {config.num_hidden_layers} layers, {sizing.format_count(params)} parameters{moe}"
 
 
 def _cmd_size(args: argparse.Namespace) -> int:
@@ -146,10 +148,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from .publish import publish
+    from .publish import publish, upload_plan
 
     url = publish(args.dir, args.repo_id, private=args.private, revision=args.revision, token=args.token,
-                  base_model=args.base_model, overwrite_card=args.overwrite_card, dry_run=args.dry_run)
+                  base_model=args.base_model, overwrite_card=args.overwrite_card, dry_run=args.dry_run,
+                  strict=args.strict)
+    skipped = upload_plan(args.dir)[1]
+    if skipped and not args.dry_run:
+        print(f"xpar-zoo: skipped (not part of a hub model): {', '.join(skipped)}", file=sys.stderr)
     print(url if args.dry_run else f"published {args.dir} to {args.repo_id}: {url}")
     return 0
 
@@ -157,14 +163,22 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from ..train import config_from_args, run
     from ..train.launcher import launch, launched_by_us
-    from ..train.stop import Stopped
+    from ..train.stop import StopAtOnce, Stopped
 
     cfg = config_from_args(args)  # every setting checked before any rank starts
+    if args.dry_run:
+        from ..train.dry_run import dry_run
+
+        report = dry_run(cfg, world=args.nproc_per_node * args.nnodes if args.nproc_per_node else None)
+        if os.environ.get("RANK", "0") == "0":
+            print(report)
+        return 0
     if args.nproc_per_node is not None and not launched_by_us():
         return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
                       args.master_port)
     try:
-        run(cfg)
+        with StopAtOnce(int(os.environ.get("RANK", "0") or 0)):
+            run(cfg)
     except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
         return e.code
     return 0
@@ -252,6 +266,8 @@ def _add_publish(sub) -> None:
     p.add_argument("--overwrite-card", action="store_true", help="replace an existing README.md")
     p.add_argument("--dry-run", action="store_true",
                    help="validate and show the card and the files; write nothing, contact no hub")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a folder holding anything but the files of a hub model (default: skip them)")
     p.set_defaults(func=_cmd_publish)
 
 

@@ -2,14 +2,19 @@
 model card.
 
 The folder is validated first (``config.json``, safetensors shards whose headers parse and whose data is all there,
-an index that lists only existing files and the keys they hold, no JSON file naming a local path); then a
-``README.md`` model card is generated (YAML front matter: ``library_name: xpar_zoo``, ``base_model``, tags, and the
-export's layout / mesh facts), and only then is the repository created and the folder uploaded. Nothing is uploaded
-from a folder that fails validation.
+an index that lists only existing files and the keys they hold); only the files a hub model or adapter needs are
+uploaded (:data:`UPLOADED_FILES`, :data:`UPLOADED_PATTERNS`: everything else, ``.env``, ``training_args.bin``,
+``checkpoint-N/`` included, is listed as skipped, or refused with ``strict``), and none of them may name the local
+file system or hold a credential (:func:`scan_upload`, naming the file and line), leave the folder through a symlink,
+or ask for custom code. Then a ``README.md`` model card is generated (YAML front matter: ``library_name: xpar_zoo``,
+``base_model``, tags, and the export's layout / mesh facts; every config string escaped), and only then is the
+repository created and the files uploaded. Nothing is uploaded from a folder that fails validation.
 """
 
 from __future__ import annotations
 
+import glob
+import html
 import json
 import os
 import re
@@ -21,7 +26,38 @@ from ..errors import PublishError, XparError
 CARD_FILE = "README.md"
 CONFIG_FILE = "config.json"
 EXPORT_INFO_FILE = "xpar_export.json"  # written by converters/export.py
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# What a hub model or adapter needs; every other entry of the folder is skipped (refused with ``strict``).
+UPLOADED_FILES = frozenset({
+    CONFIG_FILE, "generation_config.json", "model.safetensors.index.json", CARD_FILE, EXPORT_INFO_FILE,
+    "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE",
+})
+UPLOADED_PATTERNS = ("*.safetensors", "*.tiktoken")
+# Files never uploaded whatever the options, with why (they are outside the allowlist too; this names the reason).
+_NEVER = {".env": "environment secrets", "credentials.json": "credentials", ".git-credentials": "credentials",
+          ".netrc": "credentials", "training_args.bin": "the Trainer's pickled arguments (local paths, tokens)"}
+_CHECKPOINT_DIR = re.compile(r"checkpoint-\d+")
+# Files of token data, not metadata: scanned for credentials but not for paths ("/" is a token).
+_TOKEN_DATA = ("vocab.json", "vocab.txt", "merges.txt", "tokenizer.model")
+_SCAN_LIMIT = 64 << 20  # a larger text file is not scanned line by line but refused
+_CREDENTIALS = (
+    ("a Hugging Face token", re.compile(r"\bhf_[A-Za-z0-9]{30,}")),
+    ("an AWS access key id", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("an AWS secret key", re.compile(r"aws_secret_access_key", re.I)),
+    ("a GitHub token", re.compile(r"\bgh[pousr]_[A-Za-z0-9]{30,}")),
+    ("an OpenAI key", re.compile(r"\bsk-(?:proj-)?[A-Za-z0-9_-]{32,}")),
+    ("a private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
+    ("a credential field", re.compile(
+        r"""["']?\b(?:token|hub_token|hf_token|auth_token|access_token|api_key|apikey|password|passwd|secret|"""
+        r"""secret_key|private_key|client_secret)["']?\s*[:=]\s*["'][^"'\s]{4,}["']""", re.I)),
+)
+# A local path in free text: under a directory every machine has, a home (~/), or a Windows drive.
+_TEXT_PATH = re.compile(r"""(?<![\w.:/~-])(?:/(?:home|Users|root|tmp|mnt|data|scratch|var|opt|private|net|nfs|"""
+                        r"""lustre|gpfs|fsx|workspace|srv|media|Volumes)/[^\s"'<>`]+|~/[^\s"'<>`]+|"""
+                        r"""[A-Za-z]:\\[^\s"'<>`]+)""")
 
 
 def validate_folder(directory: str | os.PathLike) -> dict[str, Any]:
@@ -71,6 +107,9 @@ def _read_config(directory: Path) -> dict[str, Any]:
         raise PublishError(f"{config_path}: not valid JSON ({e})") from None
     if not isinstance(config, dict) or not config.get("model_type"):
         raise PublishError(f"{config_path}: no model_type")
+    if "auto_map" in config:
+        raise PublishError(f"{config_path} names custom code (auto_map), which publish does not upload: xpar_zoo "
+                           "trains and publishes transformers' own classes; remove auto_map from the config")
     return config
 
 
@@ -122,8 +161,29 @@ def _export_info(directory: Path) -> dict[str, Any]:
         raise PublishError(f"{path}: not valid JSON ({e})") from None
 
 
+def valid_repo_id(value: Any) -> bool:
+    """Whether ``value`` is a hub model repo id the hub accepts (``org/name``; huggingface_hub's own validator:
+    no ``..``, ``--``, leading or trailing ``.``/``-``, ``.git`` ending, at most 96 characters)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not isinstance(value, str) or value.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
 def _is_local_path(value: Any) -> bool:
-    return isinstance(value, str) and (os.path.isabs(value) or value.startswith(("~", "./", "../")))
+    """Whether a JSON string value is a path of the local file system (absolute with at least two parts, ``~``,
+    ``./``, ``../`` or a Windows drive) rather than a token such as ``"/"``."""
+    if not isinstance(value, str) or not value or len(value) > 4096 or "\n" in value:
+        return False
+    if value.startswith(("~/", "./", "../")) or value == "~" or re.match(r"[A-Za-z]:[\\/]\w", value):
+        return True
+    return os.path.isabs(value) and bool(re.fullmatch(r"(/[^/\s]+){2,}/?|/[^/\s]*[A-Za-z][^/\s]*/", value))
 
 
 def _local_paths(value: Any, where: str = "") -> list[str]:
@@ -135,29 +195,142 @@ def _local_paths(value: Any, where: str = "") -> list[str]:
     return [f"{where}: {value}"] if _is_local_path(value) else []
 
 
+def _line_of(text: str, value: str) -> int:
+    """The 1-based line of ``text`` where the JSON string ``value`` first appears (1 when not found as is)."""
+    at = text.find(json.dumps(value)[1:-1])
+    return text.count("\n", 0, at) + 1 if at >= 0 else 1
+
+
+def _json_paths(name: str, text: str) -> list[str]:
+    """``"FILE KEY: VALUE (line N)"`` for every local path among the values of a JSON file (token data skipped)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return []  # not JSON: scanned as text
+    if name == "tokenizer.json" and isinstance(data, dict):  # vocabulary and merges are tokens, not metadata
+        data = {k: v for k, v in data.items() if k not in ("model", "added_tokens")}
+    if name == "tokenizer_config.json" and isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k != "added_tokens_decoder"}
+    return [f"{name} {p} (line {_line_of(text, p.split(': ', 1)[1])})" for p in _local_paths(data)]
+
+
+def scan_upload(directory: str | os.PathLike, files: list[str], texts: dict[str, str] | None = None) -> None:
+    """Raise :class:`PublishError` when a file to upload (``files``, relative to ``directory``) records a local path
+    or holds a credential (a Hugging Face, AWS, GitHub or OpenAI key, a private key, a ``"token": "…"`` field),
+    naming the file and line: publishing it would put the user's directory layout or secrets on the hub. Token
+    data (vocabularies) is scanned for credentials only; safetensors files by their header's metadata. ``texts``:
+    ``{name: text}`` to upload that is not on disk yet (the generated card), scanned in place of the file."""
+    directory = Path(directory)
+    paths: list[str] = []
+    secrets: list[str] = []
+    texts = texts or {}
+    for name in sorted(set(files) | set(texts)):
+        path = directory / name
+        if name in texts:
+            text = texts[name]
+        elif name.endswith(".safetensors"):
+            text = _safetensors_metadata(path)
+        elif path.stat().st_size > _SCAN_LIMIT:
+            raise PublishError(f"{path}: {path.stat().st_size} bytes, too large for the text files publish uploads "
+                               f"beside the weights (at most {_SCAN_LIMIT >> 20} MiB)")
+        else:
+            text = path.read_bytes().decode("utf-8", errors="replace")
+        if name not in _TOKEN_DATA:
+            paths += _json_paths(name, text) if name.endswith(".json") else []
+        for number, line in enumerate(text.splitlines(), 1):
+            for what, pattern in _CREDENTIALS:
+                if pattern.search(line):
+                    secrets.append(f"{name} line {number}: {what}")
+            if name not in _TOKEN_DATA and not name.endswith(".json") and (m := _TEXT_PATH.search(line)):
+                paths.append(f"{name} line {number}: {m.group(0)[:200]}")
+    if secrets:
+        raise PublishError(f"{directory} holds what looks like a credential, which publish would upload: "
+                           f"{'; '.join(secrets[:8])}; remove it (and revoke the key if it is real)")
+    if paths:
+        raise PublishError(f"{directory} records local paths, which publish would upload: {'; '.join(paths[:8])}; "
+                           "remove them (or re-export with `xpar-zoo convert to-hf`, which records none)")
+
+
+def _safetensors_metadata(path: Path) -> str:
+    """The ``__metadata__`` of a safetensors header as JSON text (one line), or ``""``."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(size, 100 << 20)))
+    except (OSError, ValueError, RecursionError):
+        return ""  # validate_folder names an unreadable header
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return json.dumps(meta) if meta else ""
+
+
 def refuse_local_paths(directory: str | os.PathLike) -> None:
     """Raise :class:`PublishError` when a JSON file of the folder (``config.json``, ``xpar_export.json``,
     ``generation_config.json``…) records a local path (absolute, ``~``, ``./``): publishing it would put the user's
     directory layout on the hub."""
-    found = []
-    for path in sorted(Path(directory).glob("*.json")):
-        if path.stat().st_size > (16 << 20):  # a tokenizer's vocabulary, not metadata
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        found += [f"{path.name} {p}" for p in _local_paths(data)]
-    if found:
-        raise PublishError(f"{directory} records local paths, which publish would upload: {'; '.join(found[:8])}; "
-                           "remove them (or re-export with `xpar-zoo convert to-hf`, which records none)")
+    directory = Path(directory)
+    scan_upload(directory, [p.name for p in sorted(directory.glob("*.json")) if p.is_file()])
+
+
+def upload_plan(directory: str | os.PathLike, *, strict: bool = False) -> tuple[list[str], list[str]]:
+    """``(files, skipped)``: the top-level files of ``directory`` that publish uploads (:data:`UPLOADED_FILES`,
+    :data:`UPLOADED_PATTERNS`) and ``"NAME (why)"`` for every other entry. Raises :class:`PublishError` for a symlink
+    that leads out of the folder, and with ``strict`` when anything would be skipped."""
+    import fnmatch
+
+    directory = Path(directory)
+    root = directory.resolve()
+    files, skipped, outside = [], [], []
+    for entry in sorted(directory.iterdir(), key=lambda p: p.name):
+        name = entry.name
+        if entry.is_symlink():
+            target = entry.resolve()
+            if target != root and root not in target.parents:
+                outside.append(f"{name} -> {os.readlink(entry)}")
+                continue
+        allowed = name in UPLOADED_FILES or any(fnmatch.fnmatchcase(name, p) for p in UPLOADED_PATTERNS)
+        if entry.is_dir():
+            why = "a training checkpoint" if _CHECKPOINT_DIR.fullmatch(name) else "a directory"
+            skipped.append(f"{name}/ ({why})")
+        elif name in _NEVER:
+            skipped.append(f"{name} ({_NEVER[name]})")
+        elif not allowed or not entry.is_file():
+            skipped.append(f"{name} (not a file a hub model needs)")
+        else:
+            files.append(name)
+    if outside:
+        raise PublishError(f"{directory}: symlinks leading out of the folder, which publish would upload from "
+                           f"elsewhere: {'; '.join(outside[:8])}; copy what belongs to the model into the folder")
+    if strict and skipped:
+        raise PublishError(f"{directory} holds files that are not part of a hub model (--strict): "
+                           f"{', '.join(skipped[:12])}{', …' if len(skipped) > 12 else ''}")
+    return files, skipped
 
 
 def _hub_id(value: Any) -> str | None:
     """``value`` when it looks like a hub repo id (``org/name``) rather than a local path."""
-    if isinstance(value, str) and _REPO_ID.match(value) and not Path(value).exists():
+    if valid_repo_id(value) and not Path(value).exists():
         return value
     return None
+
+
+def _md(value: Any) -> str:
+    """``value`` as inert Markdown text: HTML escaped, Markdown's special characters backslash-escaped, one line."""
+    text = html.escape(" ".join(str(value).split()), quote=True)
+    return re.sub(r"([\\`*_{}\[\]()#+\-.!|~>])", r"\\\1", text)[:1000]
+
+
+def card_fields(config: dict) -> tuple[str, list[str]]:
+    """``(model_type, architectures)`` of a config for the model card, checked: a model_type is a short name of
+    letters, digits, ``_ . -``; architectures a list of class names (strings). Raises :class:`PublishError`."""
+    model_type, architectures = config.get("model_type"), config.get("architectures")
+    if not isinstance(model_type, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]{0,63}", model_type):
+        raise PublishError(f"config.json: model_type {str(model_type)[:80]!r} is not a model type name "
+                           "(letters, digits, _ . -)")
+    if architectures is not None and (not isinstance(architectures, list)
+                                      or not all(isinstance(a, str) and a.strip() for a in architectures)):
+        raise PublishError(f"config.json: architectures must be a list of class names, got "
+                           f"{json.dumps(architectures)[:120]}")
+    return model_type, list(architectures or [])
 
 
 def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: str | None = None,
@@ -176,17 +349,18 @@ def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: 
     summary = summary or validate_folder(directory)
     config = summary["config"]
     info = _export_info(directory)
-    model_type = config["model_type"]
+    model_type, architectures = card_fields(config)
     base = base_model or _hub_id(info.get("base_model"))
     if base_model is not None and not _hub_id(base_model):
         raise PublishError(f"--base-model {base_model!r} is not a hub repo id (org/name)")
-    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)),
+    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(config.get(k), int) and not isinstance(config.get(k), bool) and config[k] > 0),
                    None)
     tags = ["xpar_zoo", *(["moe"] if experts else []), model_type]
     xpar: dict[str, Any] = {
         "layout": inspect_checkpoint(directory)["format"],  # hub per-expert / hub fused
         "model_type": model_type,
-        "architectures": config.get("architectures"),
+        "architectures": architectures or None,
         "num_experts": experts,
         "xpar_zoo_plan": model_type in supported_architectures(),
         "shards": len(summary["files"]),
@@ -199,19 +373,19 @@ def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: 
         xpar["dtype"] = config.get("dtype") or config.get("torch_dtype")
     data = ModelCardData(library_name="xpar_zoo", base_model=base, tags=tags, pipeline_tag="text-generation",
                          xpar_zoo=xpar)
-    mesh = f"`{json.dumps(info['mesh'])}`" if info.get("mesh") else "not recorded"
+    mesh = _md(json.dumps(info["mesh"])) if info.get("mesh") else "not recorded"
     lines = [
-        f"# {repo_id.split('/')[-1]}", "",
-        f"A `{model_type}` model ({', '.join(config.get('architectures') or [model_type])}) in the Hugging Face "
+        f"# {_md(repo_id.split('/')[-1])}", "",
+        f"A `{model_type}` model ({', '.join(_md(a) for a in architectures or [model_type])}) in the Hugging Face "
         "hub's own format, loadable with plain transformers or, parallelized (EP / vocab plans + FSDP2), with "
         "xpar_zoo:", "",
         "```python", "import xpar_zoo",
         f"model = xpar_zoo.from_pretrained({repo_id!r}, mesh=xpar_zoo.Mesh({'ep=2' if experts else ''}))", "```",
         "",
         "## Provenance", "",
-        f"- base model: {base or 'not recorded'}",
+        f"- base model: {_md(base) if base else 'not recorded'}",
         f"- trained / saved with mesh: {mesh}",
-        f"- training step: {info.get('step', 'not recorded')}",
+        f"- training step: {_md(info.get('step', 'not recorded'))}",
         f"- {summary['tensors']} tensors in {len(summary['files'])} safetensors file(s), "
         f"{summary['bytes'] / 2**20:.1f} MiB", "",
     ]
@@ -228,14 +402,15 @@ def _hub_call(what: str, repo: str, fn, /, *args, **kwargs):
         raise PublishError(f"{what} {repo} on the hub failed ({type(e).__name__}: {first[:300]})") from None
 
 
-def dry_run_report(directory: Path, repo_id: str, summary: dict[str, Any], card, keep_card: bool) -> str:
-    """What ``publish`` would upload: the files, their size, and the model card."""
-    files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
-    if CARD_FILE not in files:
-        files.append(CARD_FILE)
+def dry_run_report(directory: Path, repo_id: str, summary: dict[str, Any], card, keep_card: bool,
+                   files: list[str] | None = None, skipped: list[str] | None = None) -> str:
+    """What ``publish`` would upload: the files, their size, what it skips, and the model card."""
+    files = sorted(set(files if files is not None else upload_plan(directory)[0]) | {CARD_FILE})
+    skipped = skipped if skipped is not None else upload_plan(directory)[1]
     lines = [f"dry run: would create {repo_id} and upload {len(files)} file(s) from {directory} "
              f"({summary['bytes'] / 2**20:.1f} MiB of safetensors, {summary['tensors']} tensors):",
              *(f"  {f}" for f in files),
+             *([f"skipped (not part of a hub model): {', '.join(skipped)}"] if skipped else []),
              f"model card ({'the existing ' + CARD_FILE if keep_card else 'generated'}):"]
     text = (directory / CARD_FILE).read_text() if keep_card else str(card)
     return "\n".join(lines + ["  " + line for line in text.splitlines()])
@@ -252,24 +427,31 @@ def publish(
     overwrite_card: bool = False,
     commit_message: str | None = None,
     dry_run: bool = False,
+    strict: bool = False,
 ) -> str:
     """Validate ``directory``, create ``repo_id`` (``exist_ok``; the branch ``revision`` too when given), write its
-    model card (``README.md``; an existing one is kept unless ``overwrite_card``) and upload the folder. Returns the
-    URL of the upload commit (or whatever ``upload_folder`` returns, as a string). A failed hub call raises
-    :class:`PublishError` and leaves the folder as it was (a card written for the upload is removed again).
-    ``dry_run``: validate and return what would be uploaded, card included; nothing is written or sent."""
+    model card (``README.md``; an existing one is kept unless ``overwrite_card``) and upload the files a hub model
+    needs (:func:`upload_plan`: anything else is skipped, or refused with ``strict``), none of which may record a
+    local path or a credential (:func:`scan_upload`). Returns the URL of the upload commit (or whatever
+    ``upload_folder`` returns, as a string). A failed hub call raises :class:`PublishError` and leaves the folder as
+    it was (a card written for the upload is removed again). ``dry_run``: validate and return what would be
+    uploaded, card included; nothing is written or sent."""
     from huggingface_hub import HfApi
 
     directory = Path(directory)
-    if not _REPO_ID.match(repo_id):
-        raise PublishError(f"{repo_id!r} is not a hub repo id (org/name)")
+    if not valid_repo_id(repo_id):
+        raise PublishError(f"{str(repo_id)[:120]!r} is not a hub repo id (org/name: letters, digits, - _ . ; no "
+                           "'..' or '--', not starting or ending with - or ., at most 96 characters)")
     summary = validate_folder(directory)
-    refuse_local_paths(directory)
+    files, skipped = upload_plan(directory, strict=strict)
     card_path = directory / CARD_FILE
     write_card = overwrite_card or not card_path.exists()
     card = build_model_card(directory, repo_id, base_model=base_model, summary=summary) if write_card else None
+    scan_upload(directory, [f for f in files if not (write_card and f == CARD_FILE)],
+                {CARD_FILE: str(card)} if write_card else None)
     if dry_run:
-        return dry_run_report(directory, repo_id, summary, card, keep_card=not write_card)
+        return dry_run_report(directory, repo_id, summary, card, keep_card=not write_card, files=files,
+                              skipped=skipped)
     api = HfApi(token=token)
     _hub_call("creating", repo_id, api.create_repo, repo_id, private=private, repo_type="model", exist_ok=True)
     if revision is not None:
@@ -284,6 +466,7 @@ def publish(
     try:
         result = _hub_call("uploading to", repo_id, api.upload_folder, repo_id=repo_id, folder_path=str(directory),
                            repo_type="model", revision=revision,
+                           allow_patterns=[glob.escape(f) for f in sorted(set(files) | {CARD_FILE})],
                            commit_message=commit_message or f"Upload {summary['config']['model_type']} with "
                                                              "xpar-zoo publish")
     except PublishError:

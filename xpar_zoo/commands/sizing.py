@@ -181,7 +181,9 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     heads, kv_heads = attention_heads(config, sp)
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     queries, keys = rows * seq // cp, rows * seq  # inside attention: the rank's cp chunk, against the whole row
-    masked = sp * cp > 1  # the sp/cp attention passes a mask built from global positions
+    # the sp/cp attention passes a mask built from global positions, except to sdpa on rows in order (sp alone,
+    # plain rows: sdpa's own causal kernel); packed rows, padding or a short sliding window need it there too
+    masked = cp > 1 if attention == "sdpa" else sp * cp > 1 and attention == "eager"
     native_gqa = attention.startswith("flash") or (attention == "sdpa" and not masked)
     kv_kernel = kv_heads if native_gqa else heads  # otherwise transformers repeats the key/value heads to the queries'
     values = 2 * queries * heads * d + 2 * keys * kv_kernel * d  # q and the output, k and v
@@ -258,7 +260,8 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     without a mask keep them as they are), and under sp the output's all-to-all makes a second copy for the output
     projection. ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
     a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp the attention gets a mask of
-    ``rows·(seq/cp)·seq``: boolean for sdpa (torch saves a copy in the compute dtype per layer), additive for eager.
+    ``rows·(seq/cp)·seq``: boolean for sdpa (torch saves a copy in the compute dtype per layer), additive for eager;
+    sdpa gets none under sp alone (its own causal kernel: plain rows assumed, no packing, padding or short window).
     With ``recompute`` (activation checkpointing of every decoder layer, e.g.
     ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
     layer at a time holds all of its values again while it is recomputed: the peak.
@@ -571,9 +574,20 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def format_count(n: float) -> str:
+    """A count in human units with three significant digits or so: ``950``, ``12.3K``, ``4.5M``, ``30.5B``,
+    ``1.2T`` (never ``0.00B`` for a small model)."""
+    n = float(n)
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale * 0.9995 or (unit == "T" and abs(n) >= scale):
+            value = n / scale
+            return f"{value:.0f}{unit}" if abs(value) >= 99.95 else f"{value:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def format_estimate(est: Estimate) -> str:
     """A human-readable table of one estimate."""
-    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({est.lora['adapter parameters'] / 1e6:.1f}M "
+    lines = [f"mesh {est.mesh}" + (f", LoRA rank {est.lora['rank']} ({format_count(est.lora['adapter parameters'])} "
                                    "adapter parameters)" if est.lora else "")]
     if est.placement:
         shown = "; ".join(f"{name}: " + ", ".join(f"{n} tensor{'s' * (n != 1)} on {dim}"

@@ -98,16 +98,12 @@ def _check_parallelize_kwargs(kwargs: dict) -> None:
 
 
 def load_config(directory: str | Path):
-    """The transformers config in ``directory``; a missing, malformed or unrecognised ``config.json`` raises
+    """The transformers config in ``directory``, never running code from it
+    (:func:`xpar_zoo.zoo.configs.load_config`); a missing, malformed or unrecognised ``config.json`` raises
     :class:`LoadError` naming the file."""
-    from transformers import AutoConfig
+    from ..zoo.configs import load_config as safe_load_config
 
-    path = Path(directory) / "config.json"
-    try:
-        return AutoConfig.from_pretrained(directory)
-    except (OSError, ValueError, KeyError) as e:
-        first = (str(e).splitlines() or [""])[0]
-        raise LoadError(f"{path}: cannot read the model config ({type(e).__name__}: {first})") from None
+    return safe_load_config(directory, LoadError)
 
 
 @dataclass(frozen=True)
@@ -268,7 +264,7 @@ def from_pretrained(
 
         fill_adapter(outer, initial)
     if (hub.directory / "generation_config.json").is_file() and model.can_generate():
-        model.generation_config = GenerationConfig.from_pretrained(hub.directory)
+        model.generation_config = GenerationConfig.from_pretrained(hub.directory, trust_remote_code=False)
     model.config.name_or_path = str(name)
     model._xpar_load = stats
     return outer.eval()

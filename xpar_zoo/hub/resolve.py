@@ -42,18 +42,58 @@ def is_offline() -> bool:
     return huggingface_hub.is_offline_mode()
 
 
+PROBE_TIMEOUT_S = 5.0  # how long a hub that does not answer is waited for, instead of minutes of retries
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub endpoint (``HF_ENDPOINT``) cannot be reached now (one TCP connection, at most
+    :data:`PROBE_TIMEOUT_S`), or None when it can, or when a proxy is configured (the proxy decides)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
+        return None
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        with socket.create_connection((url.hostname or "", port), timeout=PROBE_TIMEOUT_S):
+            return None
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or type(e).__name__
+        return f"the hub at {constants.ENDPOINT} is unreachable ({why})"
+
+
+def _valid_hub_id(text: str) -> bool:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
 def _path_reason(name: str | os.PathLike, cache_dir: str | os.PathLike | None) -> str | None:
     """Why ``name`` can only mean a local path (absolute, ``./``, ``../``, ``~``, a trailing or a second slash, a
-    backslash; or ``dir/name`` where ``dir`` is a local directory and the hub id is not in the local cache), or
-    None when it may be a hub id."""
+    backslash; a bare ``name`` without ``org/`` that the local cache does not hold; or
+    ``dir/name`` where ``dir`` is a local directory and the hub id is not in the local cache), ``"invalid"`` for a
+    name no hub id can have, or None when it may be a hub id."""
+    from huggingface_hub import try_to_load_from_cache
+
     text = os.fspath(name)
     if (isinstance(name, os.PathLike) or os.path.isabs(text) or text.startswith((".", "~")) or text.endswith("/")
-            or text.count("/") > 1 or "\\" in text):
+            or text.count("/") > 1 or "\\" in text or os.sep in text.replace("/", "")):
+        return "a hub id looks like org/name"
+    if not _valid_hub_id(text):
+        return "invalid"
+    if "/" not in text and not isinstance(try_to_load_from_cache(text, CONFIG_FILE, cache_dir=cache_dir), str):
         return "a hub id looks like org/name"
     head = text.split("/", 1)[0]
     if "/" in text and Path(head).is_dir():
-        from huggingface_hub import try_to_load_from_cache
-
         if not isinstance(try_to_load_from_cache(text, CONFIG_FILE, cache_dir=cache_dir), str):
             return (f"{head}/ is a local directory, so the name is not looked up on the hub; for the hub repo of "
                     "that name, run from another directory")
@@ -66,6 +106,9 @@ def _refuse_missing_local(name: str | os.PathLike, cache_dir: str | os.PathLike 
     if path.exists() and not path.is_dir():
         raise HubResolutionError(f"{os.fspath(name)} is a file, not a model directory (config.json and safetensors)")
     if not path.exists() and (why := _path_reason(name, cache_dir)):
+        if why == "invalid":
+            raise HubResolutionError(f"{os.fspath(name)!r} is neither a local directory nor a valid hub repo id (no "
+                                     "such directory; a hub id is org/name: letters, digits, - _ .)")
         raise HubResolutionError(f"{os.fspath(name)} does not exist (no such local directory; {why})")
 
 
@@ -100,26 +143,38 @@ def resolve_config(name: str | os.PathLike, revision: str | None = None, *, cach
         return path / CONFIG_FILE
     _refuse_missing_local(name, cache_dir)
     where = f"{str(name)!r}" + (f" at revision {revision!r}" if revision else "")
-    mode = " (HF_HUB_OFFLINE=1: only the local huggingface_hub cache is searched)" if is_offline() else ""
+    local_only, mode = _search_mode()
     try:
-        return Path(hf_hub_download(str(name), CONFIG_FILE, revision=revision, cache_dir=cache_dir, token=token))
+        return Path(hf_hub_download(str(name), CONFIG_FILE, revision=revision, cache_dir=cache_dir, token=token,
+                                    local_files_only=local_only))
     except HFValidationError:
         raise HubResolutionError(f"{str(name)!r} is neither a local directory nor a valid hub repo id") from None
     except Exception as e:  # not found, no network, not cached, gated…: one clear error naming the repo
         raise HubResolutionError(f"cannot get the {CONFIG_FILE} of {where}{mode}: {type(e).__name__}") from None
 
 
+def _search_mode() -> tuple[bool, str]:
+    """``(cache only, what the error adds)``: offline mode, or a hub that does not answer now (said at once, not
+    after huggingface_hub's minutes of retries), search only the local cache."""
+    if is_offline():
+        return True, " (HF_HUB_OFFLINE=1: only the local huggingface_hub cache is searched)"
+    unreachable = hub_unreachable()
+    if unreachable:
+        return True, f" ({unreachable}: only the local huggingface_hub cache is searched)"
+    return False, ""
+
+
 def _resolve_hub(repo_id: str, revision: str | None, cache_dir, token, weights: bool = True) -> ResolvedModel:
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
 
-    offline = is_offline()
     where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
-    mode = " (HF_HUB_OFFLINE=1: only the local huggingface_hub cache is searched)" if offline else ""
+    local_only, mode = _search_mode()
 
     def fetch(filename: str) -> Path | None:
         try:
-            return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token))
+            return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, token=token,
+                                        local_files_only=local_only))
         except (EntryNotFoundError, LocalEntryNotFoundError):
             return None
 
@@ -146,7 +201,7 @@ def _resolve_hub(repo_id: str, revision: str | None, cache_dir, token, weights: 
         raise HubResolutionError(f"{where} has neither {INDEX_FILE} nor {SINGLE_FILE}{mode}; xpar_zoo loads "
                                  "safetensors weights only")
     directory = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, token=token,
-                                       allow_patterns=[*needed, *SIDE_FILES]))
+                                       allow_patterns=[*needed, *SIDE_FILES], local_files_only=local_only))
     absent = [f for f in needed if not (directory / f).is_file()]
     if absent:
         raise HubResolutionError(f"{where}: {absent} missing from {directory}{mode}")

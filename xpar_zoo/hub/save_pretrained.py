@@ -33,10 +33,12 @@ def _is_weight_file(name: str) -> bool:
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_shard_size: str | int = "5GB",
                     dtype: str | torch.dtype | None = None, safe_serialization: bool = True,
                     is_main_process: bool = True, state_dict: dict | None = None, push_to_hub: bool = False,
-                    progress: bool = True, **kwargs) -> Path:
+                    progress: bool = True, merge=None, **kwargs) -> Path:
     """Write a parallelized ``model`` to ``save_directory`` in the hub's own format (config, generation config,
     safetensors files + index) from its live shards; ``dtype`` casts floating tensors. A collective: every rank
-    calls it, rank 0 writes (``is_main_process`` is accepted and ignored). Returns the directory."""
+    calls it, rank 0 writes (``is_main_process`` is accepted and ignored). ``merge``: an
+    :class:`~xpar_zoo.integrations.peft_files.AdapterMerge` of the model's live tensors, whose merged weights are
+    written instead (a PEFT model). Returns the directory."""
     from tqdm.auto import tqdm
 
     from ..zoo.registry import build_meta
@@ -48,8 +50,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
                               f"does not take {given}; publish with `xpar-zoo publish`")
     check_materialized(model)
     live = model.state_dict()  # sharded DTensors at global shapes, HF names, persistent buffers included
-    hub = HubWriter(build_meta(model.config, torch.float32), model.config,
-                    {n: (tuple(t.shape), t.dtype) for n, t in live.items()}, cast=parse_dtype(dtype),
+    specs = ({n: (tuple(shape), dt) for n, shape, dt in merge.outputs} if merge is not None
+             else {n: (tuple(t.shape), t.dtype) for n, t in live.items()})
+    hub = HubWriter(build_meta(model.config, torch.float32), model.config, specs, cast=parse_dtype(dtype),
                     max_shard_bytes=parse_size(max_shard_size))
     directory = Path(save_directory).expanduser().absolute()
     writing = distributed.rank() == 0
@@ -64,9 +67,13 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
             error = distributed.describe_error(e)
     with tqdm(total=hub.total_bytes, unit="B", unit_scale=True, desc="save_pretrained",
               disable=not progress or not writing) as bar, distributed.exact_gathers():
-        for name in hub.names:
-            value = live[name]
-            full = value.full_tensor() if isinstance(value, DTensor) else value  # a collective: every rank, in order
+        def gathered(names):
+            for name in names:
+                value = live[name]
+                yield name, (value.full_tensor() if isinstance(value, DTensor) else value)  # every rank, in order
+
+        stream = merge.merged(gathered(merge.reads(hub.names))) if merge is not None else gathered(hub.names)
+        for name, full in stream:
             if writing and error is None:  # a failed writer keeps gathering, so that no rank is left waiting
                 try:
                     bar.update(hub.add(name, full.cpu()))

@@ -242,6 +242,12 @@ def prepare(model: nn.Module, plan: Plan) -> tuple[nn.Module, Plan]:
     return hf, adapter_plan(hf, plan)
 
 
+def expert_parameters(plan: Plan) -> list[str]:
+    """LoRA ``target_parameters`` for every fused expert tensor of ``plan``'s experts plans (e.g.
+    ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``)."""
+    return sorted({p.rpartition("*.")[2] for ep in plan.extra.values() if ep.style == "experts" for p in ep.params})
+
+
 # ---- the sizer's model ----------------------------------------------------------------------------------------
 def lora_meta_model(model: nn.Module, plan: Plan, rank: int, modules: list[str] | str | None = None,
                     parameters: list[str] | None = None) -> tuple[nn.Module, Plan]:
@@ -252,8 +258,7 @@ def lora_meta_model(model: nn.Module, plan: Plan, rank: int, modules: list[str] 
     if not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"the LoRA rank must be a positive integer, got {rank!r}")
     if parameters is None:
-        parameters = sorted({p.rpartition("*.")[2] for ep in plan.extra.values() if ep.style == "experts"
-                             for p in ep.params})
+        parameters = expert_parameters(plan)
     if modules is None:  # PEFT's "all-linear" would add MoE routers' weights as target_parameters
         head = model.get_output_embeddings()
         modules = sorted({n.rpartition(".")[2] for n, m in model.named_modules()

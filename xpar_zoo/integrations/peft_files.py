@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 from pathlib import Path
 
@@ -22,11 +23,81 @@ from ..parallel.distributed import broadcast, exact_gathers, rank
 from ..parallel.state import local_region
 from ..zoo.plan import WRAPPED_ATTR
 from ..zoo.registry import build_meta
-from .peft import (FRESH_INITS, adapter_names, check_supported, is_expert_major, param_wrappers, relayout,
+from .peft import (FRESH_INITS, adapter_names, base_of, check_supported, is_expert_major, param_wrappers, relayout,
                    require_peft, to_expert_major, to_peft_layout, unwrapped_name, uses_peft)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MAX_RANK = 1 << 16  # a LoRA rank past this is no low-rank adapter of any model xpar_zoo trains
+MAX_ALPHA = 1e6
+
+
+# ---- adapter records: checked before PEFT sees them -------------------------------------------------------------
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _names(value) -> bool:
+    return value is None or isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def _shown(value) -> str:
+    return json.dumps(value, default=str)[:60]
+
+
+def check_lora_record(values, where: str) -> None:
+    """Raise :class:`AdapterError` in one line when a LoRA adapter record (``adapter_config.json``, a checkpoint's
+    ``peft`` entry) is not one xpar_zoo can take as it is: another ``peft_type``, a rank ``r`` that is not a whole
+    number in [1, 65536], a ``lora_alpha`` (or ``rank_pattern`` / ``alpha_pattern`` value) that is not finite and
+    positive, a dropout outside [0, 1), module lists that are not names, flags that are not booleans, custom
+    classes (an ``auto_mapping`` outside transformers). ``base_model_name_or_path`` is a name only, never read."""
+    if not isinstance(values, dict):
+        raise AdapterError(f"{where}: an adapter record is a JSON object, got {type(values).__name__}")
+    peft_type = values.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(f"{where}: peft_type {_shown(peft_type)}; xpar_zoo takes LoRA adapters "
+                           "(peft_type 'LORA') only")
+    r = values.get("r")
+    if not _is_int(r) or not 1 <= r <= MAX_RANK:
+        raise AdapterError(f"{where}: r = {_shown(r)}; the LoRA rank is a whole number from 1 to {MAX_RANK}")
+    alpha = values.get("lora_alpha")
+    if not _is_number(alpha) or not 0 < alpha <= MAX_ALPHA:
+        raise AdapterError(f"{where}: lora_alpha = {_shown(alpha)}; it scales the update (lora_alpha / r) and "
+                           f"must be a finite number in (0, {MAX_ALPHA:g}]")
+    for key, ok, what in (("rank_pattern", lambda v: _is_int(v) and 1 <= v <= MAX_RANK, f"ranks in [1, {MAX_RANK}]"),
+                          ("alpha_pattern", lambda v: _is_number(v) and 0 < v <= MAX_ALPHA,
+                           f"finite alphas in (0, {MAX_ALPHA:g}]")):
+        pattern = values.get(key)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict) or not all(isinstance(k, str) and ok(v) for k, v in pattern.items()):
+            raise AdapterError(f"{where}: {key} = {json.dumps(pattern, default=str)[:100]}; it maps module names to "
+                               f"{what}")
+    dropout = values.get("lora_dropout", 0.0)
+    if not _is_number(dropout) or not 0 <= dropout < 1:
+        raise AdapterError(f"{where}: lora_dropout = {_shown(dropout)}; a probability in [0, 1)")
+    for key in ("target_modules", "target_parameters", "exclude_modules", "modules_to_save"):
+        if not _names(values.get(key)):
+            raise AdapterError(f"{where}: {key} = {json.dumps(values.get(key), default=str)[:100]}; a module name or "
+                               "a list of names")
+    for key in ("fan_in_fan_out", "use_rslora", "use_dora", "lora_bias", "inference_mode"):
+        if key in values and not isinstance(values[key], bool):
+            raise AdapterError(f"{where}: {key} = {_shown(values[key])}; true or false")
+    if values.get("bias", "none") not in ("none", "all", "lora_only"):
+        raise AdapterError(f"{where}: bias = {_shown(values.get('bias'))}; one of 'none', 'all', 'lora_only'")
+    mapping = values.get("auto_mapping")
+    if mapping and not (isinstance(mapping, dict) and set(mapping) <= {"base_model_class", "parent_library"}
+                        and str(mapping.get("parent_library")).startswith("transformers.")
+                        and str(mapping.get("base_model_class")).isidentifier()):
+        raise AdapterError(f"{where}: auto_mapping names custom model classes ({_shown(mapping)}); xpar_zoo runs no "
+                           "code from an adapter and trains transformers' own classes")
+    base = values.get("base_model_name_or_path")
+    if base is not None and (not isinstance(base, str) or len(base) > 4096 or any(ord(c) < 32 for c in base)):
+        raise AdapterError(f"{where}: base_model_name_or_path = {_shown(base)}; a model name or path")
 
 
 # ---- adapter tensors: names, values -----------------------------------------------------------------------------
@@ -111,19 +182,48 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
+def _check_adapter_output(model: nn.Module, directory: Path, force: bool) -> str | None:
+    """Why ``directory`` cannot take the adapter (checked before any gathering), or None: the base model's own
+    directory (or inside it, or holding it), a file, an existing non-empty directory without ``force``, an
+    unwritable parent."""
+    from ..io.atomic_dir import check_apart
+
+    base = getattr(getattr(base_of(model), "config", None), "name_or_path", None)
+    recorded = [getattr(c, "base_model_name_or_path", None) for c in (getattr(model, "peft_config", None) or {}).values()]
+    inputs = [p for p in (base, *recorded) if isinstance(p, str) and p and Path(p).expanduser().is_dir()]
+    try:
+        check_apart(directory, [Path(p).expanduser() for p in inputs], AdapterError)
+    except AdapterError as e:
+        return str(e).replace("replacing it with --force", "replacing it with force=True")
+    if directory.exists() and not directory.is_dir():
+        return f"{directory} exists and is not a directory"
+    if directory.is_dir() and any(directory.iterdir()) and not force:
+        return (f"{directory} already exists and is not empty; pass force=True to replace its adapter files once "
+                "the new ones are complete (the other files stay)")
+    parent = next((p for p in directory.parents if p.exists()), None)
+    if parent is None or not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot write {directory}: {parent} is not writable"
+    return None
+
+
+def save_adapter(model: nn.Module, directory: str | os.PathLike, *, force: bool = False) -> Path:
     """Write the LoRA adapter of a (parallelized) PEFT model to ``directory`` in PEFT's own format:
     ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's key names, expert adapters at their global
     shape in PEFT's layout, so that ``PeftModel.from_pretrained(base_model, directory)`` loads it in one process.
     A collective: every rank calls it, rank 0 writes, into a staging directory moved into place at the end (nothing
-    half-written). Returns the directory."""
+    half-written). The output is checked first, before any tensor is gathered: never the base model's directory
+    (or inside it); an existing non-empty directory only with ``force``, whose adapter files are then replaced once
+    the new ones are complete (its other files stay). Returns the directory."""
     from safetensors.torch import save_file
 
     (adapter,) = adapter_names(model) or [None]
     if adapter is None or not getattr(model, "peft_config", None):
         raise AdapterError(f"{type(model).__name__} has no PEFT adapter (peft_config) to save")
-    state = adapter_state(model)
     directory = Path(directory).expanduser().absolute()
+    refused = broadcast(_check_adapter_output(model, directory, force) if rank() == 0 else None)
+    if refused:
+        raise AdapterError(refused)
+    state = adapter_state(model)
     error = None
     if rank() == 0:
         staging = None
@@ -143,7 +243,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike) -> Path:
                 staging.discard()
     error = broadcast(error)
     if error:
-        raise AdapterError(f"saving the adapter to {directory} failed: {error}")
+        raise AdapterError(f"saving the adapter to {directory} failed (nothing was replaced): {error}")
     return directory
 
 
@@ -210,6 +310,12 @@ def read_adapter(path: str | os.PathLike):
         raise AdapterError(f"{directory}: no {ADAPTER_WEIGHTS}" + (f" (found {', '.join(found)}: xpar_zoo never "
                            "unpickles weights; convert to safetensors in a trusted process)" if found else ""))
     try:
+        record = json.loads((directory / ADAPTER_CONFIG).read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise AdapterError(f"{directory / ADAPTER_CONFIG}: not a readable JSON file ({type(e).__name__}: "
+                           f"{str(e)[:200]})") from None
+    check_lora_record(record, str(directory / ADAPTER_CONFIG))
+    try:
         config = peft.PeftConfig.from_pretrained(str(directory))
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise AdapterError(f"{directory / ADAPTER_CONFIG}: cannot read the adapter config ({e})") from None
@@ -218,6 +324,12 @@ def read_adapter(path: str | os.PathLike):
         tensors = load_file(str(directory / ADAPTER_WEIGHTS))
     except Exception as e:  # safetensors raises its own error types
         raise AdapterError(f"{directory / ADAPTER_WEIGHTS}: unreadable safetensors file ({e})") from None
+    from ..io.integrity import nonfinite_names
+
+    bad = nonfinite_names(sorted(tensors.items()))
+    if bad:
+        raise AdapterError(f"{directory / ADAPTER_WEIGHTS}: NaN or infinity in {', '.join(bad[:6])}"
+                           + (f" and {len(bad) - 6} more" if len(bad) > 6 else "") + "; the adapter cannot train")
     return config, tensors
 
 
@@ -306,30 +418,49 @@ class AdapterMerge:
     ``specs``: ``{checkpoint name: (shape, dtype)}`` of its model tensors. :attr:`outputs` lists ``(transformers
     name, shape, dtype)`` in order; :meth:`reads` the checkpoint names to stream into :meth:`merged`."""
 
-    def __init__(self, config, adapters: dict, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    def __init__(self, config, adapters: dict, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 where: str = "the checkpoint") -> None:
         peft = require_peft()
         from peft.tuners.lora import LoraLayer, ParamWrapper
 
-
-        if len(adapters) != 1:
-            raise AdapterError(f"the checkpoint holds {len(adapters)} adapters ({', '.join(adapters)}); xpar_zoo "
-                               "merges one")
+        if not isinstance(adapters, dict) or len(adapters) != 1:
+            raise AdapterError(f"{where} holds {len(adapters) if isinstance(adapters, dict) else 'no readable'} "
+                               f"adapter records ({', '.join(map(str, adapters))[:200] if adapters else ''}); "
+                               "xpar_zoo merges one")
         (adapter, values), = adapters.items()
-        lora = peft.LoraConfig.from_peft_type(**values)
+        if not isinstance(adapter, str) or not adapter or "." in adapter:
+            raise AdapterError(f"{where}: adapter name {str(adapter)[:60]!r} is not a module name")
+        check_lora_record(values, f"{where}, adapter {adapter!r}")
+        try:
+            lora = peft.LoraConfig.from_peft_type(**values)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise AdapterError(f"{where}, adapter {adapter!r}: PEFT refuses the record ({str(e)[:200]})") from None
         if lora.lora_bias or lora.use_dora:
             raise AdapterError("merging lora_bias / DoRA adapters is not supported by xpar_zoo")
-        model = peft.get_peft_model(build_meta(config, torch.float32), lora, adapter_name=adapter,
-                                    low_cpu_mem_usage=True)
+        try:
+            model = peft.get_peft_model(build_meta(config, torch.float32), lora, adapter_name=adapter,
+                                        low_cpu_mem_usage=True)
+        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+            first = (str(e).splitlines() or [""])[0][:200]
+            raise AdapterError(f"{where}, adapter {adapter!r}: PEFT cannot apply the record to the model ({first})"
+                               ) from None
         for wrapper in param_wrappers(model).values():
             relayout(wrapper)
         if not any(n.startswith("base_model.model.") for n in specs):  # saved from the transformers model itself
             model = model.get_base_model()
-        names = set(model.state_dict())
+        state = model.state_dict()
+        names = set(state)
         if names != set(specs):
             missing, unexpected = sorted(names - set(specs)), sorted(set(specs) - names)
             raise AdapterError("the checkpoint does not fit its own adapter config: " + "; ".join(
                 f"{what} ({len(ks)}): {', '.join(ks[:6])}" for what, ks in
                 (("missing", missing), ("unexpected", unexpected)) if ks))
+        wrong = [f"{n} {list(specs[n][0])}, the record gives {list(state[n].shape)}" for n in sorted(specs)
+                 if tuple(specs[n][0]) != tuple(state[n].shape)]
+        if wrong:
+            raise AdapterError(f"{where}: the adapter tensors disagree with the adapter record (r={lora.r}, "
+                               f"lora_alpha={lora.lora_alpha}; a merge scales by lora_alpha / r, so a wrong r merges "
+                               f"a wrongly scaled update): {'; '.join(wrong[:4])}")
         fqn_of = {id(m): n for n, m in model.named_modules()}
         self._deltas: dict[str, list[tuple[str, str, float, str]]] = {}  # base -> [(A, B, scaling, kind)]
         adapter_names = set()
@@ -364,6 +495,9 @@ class AdapterMerge:
                 continue
             for a, b, scaling, kind in self._deltas.get(name, ()):
                 lora_a, lora_b = held.pop(a).float(), held.pop(b).float()
+                for factor, value in ((a, lora_a), (b, lora_b)):
+                    if not bool(torch.isfinite(value).all()):
+                        raise AdapterError(f"adapter tensor {factor} holds NaN or infinity; not merged")
                 if kind.startswith("experts"):  # per expert: A [E, in, r]
                     lora_a = lora_a.transpose(-2, -1)
                 delta = (lora_b @ lora_a) * scaling
@@ -401,4 +535,4 @@ def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, saf
     if given:
         raise ModelStateError(f"save_pretrained on a parallelized PEFT model writes its adapter from the live shards "
                               f"(xpar_zoo.save_adapter) and does not take {given}")
-    return save_adapter(model, save_directory)
+    return save_adapter(model, save_directory, force=True)  # PEFT's save_pretrained replaces an adapter

@@ -1,15 +1,22 @@
-"""Gradient clipping over parameters that live on different meshes (dense FSDP, and one mesh per extra plan)."""
+"""Gradient clipping over parameters that live on different meshes (dense FSDP, and one mesh per extra plan).
+
+Each rank's local pieces are grouped by how many ranks hold them, device and dtype, and each group is measured
+(``torch.nn.utils.get_total_norm``) and scaled (foreach ``mul_``) in one batched call, as torch's own
+``clip_grad_norm_`` does for one device; one all-reduce combines the groups of every rank."""
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import get_total_norm
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..compat import foreach_mul_
 from ..errors import NonFiniteError
 from .collectives import to_local
 from .distributed import all_gather
@@ -22,6 +29,7 @@ def _copies(g: torch.Tensor) -> int:
     return math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if isinstance(p, Replicate))
 
 
+@torch.no_grad()  # as torch's own: DTensor.to_local is then a plain attribute read, not an autograd function
 def clip_grad_norm_(
     model_or_params: nn.Module | Iterable[torch.Tensor],
     max_norm: float,
@@ -43,25 +51,33 @@ def clip_grad_norm_(
     grads = [p.grad for _, p in named]
     norm_type = float(norm_type)
     device = to_local(grads[0]).device if grads else torch.device("cpu")
+    groups = _local_groups(grads)
     acc = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        local = to_local(g).detach().float()
-        if local.numel() == 0:
-            continue
-        if math.isinf(norm_type):
-            acc = torch.maximum(acc, local.abs().max())
-        else:
-            acc = acc + local.norm(norm_type) ** norm_type / _copies(g)
+    for (copies, _, dtype), pieces in groups.items():
+        # in fp32, as single-process torch would for fp32 gradients (bf16 ones are measured after an fp32 copy)
+        norm = get_total_norm(pieces if dtype == torch.float32 else [t.float() for t in pieces], norm_type)
+        norm = norm.to(device, torch.float32)
+        acc = torch.maximum(acc, norm) if math.isinf(norm_type) else acc + norm ** norm_type / copies
     if dist.is_initialized():
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
     total = acc if math.isinf(norm_type) else acc ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):  # the same on every rank: total is all-reduced
         _raise_nonfinite(total, norm_type, [n for n, p in named if not bool(torch.isfinite(to_local(p.grad)).all())])
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        local = to_local(g)
-        local.mul_(coef.to(local.device, local.dtype))
+    for (_, piece_device, dtype), pieces in groups.items():
+        foreach_mul_(pieces, coef.to(piece_device, dtype))  # one batched kernel per group (CPU: a loop)
     return total
+
+
+def _local_groups(grads: list[torch.Tensor]) -> dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]]:
+    """This rank's non-empty pieces of ``grads`` by ``(copies, device, dtype)``: how many ranks hold each piece (a
+    replicated piece counts once over its copies), and what one batched kernel can take."""
+    groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        local = to_local(g).detach()
+        if local.numel():
+            groups[_copies(g), local.device, local.dtype].append(local)
+    return groups
 
 
 def _raise_nonfinite(total: torch.Tensor, norm_type: float, local_names: list[str]) -> None:

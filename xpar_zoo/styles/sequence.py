@@ -28,9 +28,11 @@ fewer than ``sp`` or not dividing by it; a per-head sink ``s_aux`` / ``module.si
 the whole row. The mask is built here from the *global* token indices, never from the local mask transformers
 would build for a shard: causal, a ``sliding_window`` (as transformers passes it), packed documents (a new document
 starts where ``position_ids`` do not step by one, transformers' own rule, so no token attends across a boundary,
-across cp chunks too) and padding. Boolean for ``sdpa``, additive for ``eager``; its size is ``[b, 1, S/cp, S]``
-per forward (built once per window, shared by the layers). The model applies RoPE before attention with the local
-``position_ids``, which hold global positions.
+across cp chunks too) and padding. Additive in the query dtype (for ``sdpa`` too: a boolean one would become a
+float copy per layer inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers).
+Where it would be the plain causal mask of a whole row
+(no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). The
+model applies RoPE before attention with the local ``position_ids``, which hold global positions.
 
 **Hybrid models** (linear attention, SSM layers: qwen3_next's gated delta net, minimax's lightning attention, mamba
 mixers) are refused with sp and cp: those layers run a recurrence over the whole sequence per head outside the
@@ -51,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..compat import attn_implementation
@@ -181,6 +184,14 @@ class _Forward:
     key_valid: torch.Tensor | None
     masks: dict = field(default_factory=dict)
 
+    def plain_causal(self, causal: bool, window: int | None, keys: int) -> bool:
+        """Whether the mask is the plain causal one of queries and keys both in row order (no cp, no packed
+        documents, no padding, no window shorter than the row)."""
+        if "in_order" not in self.masks:  # one host sync per forward, not per layer
+            self.masks["in_order"] = self.queries.shape == self.keys.shape and bool((self.keys == self.queries).all())
+        return (causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
+                and self.masks["in_order"])
+
     def mask(self, causal: bool, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
         key = (causal, window, additive_dtype)
         if key not in self.masks:
@@ -239,6 +250,7 @@ class SequenceParallel:
             raise BatchError("sp/cp: the batch has neither input_ids nor inputs_embeds")
         b, seq_len = ref.shape[:2]
         local = self.layout(seq_len).local.to(ref.device)
+        self.check_same_rows(ref)
         out = dict(named)
         positions = named.get("position_ids")
         if positions is None:
@@ -268,6 +280,26 @@ class SequenceParallel:
             out["inputs_embeds"] = embeds[:, local]
         out["position_ids"] = positions[:, local]
         return out, SequencePart(seq_len, document_ids(positions), key_valid)
+
+    def check_same_rows(self, rows: torch.Tensor) -> None:
+        """Raise :class:`~xpar_zoo.errors.BatchError` on every rank of the sequence group when its ranks were given
+        different rows (e.g. a loader sharded by rank instead of :func:`data_shard`): each would train on tokens
+        of rows it does not hold. A fingerprint of the rows (shape and a position-weighted sum), reduced by max and
+        by min over the sp and cp groups: two small all-reduces and one host sync per forward."""
+        weights = torch.arange(1, rows.shape[0] * rows.shape[1] + 1, device=rows.device,
+                               dtype=torch.float64).view(rows.shape[:2])
+        values = rows.to(torch.float64)
+        values = values.sum(-1) if values.dim() == 3 else values  # inputs_embeds: [b, s, h]
+        fingerprint = (values * weights).sum() + rows.shape[0] * 1e9 + rows.shape[1] * 1e6
+        both = torch.stack([fingerprint, -fingerprint])
+        for group, size in ((self.sp_group, self.sp), (self.cp_group, self.cp)):
+            if size > 1:
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if bool(both[0] != -both[1]):
+            raise BatchError(f"sp/cp: the ranks of a sequence group (sp={self.sp} x cp={self.cp}) were given "
+                             "different rows; every rank of a group must pass the same full-length rows (read the "
+                             "loader's part with xpar_zoo.data_shard(model), or hand each rank its part with "
+                             "xpar_zoo.shard_sequence)")
 
     def begin(self, part: SequencePart, device: torch.device) -> None:
         layout = self.layout(part.seq_len)
@@ -309,7 +341,12 @@ class SequenceParallel:
             shard = self.cp_shard()
             key, value = gather_sequence(key, shard), gather_sequence(value, shard)
         causal = bool(getattr(module, "is_causal", True))
-        mask = batch.mask(causal, sliding_window, query.dtype if self.inner == "eager" else None)
+        if self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
+            mask = None  # sdpa's own is_causal over the whole row (flash kernels on GPU); nothing else to mask
+        else:
+            # additive in the query dtype for eager and sdpa: one tensor per forward that every layer shares (sdpa
+            # would turn a boolean mask into a float one of its own, saved for backward, in every layer)
+            mask = batch.mask(causal, sliding_window, query.dtype)
         for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             kwargs.pop(name, None)
         view = _ModuleView(module, overrides) if overrides else module
@@ -449,6 +486,10 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
         if named.get("past_key_values") is not None or named.get("cache") is not None:
             raise ModelStateError(f"a KV cache (generate) is not supported on an sp/cp mesh (sp={state.sp}, "
                                   f"cp={state.cp}); generate on a mesh without sp/cp")
+        keep = named.get("logits_to_keep")
+        if keep is not None and not (isinstance(keep, int) and keep == 0):
+            raise BatchError(f"sp/cp: logits_to_keep={keep!r} would keep the last tokens of this rank's part, not "
+                             "of the rows; leave it 0 under sp/cp")
         part = named.pop(PART_KEY, None)
         if part is None:
             named, part = state.split(named)
@@ -474,6 +515,24 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
 
     model.generate = generate
     return state
+
+
+def set_inner_attention(model: nn.Module, inner: str) -> None:
+    """Make ``inner`` (``eager`` or ``sdpa``) the attention that the sp/cp attention of ``model`` wraps: what
+    ``model.set_attn_implementation(inner)`` is without sp/cp. (That call on an sp/cp model would replace the sp/cp
+    attention itself, and each rank would attend to its own tokens only.) A :class:`PlanError` on another name."""
+    from transformers import AttentionInterface
+
+    state = next((m.__dict__["_xpar_seq"] for m in (model, *model.modules()) if "_xpar_seq" in m.__dict__), None)
+    if state is None:
+        raise PlanError(f"{type(model).__name__} is not parallelized with sp/cp; call set_attn_implementation")
+    if inner not in INNER_IMPLEMENTATIONS:
+        raise PlanError(f"sp={state.sp}, cp={state.cp}: attention implementation {inner!r} is not supported under "
+                        f"sp/cp; use one of {', '.join(INNER_IMPLEMENTATIONS)}")
+    name = ATTENTION_PREFIX + inner
+    AttentionInterface.register(name, _sequence_attention)
+    state.inner = inner
+    model.set_attn_implementation(name)
 
 
 # ---- the public helpers -----------------------------------------------------------------------------------------

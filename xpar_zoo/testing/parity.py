@@ -262,3 +262,41 @@ def live_peak_bytes(fn: Callable[[], object], trace_path: str) -> int:
     events.sort(key=lambda e: e["ts"])
     start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
     return max(e["args"]["Total Allocated"] for e in events) - start
+
+
+def clip_grad_norm_per_tensor(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """:func:`xpar_zoo.clip_grad_norm_` as it was computed before issue 29, one tensor at a time (each local piece's
+    norm to the power ``norm_type``, divided by its copies, added up in fp32; then every piece scaled alone): the
+    reference its batched computation is held to (tests/distributed/test_clip_batched.py, bench/host_cost.py)."""
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def copies(g) -> int:
+        if not isinstance(g, DTensor):
+            return dist.get_world_size() if dist.is_initialized() else 1
+        return math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if isinstance(p, Replicate))
+
+    def local(g):
+        return g.to_local() if isinstance(g, DTensor) else g
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm_type = float(norm_type)
+    acc = torch.zeros((), dtype=torch.float32, device=local(grads[0]).device if grads else "cpu")
+    for g in grads:
+        piece = local(g).detach().float()
+        if piece.numel() == 0:
+            continue
+        if math.isinf(norm_type):
+            acc = torch.maximum(acc, piece.abs().max())
+        else:
+            acc = acc + piece.norm(norm_type) ** norm_type / copies(g)
+    if dist.is_initialized():
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    total = acc if math.isinf(norm_type) else acc ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        piece = local(g)
+        piece.mul_(coef.to(piece.device, piece.dtype))
+    return total

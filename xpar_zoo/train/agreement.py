@@ -19,10 +19,16 @@ RESUME_REFUSED = {
     "tokenizer": "the data position counts rows of the checkpoint's tokens",
     "seq_len": "the data position counts rows of the checkpoint's row length",
     "seed": "the data order of every epoch follows the seed",
+    "loss_on": "the checkpoint's steps trained on other targets of the same rows",
+    "truncate": "the data position counts rows of the checkpoint's truncated conversations",
+    "lora_rank": "the checkpoint holds adapters of its own rank",
+    "lora_targets": "the checkpoint holds adapters of its own target modules",
+    "lora_experts": "the checkpoint holds (or lacks) adapters of the experts",
 }
 # Settings of this job only (where to write, how to report, when to stop): they apply without a word.
 PER_JOB = {"output", "resume", "stop_after", "force", "progress", "tensorboard", "log_every", "export_hf",
-           "export_adapter", "timeout_minutes", "save_every", "keep_last", "max_line_bytes", *LAUNCHER_FLAGS}
+           "export_adapter", "timeout_minutes", "save_every", "keep_last", "max_line_bytes", "eval_data", "eval_every",
+           "eval_batches", "save_best", "report_to", "adapter", "epochs", *LAUNCHER_FLAGS}
 
 
 def _show(value: Any) -> str:
@@ -69,7 +75,7 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> list[s
     now = cfg.to_json()
     lines = []
     for name, value in now.items():
-        if name in PER_JOB or name not in saved:
+        if name in PER_JOB or name not in saved or (name == "steps" and value is None):  # --epochs: known later
             continue
         old = saved[name]
         if json.dumps(old, sort_keys=True) == json.dumps(value, sort_keys=True):
@@ -78,6 +84,6 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> list[s
             raise TrainConfigError(f"--resume: {name} was {_show(old)} at step {step}, now {_show(value)}: cannot "
                                    f"change on resume ({RESUME_REFUSED[name]}); start a new --output to change it")
         lines.append(f"{name} {_show(old)} → {_show(value)} from step {step + 1}")
-    if now["steps"] < step:
+    if now.get("steps") is not None and now["steps"] < step:  # --epochs: steps are known once the data is read
         raise TrainConfigError(f"--resume: the checkpoint is at step {step}, past --steps {now['steps']}")
     return lines

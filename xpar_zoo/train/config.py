@@ -16,6 +16,7 @@ from typing import Any
 
 from ..hub.writer import DTYPES
 from ..errors import TrainConfigError
+from . import sft_config
 
 SCHEDULES = ("cosine", "linear", "constant")
 INT64_MAX = 2**63 - 1
@@ -29,9 +30,10 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "seed": (0, INT64_MAX), "log_every": (1, None), "max_line_bytes": (1, 1 << 30),
     "lr": (0, 1), "min_lr_ratio": (0, 1), "weight_decay": (0, None), "max_grad_norm": (0, None),
     "expert_bias_update_rate": (0, None), "router_aux_loss_coef": (0, None),
+    "epochs": (1, 10**6), "lora_rank": (1, 2**16),  # lora_alpha, lora_dropout, eval_*: sft_config says it
     "timeout_minutes": (1e-3, 525_600),  # a year: torch's timeout (a timedelta, then milliseconds) overflows past that
 }
-REQUIRED = ("model", "data", "steps", "output")
+REQUIRED = ("model", "data", "output")  # and steps or epochs
 
 
 @dataclass
@@ -73,6 +75,22 @@ class TrainConfig:
     force: bool = False
     log_every: int = 10
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    # fine-tuning (xpar_zoo.train.sft_config): conversations, epochs, LoRA, evaluation, reporting
+    epochs: int | None = None
+    loss_on: str | None = None
+    truncate: str | None = None
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+    lora_experts: bool = True
+    adapter: str | None = None
+    export_adapter: str | None = None
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_batches: int | None = None
+    save_best: bool = False
+    report_to: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The settings as JSON data (saved in checkpoints and printed at start)."""
@@ -138,6 +156,8 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     """``value`` of key ``name`` checked and converted to the field's type."""
     if name == "mesh":
         return parse_mesh(value, where)
+    if name == "lora_targets" and isinstance(value, (list, tuple)):  # YAML: a list of module names
+        value = ",".join(map(str, value))
     if name == "adam_betas":
         parts = value.split(",") if isinstance(value, str) else value
         try:
@@ -267,7 +287,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--data", default=S, help="JSONL ('text' field), .txt, or parquet/arrow/csv/datasets dir (xpar_zoo[data])")
     a("--tokenizer", default=S, help="tokenizer hub id or directory (default: the model's)")
     a("--text-field", default=S, help="the text field of JSONL / datasets records (default: text)")
-    a("--mesh", default=S, help="extra plans and HSDP replicas, e.g. ep=2,emb=2,replicate=2 (default: FSDP only)")
+    a("--mesh", default=S, help="extra plans, long context and HSDP replicas, e.g. ep=2,emb=2,replicate=2 or "
+                                 "sp=4,cp=2,ep=8 (default: FSDP only)")
     a("--seq-len", type=int, default=S, help="tokens per packed row (default 2048)")
     a("--micro-batch", type=int, default=S, help="rows per rank per forward (default 1)")
     a("--grad-accum", type=int, default=S, help="micro-batches per optimizer step (default 1)")
@@ -305,9 +326,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="write into a non-empty --output without checkpoints, and replace an existing --export-hf (only once "
            "the new export is complete)")
     a("--log-every", type=int, default=S,
-      help="a plain line every N steps when there is no progress bar (--no-progress, or not a terminal; default 10)")
+      help="with --no-progress: a plain line every N steps and at the last (default 10)")
     a("--max-line-bytes", type=int, default=S,
       help=f"longest data line (JSONL record, .txt document) read, in bytes (default {DEFAULT_MAX_LINE_BYTES})")
+    sft_config.add_arguments(parser)
     add_launcher_arguments(parser)
 
 
@@ -351,20 +373,42 @@ def validate(cfg: TrainConfig) -> None:
     """Raise :class:`TrainConfigError` on any setting that cannot work: every value of its type, finite and in its
     range (:data:`RANGES`), and the settings consistent with each other."""
     missing = [f"--{n}" for n in REQUIRED if getattr(cfg, n) in (None, "")]
+    if cfg.steps is None and cfg.epochs is None:
+        missing.append("--steps (or --epochs)")
     if missing:
         raise TrainConfigError(f"missing setting(s): {', '.join(missing)} (flags or keys of --config)")
-    for name in FIELDS:
+    for name in FIELDS:  # types, finiteness and ranges first: the checks below compare numbers
         _coerce(name, getattr(cfg, name), f"--{name.replace('_', '-')}")
+    sft_config.validate(cfg)
     if cfg.schedule not in SCHEDULES:
         raise TrainConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.warmup > cfg.steps:
-        raise TrainConfigError(f"warmup ({cfg.warmup}) is longer than the run (steps {cfg.steps})")
-    if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
-        raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
+    if cfg.steps is not None:  # --epochs: checked again once the data gives the steps
+        if cfg.warmup > cfg.steps:
+            raise TrainConfigError(f"warmup ({cfg.warmup}) is longer than the run (steps {cfg.steps})")
+        if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
+            raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise TrainConfigError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {cfg.dtype!r}")
+    check_sequence_mesh(cfg)
     if cfg.attn_implementation is not None:
         known = attention_implementations()
         if cfg.attn_implementation not in known:
             raise TrainConfigError(f"--attn-implementation {_short(cfg.attn_implementation)} is not one transformers "
                                    f"knows: {', '.join(known)}")
+
+
+def check_sequence_mesh(cfg: TrainConfig) -> None:
+    """``--mesh sp=S,cp=C``: the packed rows of ``--seq-len`` tokens must split over the sequence group (the rule
+    of :func:`xpar_zoo.commands.sizing.sequence_parts`, checked at parse time, before any rank starts)."""
+    from ..commands.sizing import sequence_parts
+    from ..errors import BatchError
+
+    sp, cp = cfg.mesh.get("sp", 1), cfg.mesh.get("cp", 1)
+    if sp * cp == 1:
+        return
+    try:
+        sequence_parts(cfg.seq_len, sp, cp)
+    except BatchError as e:
+        what = ",".join(f"{d}={n}" for d, n in (("sp", sp), ("cp", cp)) if n > 1)
+        raise TrainConfigError(f"--seq-len {cfg.seq_len} with --mesh {what}: {str(e).split(';')[0]}; choose a "
+                               "--seq-len that does (the rows are packed to exactly --seq-len tokens)") from None

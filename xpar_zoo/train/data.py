@@ -189,6 +189,30 @@ def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
+def iter_records(path: str | os.PathLike, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+                 ) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` of every record of a JSONL file, of what ``datasets`` reads locally, or of a directory of
+    such files (``where`` names the file and line or record); nothing for ``.txt`` (documents, not records)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    suffix = path.suffix.lower()
+    if path.is_dir() and not (path / "state.json").is_file():
+        files = data_files(path)
+        kind = files[0].suffix.lower()
+        if kind in (".jsonl", ".json"):
+            return itertools.chain.from_iterable(_jsonl_records(p, max_line_bytes) for p in files)
+        return iter(()) if kind == ".txt" else _datasets_records(path, files)
+    if path.is_file() and suffix in (".jsonl", ".json"):
+        return _jsonl_records(path, max_line_bytes)
+    if path.is_file() and suffix == ".txt":
+        return iter(())
+    if path.is_dir() or suffix in DATASETS_BUILDERS:
+        return _datasets_records(path)
+    raise DataError(f"{path}: unknown data format {suffix!r}; use .jsonl, .txt, .parquet, .arrow, .csv or a "
+                    "datasets directory")
+
+
 def read_documents(path: str | os.PathLike, text_field: str = "text",
                    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Documents:
     """The documents in ``path`` (see the module docstring for the formats); empty documents are skipped. A
@@ -240,7 +264,7 @@ def load_tokenizer(name_or_dir: str):
 
     hint = "pass --tokenizer NAME_OR_DIR, or give pre-tokenized data ('input_ids' records)"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_dir)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = (str(e).splitlines() or [""])[0]
         raise DataError(f"no tokenizer in {name_or_dir} ({type(e).__name__}: {first}); {hint}") from None

@@ -4,6 +4,9 @@ One optimizer step on every rank:
 
 1. take this rank's ``grad_accum`` micro-batches of the step (:mod:`xpar_zoo.train.data`) and count the valid
    targets of all of them over every rank (:func:`xpar_zoo.loss.global_batch.global_count`, one all-reduce);
+   with ``sp``/``cp`` the ranks of a sequence group read the same full-length rows (part ``index`` of ``count``,
+   :func:`xpar_zoo.data_shard`) and the model keeps each rank's tokens, so rows, tokens and targets are counted
+   once per sequence group (by its first rank), never once per rank;
 2. forward and backward each micro-batch with ``num_items_in_batch`` = that count, so the accumulated gradients
    are exactly those of the step's global-batch mean; FSDP reduce-scatters only after the last micro-batch
    (``set_requires_gradient_sync``); with a router auxiliary loss, each micro-batch adds its global-batch share;
@@ -13,6 +16,7 @@ One optimizer step on every rank:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -37,14 +41,27 @@ from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss
 from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
+from ..styles.sequence import data_shard, set_inner_attention
 from .agreement import check_same_settings, resume_changes
 from .config import DTYPES, TrainConfig
+from . import sft_config
+from .config import validate
+from .chat import conversation_corpus, load_examples, pad_token_id
+from .evaluate import Evaluator
+from .lora import export_adapter, export_merged, from_pretrained_kwargs, is_lora
+from .metrics import read_metrics
+from .packing import EpochLimit, steps_for_epochs
+from .reporting import Reporter
+from .tiny import resolve_model
 from .data import (PackedCorpus, flatten_rows, load_tokenizer, micro_batches, read_documents, rows_per_step,
                    tokenize)
 from .metrics import MetricsLog, peak_memory_bytes
 from .outputs import CHECKPOINTS, ExportTarget, check_outputs
 from .stop import StopOnSignal, Stopped
 
+CHECKPOINTS = "checkpoints"
+BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
+SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 # transformers' masking utilities build a block-causal mask from restarting position_ids for these (no attention
 # mask, no cache); its flash-attention kernels run packed rows as varlen from position_ids in a batch of one row.
 DOCUMENT_MASKING = ("eager", "sdpa", "flex_attention")
@@ -99,17 +116,56 @@ def _checkpoint_to_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     return found, resume_changes(saved, cfg, step)
 
 
-def _load_corpus(cfg: TrainConfig, vocab_size: int) -> tuple[PackedCorpus, Any]:
-    """Every rank: read, tokenize and pack the data; the tokenizer (``None`` for pre-tokenized data without one)."""
-    docs = read_documents(cfg.data, cfg.text_field, cfg.max_line_bytes)
+def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None) -> tuple[PackedCorpus, Any]:
+    """Every rank: read, tokenize and pack the data (``path``, default ``cfg.data``); the tokenizer (``None`` for
+    pre-tokenized data without one). Conversations (``messages``, ``prompt``/``completion``) are packed whole
+    (:mod:`xpar_zoo.train.chat`, :mod:`xpar_zoo.train.packing`)."""
+    path = path or cfg.data
+    conversations = load_examples(path)
+    if conversations is not None:
+        tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        return conversation_corpus(path, *conversations, tokenizer, loss_on=cfg.loss_on, seq_len=cfg.seq_len,
+                                   seed=cfg.seed, truncate=cfg.truncate, vocab_size=vocab_size), tokenizer
+    if cfg.loss_on not in (None, "all") or cfg.truncate is not None:
+        raise DataError(f"{path}: --loss-on / --truncate apply to conversations ('messages' or 'prompt'/'completion' "
+                        "records); plain text trains on every token and is cut into rows")
+    docs = read_documents(path, cfg.text_field, cfg.max_line_bytes)
     tokenizer = None
     if docs.texts is not None or cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     tokens, lengths = tokenize(docs, tokenizer)
     if len(tokens) and int(tokens.max()) >= vocab_size:
-        raise DataError(f"{cfg.data}: token id {int(tokens.max())} is outside the model's vocabulary "
+        raise DataError(f"{path}: token id {int(tokens.max())} is outside the model's vocabulary "
                                f"({vocab_size} rows); use the model's tokenizer")
-    return PackedCorpus(tokens, lengths, cfg.seq_len, cfg.seed, source=str(cfg.data)), tokenizer
+    return PackedCorpus(tokens, lengths, cfg.seq_len, cfg.seed, source=str(path)), tokenizer
+
+
+def data_parts(cfg: TrainConfig, world: int) -> int:
+    """How many equal parts each step's global batch is read in: one per sequence group of ``sp·cp`` ranks
+    (``world`` without sp/cp; the ``count`` of :func:`xpar_zoo.data_shard` once the model is loaded)."""
+    return world // (cfg.mesh.get("sp", 1) * cfg.mesh.get("cp", 1))
+
+
+def resolve_epochs(cfg: TrainConfig, corpus, tokenizer, world: int) -> tuple[TrainConfig, Any]:
+    """``--epochs N``: the settings with the steps that read N epochs, and the corpus read for N epochs only (the
+    last step's rows past the end are padding). Otherwise both as they are."""
+    if cfg.epochs is None:
+        return cfg, corpus
+    per_step = rows_per_step(data_parts(cfg, world), cfg.micro_batch, cfg.grad_accum)
+    steps = steps_for_epochs(cfg.epochs, corpus.rows_per_epoch, per_step)
+    cfg = dataclasses.replace(cfg, steps=steps)
+    try:
+        validate(dataclasses.replace(cfg, epochs=None))
+    except TrainConfigError as e:
+        raise TrainConfigError(f"--epochs {cfg.epochs} is {steps} steps of {corpus.rows_per_epoch} rows per epoch: "
+                               f"{e}") from None
+    return cfg, EpochLimit(corpus, cfg.epochs, pad_token_id(tokenizer) if tokenizer is not None else 0)
+
+
+def best_eval_loss(output: Path, step: int) -> float:
+    """Rank 0: the lowest ``eval_loss`` in ``metrics.jsonl`` up to ``step`` (a resumed ``--save-best`` run)."""
+    seen = [m["eval_loss"] for m in read_metrics(output) if m.get("step", 0) <= step and "eval_loss" in m]
+    return min(seen, default=math.inf)
 
 
 def _model_config(name: str):
@@ -197,7 +253,8 @@ def _check_aux(aux: RouterAux, local: torch.Tensor, model_aux: torch.Tensor) -> 
     aux.checked = True
 
 
-def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: int, corpus: PackedCorpus) -> Path:
+def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: int, corpus: PackedCorpus,
+          root: Path | None = None, keep_last: int | None = None) -> Path:
     extra = {
         "step": step,
         "data": {"position": position, "fingerprint": corpus.fingerprint(), "rows_per_epoch": corpus.rows_per_epoch,
@@ -206,8 +263,8 @@ def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: in
         "world_size": dist.get_world_size(),
         "config": cfg.to_json(),
     }
-    return save_checkpoint(Path(cfg.output) / CHECKPOINTS, model, optimizer, extra_state=extra, step=step,
-                           keep_last=cfg.keep_last)
+    return save_checkpoint(root or Path(cfg.output) / CHECKPOINTS, model, optimizer, extra_state=extra, step=step,
+                           keep_last=keep_last or cfg.keep_last, trainable_only=is_lora(model))
 
 
 def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
@@ -222,7 +279,7 @@ def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
 
 
 def _resume(ckpt: Path, model, optimizer, cfg: TrainConfig) -> tuple[int, int]:
-    extra = load_checkpoint(ckpt, model, optimizer)
+    extra = load_checkpoint(ckpt, model, optimizer, trainable_only=is_lora(model))
     apply_optimizer_settings(optimizer, cfg)
     return int(extra["step"]), int(extra["data"]["position"])
 
@@ -243,18 +300,24 @@ class _Run:
     device: torch.device
     world: int
     rank: int
+    part: int = 0  # this rank's data part (xpar_zoo.data_shard): the ranks of a sequence group read the same rows
+    parts: int = 1  # the data parts of a step (world / (sp·cp))
+    counts_once: bool = True  # the first rank of its sequence group: counts its group's rows, tokens, targets
 
 
-def _load_model(cfg: TrainConfig, mesh, rank: int) -> nn.Module:
-    """The model from ``cfg.model`` on ``mesh``, in training mode with the run's attention and recompute settings."""
+def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
+    """The model from ``cfg.model`` on ``mesh`` (``peft``: ``from_pretrained``'s LoRA arguments), in training mode
+    with the run's attention and recompute settings."""
     from ..hub.loader import from_pretrained
 
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
                             mixed_precision=cfg.mixed_precision,
-                            progress=cfg.progress and rank == 0 and sys.stderr.isatty())
+                            progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
-    if cfg.attn_implementation:
+    if cfg.attn_implementation and mesh.sequence_size > 1:
+        set_inner_attention(model, cfg.attn_implementation)  # inside the sp/cp attention, not instead of it
+    elif cfg.attn_implementation:
         model.set_attn_implementation(cfg.attn_implementation)
     if cfg.recompute:
         model.activation_checkpointing_enable()
@@ -291,8 +354,9 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
     cfg, device = run.cfg, run.device
     start = time.perf_counter()
     lr = run.scheduler.get_last_lr()[0]
-    batches = micro_batches(run.corpus, position, run.rank, run.world, cfg.micro_batch, cfg.grad_accum)
-    local_targets = sum(int(count_targets(b["labels"])) for b in batches)
+    batches = micro_batches(run.corpus, position, run.part, run.parts, cfg.micro_batch, cfg.grad_accum)
+    # full-length rows on every rank of a sequence group: its first rank counts them, once
+    local_targets = sum(int(count_targets(b["labels"])) for b in batches) if run.counts_once else 0
     loss_sum, aux_sum = _forward_backward(run, batches, global_count(local_targets, device=device))
     grad_norm = clip_grad_norm_(run.model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
     run.optimizer.step()
@@ -301,7 +365,7 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
     counts = run.load.take()
     if run.biases:
         update_correction_biases(run.biases, counts, cfg.expert_bias_update_rate)
-    tokens = sum(b["input_ids"].numel() for b in batches)
+    tokens = sum(b["input_ids"].numel() for b in batches) if run.counts_once else 0
     totals = torch.stack([loss_sum, aux_sum] + [torch.tensor(float(n), dtype=torch.float64, device=device)
                                                 for n in (tokens, local_targets)])
     peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
@@ -310,9 +374,9 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     loss, aux, tokens, targets = totals.tolist()
     elapsed = time.perf_counter() - start
-    position += rows_per_step(run.world, cfg.micro_batch, cfg.grad_accum)
+    position += rows_per_step(run.parts, cfg.micro_batch, cfg.grad_accum)
     record = {"loss": loss / run.world, "grad_norm": float(grad_norm), "lr": lr, "tokens": int(tokens),
-              "targets": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+              "targets": int(targets), "target_tokens": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
               "peak_mem_bytes": int(peak.item()), "data_position": position,
               "epoch": (position - 1) // run.corpus.rows_per_epoch}
     if run.aux:
@@ -327,7 +391,10 @@ def _export(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int) -> None:
     existing export, with ``--force``, is replaced only then)."""
     target = ExportTarget(Path(cfg.export_hf))
     try:
-        model.save_pretrained(target.path, progress=cfg.progress and sys.stderr.isatty())  # every rank: rank 0 writes
+        if is_lora(model):  # merged weights, W + s·BA
+            export_merged(model, target.path)
+        else:
+            model.save_pretrained(target.path, progress=cfg.progress and sys.stderr.isatty())  # every rank: rank 0 writes
         if rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(target.path)
         target.commit()
@@ -357,17 +424,21 @@ def quiet_other_ranks(rank: int) -> None:
 
 def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
     """Before the model loads: the mesh's plan names are the model's plans, and its sizes fit the world (on one
-    process, said as such: start ranks, or train without the mesh)."""
+    process, said as such: start ranks, or train without the mesh); with ``sp``/``cp``, the model, its attention
+    and ``--seq-len`` can be split (:func:`xpar_zoo.commands.sizing.check_long_context`)."""
     from ..errors import MeshError
-    from ..parallel.mesh import validate_sizes
+    from ..commands.sizing import check_long_context
+    from ..parallel.mesh import validate_sequence_sizes, validate_sizes
     from ..styles.planned import check_plan_names
     from ..zoo.registry import get_plan
 
     sizes = dict(cfg.mesh)
     replicate = sizes.pop("replicate", 1)
+    sp, cp = sizes.pop("sp", 1), sizes.pop("cp", 1)
     check_plan_names([n for n, size in sizes.items() if size > 1], get_plan(model_config.model_type, model_config))
     try:
         validate_sizes(world, sizes, replicate)
+        validate_sequence_sizes(world, replicate, sp, cp)
     except MeshError as e:
         if world > 1:
             raise
@@ -375,41 +446,9 @@ def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
         raise MeshError(f"--mesh {','.join(f'{k}={v}' for k, v in cfg.mesh.items())} needs several ranks, and this "
                         f"is one process ({e}): start {need} or more with --nproc-per-node (or torchrun), or pass "
                         "--mesh none to train on one process") from None
-
-
-def _announce(log: MetricsLog, cfg: TrainConfig, model: nn.Module, mesh, world: int, corpus, ckpt, step: int,
-              changes: list[str], attn: str, flatten: bool) -> None:
-    """The run's first lines: what trains on what, the settings changed on resume, and a packing caveat."""
-    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
-                f"ranks x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
-                f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
-                + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
-    for line in changes:
-        log.message(f"changed on resume: {line}")
-    if attn not in DOCUMENT_MASKING and not flatten:
-        log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
-                    f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
-
-
-def _run_steps(cfg: TrainConfig, run: _Run, log: MetricsLog, step: int, position: int, last_step: int,
-               device: torch.device) -> tuple[int, dict | None]:
-    """Optimizer steps up to ``last_step``, saving every ``save_every`` steps, at the end, and when a signal stops
-    the run (then :class:`Stopped` is raised after the save). Returns the last step and its record."""
-    record = None
-    with StopOnSignal(announce=log.message) as stop:
-        while step < last_step:
-            record = {"step": step + 1, **optimizer_step(run, position)}
-            step, position = record["step"], record["data_position"]
-            log.write(record)
-            signum = stop.agreed(device)
-            if step == last_step or signum or (cfg.save_every and step % cfg.save_every == 0):
-                path = _save(cfg, run.model, run.optimizer, run.scheduler, step, position, run.corpus)  # every rank
-                log.message(f"step {step}: saved {path}")
-            if signum:
-                name = signal.Signals(signum).name
-                log.message(f"{name}: saved step-{step}; rerun with --resume to continue")
-                raise Stopped(signum, f"stopped by {name} after step {step}")
-    return step, record
+    if sp * cp > 1:  # the sizer's rules (heads, attention, hybrid layers, --seq-len): one line, before the load
+        attention = cfg.attn_implementation or attn_implementation(model_config) or "sdpa"
+        check_long_context(model_config, world, replicate, cfg.seq_len, sp, cp, attention)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -427,16 +466,24 @@ def train(cfg: TrainConfig) -> TrainResult:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     output = Path(cfg.output)
     ckpt, changes = run_everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
+    cfg = dataclasses.replace(cfg, model=run_everywhere(lambda: resolve_model(cfg.model, output), rank0_only=True))
     model_config = run_everywhere(lambda: _model_config(cfg.model))
     run_everywhere(lambda: check_mesh(cfg, model_config, world), rank0_only=True)
-    corpus, tokenizer = run_everywhere(lambda: _load_corpus(cfg, model_config.vocab_size))
+    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size))
+    cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
     check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
+    evaluator = None
+    if cfg.eval_data:
+        eval_corpus = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size, cfg.eval_data)[0])
     if ckpt is not None:
         run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
     sizes = dict(cfg.mesh)
     mesh = Mesh(replicate=sizes.pop("replicate", 1), **sizes)
 
-    model = _load_model(cfg, mesh, rank)
+    peft = from_pretrained_kwargs(cfg, model_config)
+    if peft:
+        torch.manual_seed(cfg.seed)  # a new adapter is drawn from --seed (rank 0's RNG)
+    model = _load_model(cfg, mesh, rank, **peft)
     attn = attn_implementation(model.config)
     load = ExpertLoad(model, device)
     biases = correction_biases(model, load) if cfg.expert_bias_update_rate else []
@@ -445,19 +492,70 @@ def train(cfg: TrainConfig) -> TrainResult:
                                "has no router with an e_score_correction_bias (DeepSeek-V3 / GLM-4-MoE style)")
     optimizer = build_optimizer(model, cfg)
     step, position = _resume(ckpt, model, optimizer, cfg) if ckpt is not None else (0, 0)
+    part, parts = data_shard(model)
     run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg, step), corpus, load, biases,
-               router_aux(model, cfg), attn.startswith("flash_attention"), device, world, rank)
+               router_aux(model, cfg), attn.startswith("flash_attention"), device, world, rank, part, parts,
+               counts_once=mesh.sequence_rank("sp") == 0 and mesh.sequence_rank("cp") == 0)
     last_step = cfg.stop_after or cfg.steps
+    sinks = sft_config.reporters(cfg)
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
-                     progress=cfg.progress, tensorboard=cfg.tensorboard, log_every=cfg.log_every)
-    _announce(log, cfg, model, mesh, world, corpus, ckpt, step, changes, attn, run.flatten)
+                     tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
+                     lines=not cfg.progress)  # with --progress the Reporter's line per step says it
+    report = Reporter(cfg, output, active=rank == 0, start_step=step, total_steps=cfg.steps, wandb="wandb" in sinks)
+    if cfg.eval_data:
+        evaluator = Evaluator(eval_corpus, world=world, rank=rank, part=part, parts=parts,
+                              micro_batch=cfg.micro_batch,
+                              max_batches=cfg.eval_batches, flatten=run.flatten, device=device,
+                              pad_id=pad_token_id(tokenizer))
+        best = run_everywhere(lambda: best_eval_loss(output, step), rank0_only=True)
+    group = f" ({parts} sequence groups of {world // parts} ranks)" if parts != world else ""
+    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
+                f"ranks{group} x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
+                f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
+                + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
+    for line in changes:
+        log.message(f"changed on resume: {line}")
+    for data in (corpus, eval_corpus if cfg.eval_data else None):
+        if getattr(data, "summary", ""):
+            log.message(data.summary)
+    if attn not in DOCUMENT_MASKING and not run.flatten:
+        log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
+                    f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
     record = None
     try:
-        step, record = _run_steps(cfg, run, log, step, position, last_step, device)
+        with StopOnSignal(announce=log.message) as stop:
+            while step < last_step:
+                record = {"step": step + 1, **optimizer_step(run, position)}
+                step, position = record["step"], record["data_position"]
+                if evaluator is not None and (step == last_step or (cfg.eval_every and step % cfg.eval_every == 0)):
+                    record.update(evaluator(model))
+                    load.take()  # the evaluation's tokens are no step's expert load
+                log.write(record)
+                report.write(record)
+                if (line := report.line(record)) is not None:
+                    log.message(line)
+                signum = stop.agreed(device)
+                if cfg.save_best and "eval_loss" in record and record["eval_loss"] < best:
+                    best = record["eval_loss"]
+                    path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus, root=output / BEST,
+                                 keep_last=1)
+                    log.message(f"step {step}: eval_loss {best:.4f}, the lowest so far: saved {path}")
+                if step == last_step or signum or (cfg.save_every and step % cfg.save_every == 0):
+                    path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus)  # every rank
+                    log.message(f"step {step}: saved {path}")
+                if signum:
+                    name = signal.Signals(signum).name
+                    log.message(f"{name}: saved step-{step}; rerun with --resume to continue")
+                    raise Stopped(signum, f"stopped by {name} after step {step}")
         if cfg.export_hf and step == cfg.steps:
             _export(cfg, model, tokenizer, rank)
-            log.message(f"exported the model in the hub's format to {cfg.export_hf}")
+            log.message(f"exported the {'merged ' if is_lora(model) else ''}model in the hub's format to "
+                        f"{cfg.export_hf}")
+        if cfg.export_adapter and step == cfg.steps:
+            export_adapter(model, cfg.export_adapter, tokenizer, rank)
+            log.message(f"exported the LoRA adapter (PEFT's files) to {cfg.export_adapter}")
     finally:
         load.remove()
         log.close()
+        report.close()
     return TrainResult(model=model, step=step, last=record, output=output)

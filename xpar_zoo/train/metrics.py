@@ -1,4 +1,4 @@
-"""What a training run reports: ``OUTPUT/metrics.jsonl`` (one JSON object per optimizer step), a tqdm bar and,
+"""What a training run reports: ``OUTPUT/metrics.jsonl`` (one JSON object per optimizer step), plain lines and,
 when ``tensorboard`` is installed, TensorBoard events in ``OUTPUT/tensorboard``. Rank 0 writes; the numbers are
 global (reduced over the ranks by the loop).
 
@@ -6,15 +6,17 @@ Fields of every line: ``step``, ``loss`` (the mean over every valid target of th
 micro-batches), ``grad_norm`` (before clipping), ``lr`` (the step's), ``tokens`` (input tokens of the step over all
 ranks), ``targets`` (valid targets: the loss's normaliser), ``tokens_per_s``, ``step_time_s``, ``peak_mem_bytes``
 (the largest over the ranks: CUDA peak allocated during the step, on the CPU the process's peak RSS),
-``data_position`` (global rows consumed after the step), ``epoch``; ``aux_loss`` with a router auxiliary loss; and
+``data_position`` (global rows consumed after the step), ``epoch``; ``target_tokens`` (= ``targets``: over one
+epoch of conversation data their sum is the data's target tokens); with ``--eval-data``, at evaluation steps,
+``eval_loss``, ``eval_targets``, ``eval_time_s`` (TensorBoard: ``eval/…``); ``aux_loss`` with a router auxiliary loss; and
 for MoE models ``expert_load``: per layer ``{"layer", "tokens": [per expert, global], "max_over_mean"}``.
 
 The file is only ever appended to. Every run (a resume included) first appends ``{"event": "start", "step": S,
 "time": …}``: its lines supersede the lines of steps after ``S`` written before (a run that went past its last
 checkpoint before it stopped). :func:`read_metrics` returns the lines in force, one per step.
 
-On rank 0 a tqdm bar shows the step just finished when stderr is a terminal; otherwise (or with ``--no-progress``)
-a plain line every ``--log-every`` steps, without terminal control codes.
+With ``lines`` (the command's ``--no-progress``: otherwise :mod:`~xpar_zoo.train.reporting` prints a line per
+step), a plain line every ``--log-every`` steps and at the last, without terminal control codes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -69,21 +70,16 @@ def step_line(record: dict[str, Any], total: int) -> str:
 class MetricsLog:
     """Rank 0's sinks for the per-step metrics; on other ranks every method does nothing."""
 
-    def __init__(self, output: Path, *, active: bool, start_step: int, total_steps: int, progress: bool,
-                 tensorboard: bool, log_every: int = 10, terminal: bool | None = None):
-        self.active = active
+    def __init__(self, output: Path, *, active: bool, start_step: int, total_steps: int, tensorboard: bool,
+                 log_every: int = 10, lines: bool = True):
+        self.active, self.lines = active, lines
         self.path = output / METRICS_FILE
         self.total_steps, self.log_every = total_steps, log_every
-        self._bar = self._tb = None
+        self._tb = None
         if not active:
             return
         with open(self.path, "a") as f:  # appended, never truncated: see the module docstring
             f.write(json.dumps({"event": "start", "step": start_step, "time": time.time()}) + "\n")
-        terminal = sys.stderr.isatty() if terminal is None else terminal
-        if progress and terminal:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -97,30 +93,22 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._bar is not None:  # the postfix first: the refresh update() makes shows this step's numbers
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                  tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-            self._bar.update(1)
-        elif record["step"] % self.log_every == 0 or record["step"] == self.total_steps:
+        if self.lines and (record["step"] % self.log_every == 0 or record["step"] == self.total_steps):
             print(step_line(record, self.total_steps), flush=True)
         if self._tb is not None:
             step = record["step"]
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}", value, step)
+                    tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                    self._tb.add_scalar(tag, value, step)
             for layer in record.get("expert_load", ()):
                 self._tb.add_scalar(f"expert_load/max_over_mean/layer_{layer['layer']}", layer["max_over_mean"], step)
 
     def message(self, text: str) -> None:
         if not self.active:
             return
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
-            print(text, flush=True)
+        print(text, flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
         if self._tb is not None:
             self._tb.close()

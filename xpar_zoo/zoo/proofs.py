@@ -38,6 +38,10 @@ DENSE_MESHES: dict[str, dict] = {
     "emb4_head2_strided": {"emb": 4, "head": 2, "innermost": {"head": False}},
 }
 AUTO_MESHES: dict[str, dict] = {"fsdp": {}, "ep2": {"ep": 2}, "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2}}
+# Long context (tests/distributed/test_zoo_long_context.py): Ulysses with EP drawing from the same ranks, and context
+# parallelism; a type without an ``ep`` plan proves sp alone.
+LONG_CONTEXT_MESHES: dict[str, dict] = {"sp2_ep2": {"sp": 2, "ep": 2}, "cp2": {"cp": 2}}
+LONG_CONTEXT_DENSE_MESHES: dict[str, dict] = {"sp2": {"sp": 2}, "cp2": {"cp": 2}}
 
 
 @dataclass(frozen=True)
@@ -310,6 +314,13 @@ def proof_meshes(model_type: str) -> dict[str, dict]:
     without = AUTO_PROVED[model_type].without
     meshes = [{k: v for k, v in m.items() if k not in without} for m in AUTO_MESHES.values()]
     return {_mesh_name(m): m for m in meshes}
+
+
+def long_context_meshes(model_type: str) -> dict[str, dict]:
+    """``{mesh name: Mesh kwargs}`` of the long-context proof of ``model_type`` (unless ``parallelize`` refuses sp
+    and cp for it: then the proof is the refusal)."""
+    plan = curated_plans().get(model_type)
+    return LONG_CONTEXT_MESHES if plan is None or "ep" in plan.extra else LONG_CONTEXT_DENSE_MESHES
 
 
 # The meshes above leave every planned slice divisible by its FSDP ranks (8 experts, 128 vocab rows), so FSDP2 shards it

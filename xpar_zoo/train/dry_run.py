@@ -1,0 +1,91 @@
+"""``xpar-zoo train --dry-run``: the resolved settings, the mesh, the data's token and target counts and the sizer's
+memory estimate, printed without loading any weight or starting a process group or any rank (the world: the
+ranks ``--nproc-per-node`` × ``--nnodes`` would start, else under torchrun its world size, rank 0 printing)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .config import DTYPES, TrainConfig
+
+
+def _model_config(cfg: TrainConfig):
+    """The model's config (no weights): ``tiny-qwen3-moe`` built in memory, else the config file."""
+    from .tiny import TINY_MODEL, tiny_config, tiny_tokenizer
+
+    if cfg.model == TINY_MODEL:
+        return tiny_config(len(tiny_tokenizer()))
+    from ..hub.resolve import resolve_config
+    from ..hub.loader import load_config
+
+    return load_config(resolve_config(cfg.model).parent)
+
+
+def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
+    """The report of ``--dry-run`` (see the module docstring) for ``world`` ranks (default: the launcher's
+    ``WORLD_SIZE``, else 1); raises what the run would raise on bad settings or data."""
+    import dataclasses
+    import tempfile
+
+    from ..commands import sizing
+    from ..parallel.mesh import validate_sequence_sizes, validate_sizes
+    from .data import rows_per_step
+    from .loop import data_parts, load_corpus, resolve_epochs
+    from .sft_config import lora_enabled, lora_targets
+    from .tiny import TINY_MODEL, tiny_tokenizer
+
+    world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
+    sizes = dict(cfg.mesh)
+    replicate = sizes.pop("replicate", 1)
+    sequence = {d: sizes.pop(d, 1) for d in ("sp", "cp")}
+    validate_sizes(world, sizes, replicate)
+    validate_sequence_sizes(world, replicate, sequence["sp"], sequence["cp"])
+    config = _model_config(cfg)
+    held = None
+    with tempfile.TemporaryDirectory() as tmp:
+        data_cfg = cfg
+        if cfg.model == TINY_MODEL and not cfg.tokenizer:  # its tokenizer, built in memory too
+            tiny_tokenizer().save_pretrained(tmp)
+            data_cfg = dataclasses.replace(cfg, tokenizer=tmp)
+        corpus, tokenizer = load_corpus(data_cfg, config.vocab_size)
+        if cfg.eval_data:
+            held = load_corpus(data_cfg, config.vocab_size, cfg.eval_data)[0]
+    cfg, corpus = resolve_epochs(cfg, corpus, tokenizer, world)
+    per_step = rows_per_step(data_parts(cfg, world), cfg.micro_batch, cfg.grad_accum)
+    lines = ["xpar-zoo train --dry-run (no weights loaded)", "settings:"]
+    lines += [f"  {k}: {json.dumps(v)}" for k, v in sorted(cfg.to_json().items())]
+    mesh = ", ".join(f"{k}={v}" for k, v in cfg.mesh.items()) or "FSDP only"
+    lines.append(f"mesh: {mesh} over {world} rank(s), dense parameters FSDP-sharded over "
+                 f"{world // replicate} x {replicate} replica(s)")
+    lines.append(f"model: {config.model_type}, {config.num_hidden_layers} layers, vocabulary {config.vocab_size}")
+    data = getattr(corpus, "summary", "") or (f"{cfg.data}: {corpus.num_tokens} tokens (text: every token but a "
+                                              "document's first is a target)")
+    lines.append(f"data: {data}")
+    targets = getattr(corpus, "num_targets", None)
+    lines.append(f"data: {corpus.num_tokens} tokens, "
+                 + (f"{targets} target tokens, " if targets is not None else "")
+                 + f"{corpus.rows_per_epoch} rows of {cfg.seq_len} per epoch; {per_step} rows per step; "
+                 f"{cfg.steps} steps" + (f" ({cfg.epochs} epochs)" if cfg.epochs else ""))
+    if held is not None:
+        lines.append(f"eval: {getattr(held, 'summary', '') or f'{held.num_tokens} tokens'}")
+    lora = {}
+    if lora_enabled(cfg) and cfg.lora_rank is not None:
+        from ..integrations.peft import expert_parameters
+        from ..zoo.registry import get_plan
+
+        lora = dict(lora_rank=cfg.lora_rank, lora_modules=lora_targets(cfg),
+                    lora_parameters=expert_parameters(get_plan(config.model_type)) if cfg.lora_experts else [])
+    short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+    saved = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
+    param_dtype = "bf16" if cfg.mixed_precision else short.get(DTYPES[cfg.dtype] if cfg.dtype else saved, "fp32")
+    est = sizing.estimate(config, world, sizes, replicate, micro_batch=cfg.micro_batch, seq=cfg.seq_len,
+                          param_dtype=param_dtype, recompute=cfg.recompute, **sequence, **lora,
+                          **({"attention": cfg.attn_implementation}
+                             if cfg.attn_implementation in sizing.ATTENTION_IMPLEMENTATIONS else {}))
+    lines.append("memory estimate (xpar_zoo.sizing, per rank):")
+    lines.append(sizing.format_estimate(est))
+    if cfg.adapter:
+        lines.append(f"LoRA: the saved adapter {Path(cfg.adapter)} (not counted by the estimate)")
+    return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""LoRA in ``xpar-zoo train``: the ``--lora-*`` and ``--adapter`` settings as ``xpar_zoo.from_pretrained``'s
+``peft_config=`` / ``adapter=``, and the exports at the end of a run (``--export-hf``: merged hub weights written
+from the live shards; ``--export-adapter``: PEFT's own adapter files). Checkpoints of a LoRA run hold the adapters
+and their optimizer state only (``save_checkpoint(..., trainable_only=True)``); the base comes from ``--model``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch import nn
+
+from .sft_config import lora_targets
+
+
+def from_pretrained_kwargs(cfg, model_config) -> dict:
+    """``peft_config=LoraConfig(...)`` for ``--lora-rank`` (attention ``--lora-targets`` and, with
+    ``--lora-experts``, every fused expert tensor of the model's plan), ``adapter=DIR`` for ``--adapter``, or
+    nothing."""
+    if cfg.adapter is not None:
+        return {"adapter": cfg.adapter}
+    if cfg.lora_rank is None:
+        return {}
+    from peft import LoraConfig
+
+    from ..integrations.peft import expert_parameters
+    from ..zoo.registry import get_plan
+
+    experts = expert_parameters(get_plan(model_config.model_type)) if cfg.lora_experts else []
+    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank,
+                        lora_dropout=cfg.lora_dropout, target_modules=lora_targets(cfg) or None,
+                        target_parameters=experts or None)
+    return {"peft_config": config}
+
+
+def is_lora(model: nn.Module) -> bool:
+    return bool(getattr(model, "peft_config", None))
+
+
+def export_merged(model: nn.Module, directory: str | os.PathLike, progress: bool = False) -> Path:
+    """Write a parallelized PEFT LoRA model's merged weights (``W + s·BA``, as PEFT's ``merge_and_unload``) in the
+    hub's own format, from the live shards. A collective; rank 0 writes."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ..hub.save_pretrained import save_pretrained
+    from ..integrations.peft_files import AdapterMerge, adapter_metadata
+
+    specs = {n: (tuple(t.shape), t.dtype) for n, t in get_model_state_dict(model).items()}
+    merge = AdapterMerge(model.config, adapter_metadata(model), specs)
+    return save_pretrained(model, directory, merge=merge, progress=progress)
+
+
+def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, rank: int) -> Path:
+    """``--export-adapter``: PEFT's adapter files (and the tokenizer) in ``directory``. A collective."""
+    import torch.distributed as dist
+
+    from ..integrations.peft_files import save_adapter
+
+    save_adapter(model, directory)
+    if rank == 0 and tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    dist.barrier()
+    return Path(directory)
