@@ -49,12 +49,18 @@ def _unit_tests_launch_nothing(request, monkeypatch):
         monkeypatch.setattr(launch, name, refuse)
 
 
-def _module_jobs(module, tmp_path_factory) -> tuple[dict, object]:
+def _module_jobs(module, items, tmp_path_factory) -> tuple[dict, object]:
     """A module's jobs ``{name: (fn, args)}`` and which job a key of its results belongs to (None: the default of
-    :class:`~xpar_zoo.testing.launch.JobResults`); a module with one ``zoo_job`` has one job for all its keys."""
-    if hasattr(module, "zoo_jobs"):
-        return module.zoo_jobs(tmp_path_factory), None
-    return {"": module.zoo_job(tmp_path_factory)}, lambda key: ""
+    :class:`~xpar_zoo.testing.launch.JobResults`); a module with one ``zoo_job`` has one job for all its keys. Of
+    ``zoo_jobs``, only the jobs named by a parameter of a selected test run (``-k qwen3_moe``: that type's jobs),
+    all of them when a selected test has no parameters."""
+    if not hasattr(module, "zoo_jobs"):
+        return {"": module.zoo_job(tmp_path_factory)}, lambda key: ""
+    jobs = module.zoo_jobs(tmp_path_factory)
+    if all(hasattr(item, "callspec") for item in items):
+        named = {v for item in items for v in item.callspec.params.values() if isinstance(v, str)}
+        jobs = {name: job for name, job in jobs.items() if name in named}
+    return jobs, None
 
 
 @pytest.fixture(scope="session")
@@ -67,10 +73,10 @@ def zoo_proofs(request, tmp_path_factory) -> dict:
     from xpar_zoo.testing import launch
     from xpar_zoo.zoo.proofs import PROOF_WORLD
 
-    modules = {item.module for item in request.session.items if "zoo_proofs" in getattr(item, "fixturenames", ())}
+    items = [item for item in request.session.items if "zoo_proofs" in getattr(item, "fixturenames", ())]
     jobs, job_of = {}, {}
-    for m in sorted(modules, key=lambda m: m.__name__):
-        module_jobs, job_of[m.__name__] = _module_jobs(m, tmp_path_factory)
+    for m in sorted({item.module for item in items}, key=lambda m: m.__name__):
+        module_jobs, job_of[m.__name__] = _module_jobs(m, [i for i in items if i.module is m], tmp_path_factory)
         jobs.update({(m.__name__, name): job for name, job in module_jobs.items()})
     outcomes = launch.run_each(jobs, PROOF_WORLD, timeout_s=1800)
     return {m: launch.JobResults({name: o for (module, name), o in outcomes.items() if module == m}, job_of[m])

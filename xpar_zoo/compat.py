@@ -60,6 +60,13 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
     torch._assert_async(condition, message)
 
 
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """Scale every tensor in place by ``scalar`` in one batched kernel (``torch._foreach_mul_``, what torch's own
+    ``clip_grads_with_norm_`` calls): the public ``clip_grads_with_norm_`` takes parameters, and clipping scales the
+    local pieces of DTensor gradients that live on several meshes."""
+    torch._foreach_mul_(tensors, scalar)
+
+
 def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | torch.Tensor | None]:
     """``module._parameters``: the gathered style swaps a plain tensor in for the forward and the parameter back
     after it, which ``setattr`` (it accepts only parameters there) and ``register_parameter`` refuse."""

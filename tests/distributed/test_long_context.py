@@ -157,6 +157,7 @@ def _semantics(world: int) -> dict:
         "seq_not_divisible": lambda: model(input_ids=ids[:, :12], labels=ids[:, :12]),
         "rows_differ": lambda: model(input_ids=ids if dist.get_rank() != 3 else ids.flip(0), labels=ids),
         "generate": lambda: model.generate(input_ids=ids, max_new_tokens=2),
+        "logits_to_keep": lambda: model(input_ids=ids, logits_to_keep=1),
         "part_twice": lambda: xpar_zoo.shard_sequence(part, model),
         "sp8_on_4_ranks": lambda: xpar_zoo.Mesh(sp=8),
         "sp_over_heads": lambda: xpar_zoo.parallelize(parity.build_model(_config("qwen3_moe", {
@@ -295,6 +296,7 @@ def test_lora_under_sp_matches_single_process_peft(results):
     ("seq_not_divisible", "BatchError: sequence length 12 does not divide by 2·cp·sp = 2·2·2 = 8"),
     ("rows_differ", "BatchError: sp/cp: the ranks of a sequence group (sp=2 x cp=2) were given different rows"),
     ("generate", "ModelStateError: generate is not supported on an sp/cp mesh (sp=2, cp=2)"),
+    ("logits_to_keep", "BatchError: sp/cp: logits_to_keep=1 would keep the last tokens of this rank's part"),
     ("part_twice", "BatchError: shard_sequence: the batch is already this rank's part"),
     ("sp8_on_4_ranks", "MeshError: sp=8 does not divide the ranks of a replica (4: world 4 / replicate 1)"),
     ("sp_over_heads", "PlanError: sp=4 does not divide the 2 query heads of Qwen3MoeForCausalLM; use cp (e.g. "

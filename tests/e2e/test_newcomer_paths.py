@@ -62,6 +62,7 @@ SCRIPT = textwrap.dedent("""
         out[case] = {"rc": rc, "seconds": time.monotonic() - start, "err": err.getvalue()}
     print(json.dumps(out))
 """)
+INVALID_IDS = ("org/..", "org/my model")
 MISTYPED = ["./my-model", "../models/my-model", "/nonexistent/my-model", "~/my-model", "my-model", "org/..",
             "org/my model", "models/qwen/my-model"]
 
@@ -101,7 +102,9 @@ def hub_runs(tiny):
 def test_a_mistyped_local_path_is_missing_at_once(hub_runs, name):
     r = hub_runs["unreachable"][f"mistyped {name}"]
     lines = r["err"].strip().splitlines()
-    assert r["rc"] == 2 and len(lines) == 1 and f"{name} does not exist (no such local directory" in lines[0], r
+    said = (f"{name!r} is neither a local directory nor a valid hub repo id" if name in INVALID_IDS
+            else f"{name} does not exist (no such local directory")
+    assert r["rc"] == 2 and len(lines) == 1 and said in lines[0], r
     assert r["seconds"] < 1 and "Retrying" not in r["err"]
 
 

@@ -31,6 +31,12 @@ def _fsdp_param_group_state() -> bool:
             and {"sharded_param", "_unsharded_param"} <= set(re.findall(r"\w+", inspect.getsource(_fsdp_param.FSDPParam))))
 
 
+def _scaled_by_foreach_mul() -> bool:
+    pieces = [torch.ones(3), torch.ones(2, 2)]
+    compat.foreach_mul_(pieces, torch.tensor(0.5))
+    return all(torch.equal(p, torch.full_like(p, 0.5)) for p in pieces)
+
+
 def _tiny_config():
     from transformers import AutoConfig
 
@@ -45,6 +51,7 @@ CHECKS = {
         compat.DTENSOR_REDISTRIBUTE_LOGGER).__name__ == compat.redistribute_logger().name,
     "torch c10d _get_default_store": lambda: callable(torch.distributed.distributed_c10d._get_default_store),
     "torch._assert_async": lambda: compat.assert_async(torch.tensor(True), "holds") is None,
+    "torch._foreach_mul_": lambda: _scaled_by_foreach_mul(),
     "torch nn.Module._parameters": lambda: "weight" in compat.parameter_slots(torch.nn.Linear(2, 2)),
     "torch FSDP2 param group state": _fsdp_param_group_state,
     "torch FSDP2 AllGather / ReduceScatter / DefaultAllocMixin": lambda: [c.__name__ for c in compat.fsdp_collective_bases()]
@@ -101,7 +108,7 @@ def test_xpar_trainer_overrides_exactly_the_listed_private_methods():
 
 _UPSTREAM = ("torch", "transformers", "safetensors", "huggingface_hub", "peft", "accelerate")
 _PRIVATE_ATTRS = {
-    "_apply_gate", "_assert_async", "_attn_implementation", "_can_set_experts_implementation",
+    "_apply_gate", "_assert_async", "_foreach_mul_", "_attn_implementation", "_can_set_experts_implementation",
     "_create_work_from_future", "_did_swap_in_out_features", "_experts_implementation", "_from_config",
     "_fsdp_param_group", "_get_default_group", "_get_default_store", "_get_fsdp_state", "_get_metadata_path",
     "_init_weights", "_is_accelerate_prepared", "_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected", "_is_fsdp_managed_module", "_is_hf_initialized", "_model_mapping",

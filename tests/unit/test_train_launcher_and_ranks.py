@@ -74,3 +74,27 @@ def test_ranks_other_than_0_keep_warnings_to_themselves():
             logging.getLogger(n).setLevel(level)
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
+
+
+def test_ranks_ended_by_a_forwarded_signal_are_not_reported_as_failures(capsys):
+    procs = _procs("sleep", "sleep")
+    for p in procs:
+        p.send_signal(15)
+    assert launcher._wait(procs, first_rank=0, signals=[15]) == 1  # launch() returns 128 + the signal for it
+    assert capsys.readouterr().err == ""
+
+
+def test_a_signal_outside_the_loop_stops_at_once_and_says_so(capsys):
+    import os
+    import signal
+
+    from xpar_zoo.train.stop import StopAtOnce, Stopped
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped) as e:
+        with StopAtOnce(rank=0):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+    assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
+    assert capsys.readouterr().out == "SIGTERM: stopped (nothing trained since the last checkpoint is lost)\n"

@@ -163,7 +163,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from ..train import config_from_args, run
     from ..train.launcher import launch, launched_by_us
-    from ..train.stop import Stopped
+    from ..train.stop import StopAtOnce, Stopped
 
     cfg = config_from_args(args)  # every setting checked before any rank starts
     if args.dry_run:
@@ -177,7 +177,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
                       args.master_port)
     try:
-        run(cfg)
+        with StopAtOnce(int(os.environ.get("RANK", "0") or 0)):
+            run(cfg)
     except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
         return e.code
     return 0

@@ -79,9 +79,9 @@ def _valid_hub_id(text: str) -> bool:
 
 def _path_reason(name: str | os.PathLike, cache_dir: str | os.PathLike | None) -> str | None:
     """Why ``name`` can only mean a local path (absolute, ``./``, ``../``, ``~``, a trailing or a second slash, a
-    backslash; a name no hub id can have; a bare ``name`` without ``org/`` that the local cache does not hold; or
-    ``dir/name`` where ``dir`` is a local directory and the hub id is not in the local cache), or None when it may
-    be a hub id."""
+    backslash; a bare ``name`` without ``org/`` that the local cache does not hold; or
+    ``dir/name`` where ``dir`` is a local directory and the hub id is not in the local cache), ``"invalid"`` for a
+    name no hub id can have, or None when it may be a hub id."""
     from huggingface_hub import try_to_load_from_cache
 
     text = os.fspath(name)
@@ -89,7 +89,7 @@ def _path_reason(name: str | os.PathLike, cache_dir: str | os.PathLike | None) -
             or text.count("/") > 1 or "\\" in text or os.sep in text.replace("/", "")):
         return "a hub id looks like org/name"
     if not _valid_hub_id(text):
-        return "nor a valid hub id (org/name: letters, digits, - _ .)"
+        return "invalid"
     if "/" not in text and not isinstance(try_to_load_from_cache(text, CONFIG_FILE, cache_dir=cache_dir), str):
         return "a hub id looks like org/name"
     head = text.split("/", 1)[0]
@@ -106,6 +106,9 @@ def _refuse_missing_local(name: str | os.PathLike, cache_dir: str | os.PathLike 
     if path.exists() and not path.is_dir():
         raise HubResolutionError(f"{os.fspath(name)} is a file, not a model directory (config.json and safetensors)")
     if not path.exists() and (why := _path_reason(name, cache_dir)):
+        if why == "invalid":
+            raise HubResolutionError(f"{os.fspath(name)!r} is neither a local directory nor a valid hub repo id (no "
+                                     "such directory; a hub id is org/name: letters, digits, - _ .)")
         raise HubResolutionError(f"{os.fspath(name)} does not exist (no such local directory; {why})")
 
 

@@ -10,6 +10,13 @@ mixin keeps the model unwrapped, makes the loss the global-batch one (:meth:`Xpa
 TRL's fused LM head from the model's own head, clips with ``xpar_zoo.clip_grad_norm_``, and saves an xpar_zoo
 checkpoint in ``checkpoint-N/xpar_checkpoint/`` that ``resume_from_checkpoint`` loads. Why each of these:
 ``docs/design.md``, "Integrations".
+
+Long context (a model on ``xpar_zoo.Mesh(sp=…, cp=…)``): the training dataloader is sharded by
+:func:`xpar_zoo.data_shard` — the ``sp·cp`` ranks of a sequence group get the same samples (accelerate's sharding
+re-pointed to ``num_processes=count, process_index=index``) and pass full-length rows, of which the model keeps each rank's
+tokens — and the Trainer's ``get_cp_size`` answers ``sp·cp``, the ranks that share one batch, so its
+``num_items_in_batch`` (gathered over the world) counts each target once and the logged loss (the mean over the
+world of the ranks' shares) is the global-batch mean.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..errors import IntegrationError
 from ..loss.global_batch import IGNORE_INDEX
 from ..parallel.clip import clip_grad_norm_
+from ..styles.sequence import data_shard
 from ..styles.vocab import full_logits
 from .accelerate import check_accelerator, parallelized_module
 
@@ -173,6 +181,23 @@ def _transformers_loss_convention(state: _XparState, world: int):
         module.forward = previous
 
 
+def _shard_by_groups(dataloader: Any, index: int, count: int) -> Any:
+    """``dataloader`` as accelerate prepared it, re-pointed to part ``index`` of ``count`` (a sequence group's ranks:
+    the same part): the ``num_processes`` / ``process_index`` of its sampler or dataset shard, public attributes
+    read at iteration (as transformers sets them for its rebalancing sampler)."""
+    from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+
+    for shard in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
+        if isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
+            shard.num_processes, shard.process_index = count, index
+            return dataloader
+    raise IntegrationError(
+        f"an sp/cp mesh needs each sequence group to read its own part of the batches ({count} parts), and "
+        f"accelerate prepared a {type(dataloader).__name__} that this cannot re-shard (batches dispatched from "
+        "rank 0: an iterable dataset, or dispatch_batches=True); use a map-style dataset, or "
+        "TrainingArguments(accelerator_config={'dispatch_batches': False})")
+
+
 def _check_args(args: Any) -> None:
     """Refuse training arguments that would wrap or patch the model behind xpar_zoo's back."""
     if args.n_gpu > 1:
@@ -238,6 +263,27 @@ class XparTrainerMixin:
     # ---- placement: xpar_zoo placed every shard at load ---------------------------------------------------------
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         pass
+
+    # ---- long context: the ranks of a sequence group share their batches ----------------------------------------
+    def get_train_dataloader(self):
+        """The Trainer's dataloader, sharded by :func:`xpar_zoo.data_shard` on an sp/cp mesh (module docstring)."""
+        index, count = data_shard(self._xpar_state.module)
+        dataloader = super().get_train_dataloader()
+        if count == self.accelerator.num_processes:
+            return dataloader
+        return _shard_by_groups(dataloader, index, count)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """The Trainer's evaluation dataloader, sharded as :meth:`get_train_dataloader`."""
+        dataloader = super().get_eval_dataloader(eval_dataset)
+        index, count = data_shard(self._xpar_state.module)
+        return dataloader if count == self.accelerator.num_processes else _shard_by_groups(dataloader, index, count)
+
+    def get_cp_size(self) -> int:
+        """The ranks that share one batch (the Trainer divides its world-gathered ``num_items_in_batch`` and its
+        data-parallel size by this): ``sp·cp`` of the model's mesh."""
+        index, count = data_shard(self._xpar_state.module)
+        return self.accelerator.num_processes // count
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

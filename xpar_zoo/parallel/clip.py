@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils import get_total_norm
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..compat import foreach_mul_
 from ..errors import NonFiniteError
 from .collectives import to_local
 from .distributed import all_gather
@@ -64,7 +65,7 @@ def clip_grad_norm_(
         _raise_nonfinite(total, norm_type, [n for n, p in named if not bool(torch.isfinite(to_local(p.grad)).all())])
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for (_, piece_device, dtype), pieces in groups.items():
-        torch._foreach_mul_(pieces, coef.to(piece_device, dtype))  # one batched kernel per group (CPU: a loop)
+        foreach_mul_(pieces, coef.to(piece_device, dtype))  # one batched kernel per group (CPU: a loop)
     return total
 
 

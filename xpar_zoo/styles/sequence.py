@@ -28,8 +28,9 @@ fewer than ``sp`` or not dividing by it; a per-head sink ``s_aux`` / ``module.si
 the whole row. The mask is built here from the *global* token indices, never from the local mask transformers
 would build for a shard: causal, a ``sliding_window`` (as transformers passes it), packed documents (a new document
 starts where ``position_ids`` do not step by one, transformers' own rule, so no token attends across a boundary,
-across cp chunks too) and padding. Boolean for ``sdpa``, additive for ``eager``; its size is ``[b, 1, S/cp, S]``
-per forward (built once per window, shared by the layers). Where it would be the plain causal mask of a whole row
+across cp chunks too) and padding. Additive in the query dtype (for ``sdpa`` too: a boolean one would become a
+float copy per layer inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers).
+Where it would be the plain causal mask of a whole row
 (no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). The
 model applies RoPE before attention with the local ``position_ids``, which hold global positions.
 
@@ -343,7 +344,9 @@ class SequenceParallel:
         if self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
             mask = None  # sdpa's own is_causal over the whole row (flash kernels on GPU); nothing else to mask
         else:
-            mask = batch.mask(causal, sliding_window, query.dtype if self.inner == "eager" else None)
+            # additive in the query dtype for eager and sdpa: one tensor per forward that every layer shares (sdpa
+            # would turn a boolean mask into a float one of its own, saved for backward, in every layer)
+            mask = batch.mask(causal, sliding_window, query.dtype)
         for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
             kwargs.pop(name, None)
         view = _ModuleView(module, overrides) if overrides else module
@@ -483,6 +486,10 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
         if named.get("past_key_values") is not None or named.get("cache") is not None:
             raise ModelStateError(f"a KV cache (generate) is not supported on an sp/cp mesh (sp={state.sp}, "
                                   f"cp={state.cp}); generate on a mesh without sp/cp")
+        keep = named.get("logits_to_keep")
+        if keep is not None and not (isinstance(keep, int) and keep == 0):
+            raise BatchError(f"sp/cp: logits_to_keep={keep!r} would keep the last tokens of this rank's part, not "
+                             "of the rows; leave it 0 under sp/cp")
         part = named.pop(PART_KEY, None)
         if part is None:
             named, part = state.split(named)
@@ -508,6 +515,24 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
 
     model.generate = generate
     return state
+
+
+def set_inner_attention(model: nn.Module, inner: str) -> None:
+    """Make ``inner`` (``eager`` or ``sdpa``) the attention that the sp/cp attention of ``model`` wraps: what
+    ``model.set_attn_implementation(inner)`` is without sp/cp. (That call on an sp/cp model would replace the sp/cp
+    attention itself, and each rank would attend to its own tokens only.) A :class:`PlanError` on another name."""
+    from transformers import AttentionInterface
+
+    state = next((m.__dict__["_xpar_seq"] for m in (model, *model.modules()) if "_xpar_seq" in m.__dict__), None)
+    if state is None:
+        raise PlanError(f"{type(model).__name__} is not parallelized with sp/cp; call set_attn_implementation")
+    if inner not in INNER_IMPLEMENTATIONS:
+        raise PlanError(f"sp={state.sp}, cp={state.cp}: attention implementation {inner!r} is not supported under "
+                        f"sp/cp; use one of {', '.join(INNER_IMPLEMENTATIONS)}")
+    name = ATTENTION_PREFIX + inner
+    AttentionInterface.register(name, _sequence_attention)
+    state.inner = inner
+    model.set_attn_implementation(name)
 
 
 # ---- the public helpers -----------------------------------------------------------------------------------------

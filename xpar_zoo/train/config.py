@@ -287,7 +287,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--data", default=S, help="JSONL ('text' field), .txt, or parquet/arrow/csv/datasets dir (xpar_zoo[data])")
     a("--tokenizer", default=S, help="tokenizer hub id or directory (default: the model's)")
     a("--text-field", default=S, help="the text field of JSONL / datasets records (default: text)")
-    a("--mesh", default=S, help="extra plans and HSDP replicas, e.g. ep=2,emb=2,replicate=2 (default: FSDP only)")
+    a("--mesh", default=S, help="extra plans, long context and HSDP replicas, e.g. ep=2,emb=2,replicate=2 or "
+                                 "sp=4,cp=2,ep=8 (default: FSDP only)")
     a("--seq-len", type=int, default=S, help="tokens per packed row (default 2048)")
     a("--micro-batch", type=int, default=S, help="rows per rank per forward (default 1)")
     a("--grad-accum", type=int, default=S, help="micro-batches per optimizer step (default 1)")
@@ -388,8 +389,26 @@ def validate(cfg: TrainConfig) -> None:
             raise TrainConfigError(f"stop_after must be a step in 1 … steps ({cfg.steps}), got {cfg.stop_after}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise TrainConfigError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {cfg.dtype!r}")
+    check_sequence_mesh(cfg)
     if cfg.attn_implementation is not None:
         known = attention_implementations()
         if cfg.attn_implementation not in known:
             raise TrainConfigError(f"--attn-implementation {_short(cfg.attn_implementation)} is not one transformers "
                                    f"knows: {', '.join(known)}")
+
+
+def check_sequence_mesh(cfg: TrainConfig) -> None:
+    """``--mesh sp=S,cp=C``: the packed rows of ``--seq-len`` tokens must split over the sequence group (the rule
+    of :func:`xpar_zoo.commands.sizing.sequence_parts`, checked at parse time, before any rank starts)."""
+    from ..commands.sizing import sequence_parts
+    from ..errors import BatchError
+
+    sp, cp = cfg.mesh.get("sp", 1), cfg.mesh.get("cp", 1)
+    if sp * cp == 1:
+        return
+    try:
+        sequence_parts(cfg.seq_len, sp, cp)
+    except BatchError as e:
+        what = ",".join(f"{d}={n}" for d, n in (("sp", sp), ("cp", cp)) if n > 1)
+        raise TrainConfigError(f"--seq-len {cfg.seq_len} with --mesh {what}: {str(e).split(';')[0]}; choose a "
+                               "--seq-len that does (the rows are packed to exactly --seq-len tokens)") from None

@@ -30,16 +30,18 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
     import tempfile
 
     from ..commands import sizing
-    from ..parallel.mesh import validate_sizes
+    from ..parallel.mesh import validate_sequence_sizes, validate_sizes
     from .data import rows_per_step
-    from .loop import load_corpus, resolve_epochs
+    from .loop import data_parts, load_corpus, resolve_epochs
     from .sft_config import lora_enabled, lora_targets
     from .tiny import TINY_MODEL, tiny_tokenizer
 
     world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
     sizes = dict(cfg.mesh)
     replicate = sizes.pop("replicate", 1)
+    sequence = {d: sizes.pop(d, 1) for d in ("sp", "cp")}
     validate_sizes(world, sizes, replicate)
+    validate_sequence_sizes(world, replicate, sequence["sp"], sequence["cp"])
     config = _model_config(cfg)
     held = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +53,7 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
         if cfg.eval_data:
             held = load_corpus(data_cfg, config.vocab_size, cfg.eval_data)[0]
     cfg, corpus = resolve_epochs(cfg, corpus, tokenizer, world)
-    per_step = rows_per_step(world, cfg.micro_batch, cfg.grad_accum)
+    per_step = rows_per_step(data_parts(cfg, world), cfg.micro_batch, cfg.grad_accum)
     lines = ["xpar-zoo train --dry-run (no weights loaded)", "settings:"]
     lines += [f"  {k}: {json.dumps(v)}" for k, v in sorted(cfg.to_json().items())]
     mesh = ", ".join(f"{k}={v}" for k, v in cfg.mesh.items()) or "FSDP only"
@@ -79,7 +81,9 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
     saved = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
     param_dtype = "bf16" if cfg.mixed_precision else short.get(DTYPES[cfg.dtype] if cfg.dtype else saved, "fp32")
     est = sizing.estimate(config, world, sizes, replicate, micro_batch=cfg.micro_batch, seq=cfg.seq_len,
-                          param_dtype=param_dtype, recompute=cfg.recompute, **lora)
+                          param_dtype=param_dtype, recompute=cfg.recompute, **sequence, **lora,
+                          **({"attention": cfg.attn_implementation}
+                             if cfg.attn_implementation in sizing.ATTENTION_IMPLEMENTATIONS else {}))
     lines.append("memory estimate (xpar_zoo.sizing, per rank):")
     lines.append(sizing.format_estimate(est))
     if cfg.adapter:

@@ -3,8 +3,9 @@
 
 ``eval_loss`` is the token-weighted mean over the whole held-out set (or its first ``K`` batches): the sum of the
 cross-entropy of every valid target over every rank, divided by their count, with the labels and packing of the
-training data (conversations: the same targets). Batch ``b`` of rank ``r`` holds the held-out rows
-``(b·world + r)·micro_batch + [0, micro_batch)``; rows past the end are padding. No gradient; the model is put back
+training data (conversations: the same targets). Batch ``b`` of data part ``p`` of ``P`` holds the held-out rows
+``(b·P + p)·micro_batch + [0, micro_batch)``; rows past the end are padding. A part is a rank's, or with ``sp``/``cp``
+a sequence group's (:func:`xpar_zoo.data_shard`: its ranks read the same rows, and their targets count once). No gradient; the model is put back
 in training mode with its FSDP parameters resharded, so the next step is the step it would have been.
 """
 
@@ -26,15 +27,17 @@ class Evaluator:
     """The held-out rows of ``corpus`` (one epoch, in the corpus's epoch-0 order) dealt to the ranks."""
 
     def __init__(self, corpus, *, world: int, rank: int, micro_batch: int, max_batches: int | None, flatten: bool,
-                 device: torch.device, pad_id: int):
+                 device: torch.device, pad_id: int, part: int | None = None, parts: int | None = None):
         self.corpus, self.world, self.rank, self.micro_batch = corpus, world, rank, micro_batch
+        self.part, self.parts = (rank, world) if parts is None else (part, parts)
+        self.group = world // self.parts  # ranks that read the same rows (a sequence group)
         self.flatten, self.device, self.pad_id = flatten, device, pad_id
-        self.batches = math.ceil(corpus.rows_per_epoch / (world * micro_batch))
+        self.batches = math.ceil(corpus.rows_per_epoch / (self.parts * micro_batch))
         if max_batches is not None:
             self.batches = min(self.batches, max_batches)
 
     def _batch(self, b: int) -> dict[str, torch.Tensor]:
-        first = (b * self.world + self.rank) * self.micro_batch
+        first = (b * self.parts + self.part) * self.micro_batch
         real = max(0, min(self.micro_batch, self.corpus.rows_per_epoch - first))
         parts = [self.corpus.rows(first, real)] if real else []
         if real < self.micro_batch:
@@ -51,7 +54,7 @@ class Evaluator:
         try:
             for b in range(self.batches):
                 batch = self._batch(b)
-                n = global_count(count_targets(batch["labels"]), device=self.device)  # the same on every rank
+                n = global_count(count_targets(batch["labels"]), device=self.device) / self.group  # on every rank
                 if n.item() == 0:
                     continue
                 if self.flatten:

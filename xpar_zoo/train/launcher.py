@@ -90,7 +90,8 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _wait(procs, node_rank * nproc)
+        code = _wait(procs, node_rank * nproc, received)
+        return 128 + received[0] if received and code == 1 else code
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -100,7 +101,9 @@ def launch(argv: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0, mas
                 p.wait()
 
 
-def _wait(procs: list[subprocess.Popen], first_rank: int) -> int:
+def _wait(procs: list[subprocess.Popen], first_rank: int, signals: list[int] | None = None) -> int:
+    """Wait for the ranks; their exit status (see the module docstring). ``signals``: those this process forwarded
+    (filled while it waits): a rank they ended is no failure to report."""
     failed_at = None
     first = None  # the first rank seen to fail: (index, status); ranks killed after it are not the news
     while True:
@@ -125,6 +128,7 @@ def _wait(procs: list[subprocess.Popen], first_rank: int) -> int:
     first = first or next((i, c) for i, c in enumerate(codes) if c not in (0, 2, 130, 143))
     how = (f"was killed by {signal.Signals(-first[1]).name}" if first[1] < 0
            else f"exited with status {first[1]}")
-    print(f"xpar-zoo: error: rank {first_rank + first[0]} {how} (its output is above); the other ranks were stopped",
-          file=sys.stderr, flush=True)
+    if not signals:  # (a signal we forwarded explains it)
+        print(f"xpar-zoo: error: rank {first_rank + first[0]} {how} (its output is above); the other ranks were "
+              "stopped", file=sys.stderr, flush=True)
     return 1

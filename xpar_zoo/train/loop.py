@@ -4,6 +4,9 @@ One optimizer step on every rank:
 
 1. take this rank's ``grad_accum`` micro-batches of the step (:mod:`xpar_zoo.train.data`) and count the valid
    targets of all of them over every rank (:func:`xpar_zoo.loss.global_batch.global_count`, one all-reduce);
+   with ``sp``/``cp`` the ranks of a sequence group read the same full-length rows (part ``index`` of ``count``,
+   :func:`xpar_zoo.data_shard`) and the model keeps each rank's tokens, so rows, tokens and targets are counted
+   once per sequence group (by its first rank), never once per rank;
 2. forward and backward each micro-batch with ``num_items_in_batch`` = that count, so the accumulated gradients
    are exactly those of the step's global-batch mean; FSDP reduce-scatters only after the last micro-batch
    (``set_requires_gradient_sync``); with a router auxiliary loss, each micro-batch adds its global-batch share;
@@ -38,6 +41,7 @@ from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss
 from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
+from ..styles.sequence import data_shard, set_inner_attention
 from .agreement import check_same_settings, resume_changes
 from .config import DTYPES, TrainConfig
 from . import sft_config
@@ -136,12 +140,19 @@ def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None) -> t
     return PackedCorpus(tokens, lengths, cfg.seq_len, cfg.seed, source=str(path)), tokenizer
 
 
+def data_parts(cfg: TrainConfig, world: int) -> int:
+    """How many equal parts each step's global batch is read in: one per sequence group of ``sp·cp`` ranks
+    (``world`` without sp/cp; the ``count`` of :func:`xpar_zoo.data_shard` once the model is loaded)."""
+    return world // (cfg.mesh.get("sp", 1) * cfg.mesh.get("cp", 1))
+
+
 def resolve_epochs(cfg: TrainConfig, corpus, tokenizer, world: int) -> tuple[TrainConfig, Any]:
     """``--epochs N``: the settings with the steps that read N epochs, and the corpus read for N epochs only (the
     last step's rows past the end are padding). Otherwise both as they are."""
     if cfg.epochs is None:
         return cfg, corpus
-    steps = steps_for_epochs(cfg.epochs, corpus.rows_per_epoch, rows_per_step(world, cfg.micro_batch, cfg.grad_accum))
+    per_step = rows_per_step(data_parts(cfg, world), cfg.micro_batch, cfg.grad_accum)
+    steps = steps_for_epochs(cfg.epochs, corpus.rows_per_epoch, per_step)
     cfg = dataclasses.replace(cfg, steps=steps)
     try:
         validate(dataclasses.replace(cfg, epochs=None))
@@ -289,6 +300,9 @@ class _Run:
     device: torch.device
     world: int
     rank: int
+    part: int = 0  # this rank's data part (xpar_zoo.data_shard): the ranks of a sequence group read the same rows
+    parts: int = 1  # the data parts of a step (world / (sp·cp))
+    counts_once: bool = True  # the first rank of its sequence group: counts its group's rows, tokens, targets
 
 
 def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
@@ -301,7 +315,9 @@ def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
-    if cfg.attn_implementation:
+    if cfg.attn_implementation and mesh.sequence_size > 1:
+        set_inner_attention(model, cfg.attn_implementation)  # inside the sp/cp attention, not instead of it
+    elif cfg.attn_implementation:
         model.set_attn_implementation(cfg.attn_implementation)
     if cfg.recompute:
         model.activation_checkpointing_enable()
@@ -338,8 +354,9 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
     cfg, device = run.cfg, run.device
     start = time.perf_counter()
     lr = run.scheduler.get_last_lr()[0]
-    batches = micro_batches(run.corpus, position, run.rank, run.world, cfg.micro_batch, cfg.grad_accum)
-    local_targets = sum(int(count_targets(b["labels"])) for b in batches)
+    batches = micro_batches(run.corpus, position, run.part, run.parts, cfg.micro_batch, cfg.grad_accum)
+    # full-length rows on every rank of a sequence group: its first rank counts them, once
+    local_targets = sum(int(count_targets(b["labels"])) for b in batches) if run.counts_once else 0
     loss_sum, aux_sum = _forward_backward(run, batches, global_count(local_targets, device=device))
     grad_norm = clip_grad_norm_(run.model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
     run.optimizer.step()
@@ -348,7 +365,7 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
     counts = run.load.take()
     if run.biases:
         update_correction_biases(run.biases, counts, cfg.expert_bias_update_rate)
-    tokens = sum(b["input_ids"].numel() for b in batches)
+    tokens = sum(b["input_ids"].numel() for b in batches) if run.counts_once else 0
     totals = torch.stack([loss_sum, aux_sum] + [torch.tensor(float(n), dtype=torch.float64, device=device)
                                                 for n in (tokens, local_targets)])
     peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64, device=device)
@@ -357,7 +374,7 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     loss, aux, tokens, targets = totals.tolist()
     elapsed = time.perf_counter() - start
-    position += rows_per_step(run.world, cfg.micro_batch, cfg.grad_accum)
+    position += rows_per_step(run.parts, cfg.micro_batch, cfg.grad_accum)
     record = {"loss": loss / run.world, "grad_norm": float(grad_norm), "lr": lr, "tokens": int(tokens),
               "targets": int(targets), "target_tokens": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
               "peak_mem_bytes": int(peak.item()), "data_position": position,
@@ -407,17 +424,21 @@ def quiet_other_ranks(rank: int) -> None:
 
 def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
     """Before the model loads: the mesh's plan names are the model's plans, and its sizes fit the world (on one
-    process, said as such: start ranks, or train without the mesh)."""
+    process, said as such: start ranks, or train without the mesh); with ``sp``/``cp``, the model, its attention
+    and ``--seq-len`` can be split (:func:`xpar_zoo.commands.sizing.check_long_context`)."""
     from ..errors import MeshError
-    from ..parallel.mesh import validate_sizes
+    from ..commands.sizing import check_long_context
+    from ..parallel.mesh import validate_sequence_sizes, validate_sizes
     from ..styles.planned import check_plan_names
     from ..zoo.registry import get_plan
 
     sizes = dict(cfg.mesh)
     replicate = sizes.pop("replicate", 1)
+    sp, cp = sizes.pop("sp", 1), sizes.pop("cp", 1)
     check_plan_names([n for n, size in sizes.items() if size > 1], get_plan(model_config.model_type, model_config))
     try:
         validate_sizes(world, sizes, replicate)
+        validate_sequence_sizes(world, replicate, sp, cp)
     except MeshError as e:
         if world > 1:
             raise
@@ -425,6 +446,9 @@ def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
         raise MeshError(f"--mesh {','.join(f'{k}={v}' for k, v in cfg.mesh.items())} needs several ranks, and this "
                         f"is one process ({e}): start {need} or more with --nproc-per-node (or torchrun), or pass "
                         "--mesh none to train on one process") from None
+    if sp * cp > 1:  # the sizer's rules (heads, attention, hybrid layers, --seq-len): one line, before the load
+        attention = cfg.attn_implementation or attn_implementation(model_config) or "sdpa"
+        check_long_context(model_config, world, replicate, cfg.seq_len, sp, cp, attention)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -468,8 +492,10 @@ def train(cfg: TrainConfig) -> TrainResult:
                                "has no router with an e_score_correction_bias (DeepSeek-V3 / GLM-4-MoE style)")
     optimizer = build_optimizer(model, cfg)
     step, position = _resume(ckpt, model, optimizer, cfg) if ckpt is not None else (0, 0)
+    part, parts = data_shard(model)
     run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg, step), corpus, load, biases,
-               router_aux(model, cfg), attn.startswith("flash_attention"), device, world, rank)
+               router_aux(model, cfg), attn.startswith("flash_attention"), device, world, rank, part, parts,
+               counts_once=mesh.sequence_rank("sp") == 0 and mesh.sequence_rank("cp") == 0)
     last_step = cfg.stop_after or cfg.steps
     sinks = sft_config.reporters(cfg)
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
@@ -477,12 +503,14 @@ def train(cfg: TrainConfig) -> TrainResult:
                      lines=not cfg.progress)  # with --progress the Reporter's line per step says it
     report = Reporter(cfg, output, active=rank == 0, start_step=step, total_steps=cfg.steps, wandb="wandb" in sinks)
     if cfg.eval_data:
-        evaluator = Evaluator(eval_corpus, world=world, rank=rank, micro_batch=cfg.micro_batch,
+        evaluator = Evaluator(eval_corpus, world=world, rank=rank, part=part, parts=parts,
+                              micro_batch=cfg.micro_batch,
                               max_batches=cfg.eval_batches, flatten=run.flatten, device=device,
                               pad_id=pad_token_id(tokenizer))
         best = run_everywhere(lambda: best_eval_loss(output, step), rank0_only=True)
+    group = f" ({parts} sequence groups of {world // parts} ranks)" if parts != world else ""
     log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
-                f"ranks x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
+                f"ranks{group} x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
                 f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
                 + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
     for line in changes:

@@ -59,3 +59,30 @@ class StopOnSignal:
         flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
+
+
+class StopAtOnce:
+    """Outside the training loop (loading, exporting): SIGINT or SIGTERM stops the run at once with
+    :class:`Stopped` (no step is in flight: nothing trained since the last checkpoint is lost), said on rank 0; the
+    loop's :class:`StopOnSignal` takes over while it runs."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self._old: dict[int, object] = {}
+
+    def _handler(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.rank == 0:
+            print(f"{name}: stopped (nothing trained since the last checkpoint is lost)", flush=True)
+        raise Stopped(signum, f"stopped by {name}")
+
+    def __enter__(self) -> StopAtOnce:
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old.clear()
