@@ -33,7 +33,8 @@ float copy per layer inside it), ``[b, 1, S/cp, S]`` per forward (built once per
 Where it would be the plain causal mask of a whole row
 (no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). With
 cp on plain causal rows, ``sdpa`` on CUDA gets none either (:func:`lower_right_attention`: each query chunk against
-the key prefix that ends where it ends, aligned lower-right; :func:`cp_lower_right` chooses). The model applies RoPE before attention with the local ``position_ids``, which hold global positions.
+the key prefix that ends where it ends, aligned lower-right; :func:`cp_lower_right` chooses). The model applies
+RoPE before attention with the local ``position_ids``, which hold global positions.
 
 **Hybrid models** (linear attention, SSM layers: qwen3_next's gated delta net, minimax's lightning attention, mamba
 mixers) are refused with sp and cp: those layers run a recurrence over the whole sequence per head outside the
