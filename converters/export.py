@@ -56,8 +56,6 @@ def export_to_hf(
     files (and the config if the checkpoint lacks one); ``dtype`` casts floating tensors. A checkpoint of a PEFT
     model needs ``merge_adapter=True``: its adapter is merged into the weights
     (:class:`xpar_zoo.integrations.peft_files.AdapterMerge`). Returns ``out_dir``."""
-    from tqdm.auto import tqdm
-
     cast = parse_dtype(dtype)
     shard_bytes = parse_size(max_shard_size)
     out_dir = Path(out_dir).expanduser().absolute()
@@ -91,25 +89,9 @@ def export_to_hf(
     hub = HubWriter(build_meta(config, torch.float32), config, specs, cast=cast, max_shard_bytes=shard_bytes)
 
     with StagingDir(out_dir, ConvertError) as tmp:  # moved into place when complete, removed on any error
-        hub.start(tmp)
-        try:
-            with tqdm(total=hub.total_bytes, unit="B", unit_scale=True, desc="export to hub format",
-                      disable=not progress) as bar:  # closed (a line of its own) on errors too
-                # A quarter shard read at a time: memory stays a fraction of a shard above the baseline.
-                budget = max(1, shard_bytes // 4)
-                stream = (merge.merged(iter_model_tensors(checkpoint, merge.reads(hub.names), max_bytes=budget))
-                          if merge else iter_model_tensors(checkpoint, hub.names, max_bytes=budget))
-                for name, tensor in stream:
-                    bar.update(hub.add(name, tensor))
-                    del tensor
-            hub.finish()
-        finally:
-            hub.close()
+        _write_tensors(hub, tmp, checkpoint, merge, shard_bytes, progress)
         if source_dir is not None:
-            for pattern in SIDE_FILES:
-                for f in source_dir.glob(pattern):
-                    if f.is_file():
-                        shutil.copyfile(f, tmp / f.name)
+            _copy_side_files(source_dir, tmp)
         # No local path: this file is published with the folder (the checkpoint by its name only).
         info = {"source_checkpoint": checkpoint.name, "step": meta.get("step"),
                 "model_type": config.model_type, "mesh": meta.get("mesh"), "plans": sorted(meta.get("plans") or {}),
@@ -118,3 +100,32 @@ def export_to_hf(
                 "merged_adapter": bool(merge)}
         (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out_dir
+
+
+def _write_tensors(hub: HubWriter, tmp: Path, checkpoint: Path, merge, shard_bytes: int, progress: bool) -> None:
+    """Stream the checkpoint's model tensors (merged with the adapter when ``merge``) into ``hub``'s files in
+    ``tmp``."""
+    from tqdm.auto import tqdm
+
+    hub.start(tmp)
+    try:
+        with tqdm(total=hub.total_bytes, unit="B", unit_scale=True, desc="export to hub format",
+                  disable=not progress) as bar:  # closed (a line of its own) on errors too
+            # A quarter shard read at a time: memory stays a fraction of a shard above the baseline.
+            budget = max(1, shard_bytes // 4)
+            stream = (merge.merged(iter_model_tensors(checkpoint, merge.reads(hub.names), max_bytes=budget))
+                      if merge else iter_model_tensors(checkpoint, hub.names, max_bytes=budget))
+            for name, tensor in stream:
+                bar.update(hub.add(name, tensor))
+                del tensor
+        hub.finish()
+    finally:
+        hub.close()
+
+
+def _copy_side_files(source_dir: Path, tmp: Path) -> None:
+    """The source model's generation and tokenizer files (:data:`SIDE_FILES`) into ``tmp``."""
+    for pattern in SIDE_FILES:
+        for f in source_dir.glob(pattern):
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)

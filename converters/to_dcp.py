@@ -149,9 +149,6 @@ def convert_to_dcp(
     """Convert hub id / local directory ``name`` (per-expert hub layout or already fused) into an xpar_zoo
     checkpoint root ``out_dir`` holding ``step-00000000`` in the global fused layout, reading at most
     ``max_bytes`` of tensors at a time. ``force`` replaces an existing ``out_dir``. Returns the step directory."""
-    import torch.distributed.checkpoint as dcp
-    from tqdm.auto import tqdm
-
     out_dir = Path(out_dir).expanduser().absolute()
     check_output(out_dir, force, ConvertError, inputs=[Path(name).expanduser()])
     hub = open_hub_checkpoint(name, revision, cache_dir=cache_dir, token=token)  # strict: raises before any data
@@ -173,28 +170,7 @@ def convert_to_dcp(
     with StagingDir(out_dir, ConvertError) as tmp:  # moved into place when complete, removed on any error
         ckpt = tmp / checkpoint_name(step)
         ckpt.mkdir(parents=True)
-        with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="convert to DCP",
-                  disable=not progress) as bar:  # closed (a line of its own) on errors too
-            parts = []
-            for k, batch in enumerate(byte_batches(sizes.items(), max_bytes)):
-                files = _Files(directory)
-                state = {}
-                try:
-                    for n in batch:
-                        state[n] = assemble(layout, n, files)
-                        for alias in alias_of.get(n, ()):
-                            state[alias] = state[n]
-                finally:
-                    files.close()
-                if k == 0:
-                    state.update(buffers)
-                part = ckpt / f"{_PART_PREFIX}{k:05d}"
-                with quiet_single_process():
-                    dcp.save({MODEL_KEY: state}, storage_writer=dcp.FileSystemWriter(str(part), sync_files=True),
-                             no_dist=True)
-                parts.append(part)
-                bar.update(sum(sizes[n] for n in batch))
-                del state
+        parts = _write_parts(ckpt, layout, directory, sizes, alias_of, buffers, max_bytes, progress)
         _merge_parts(ckpt, parts)
         meta = metadata_record(model, step, None, {}, None)
         meta.update(world_size=None, converted_from={
@@ -207,6 +183,44 @@ def convert_to_dcp(
         write_complete_marker(ckpt, step)
         _check_readable(ckpt, {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()})
     return out_dir / checkpoint_name(step)
+
+
+def _write_parts(ckpt: Path, layout, directory: Path, sizes: dict[str, int], alias_of: dict[str, list[str]],
+                 buffers: dict, max_bytes: int, progress: bool) -> list[Path]:
+    """The model tensors assembled a batch of at most ``max_bytes`` at a time, each batch saved by DCP into a part
+    directory of ``ckpt`` (the buffers no checkpoint holds go with the first); returns the parts in order."""
+    import torch.distributed.checkpoint as dcp
+    from tqdm.auto import tqdm
+
+    parts = []
+    with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="convert to DCP",
+              disable=not progress) as bar:  # closed (a line of its own) on errors too
+        for k, batch in enumerate(byte_batches(sizes.items(), max_bytes)):
+            state = _batch_state(layout, directory, batch, alias_of)
+            if k == 0:
+                state.update(buffers)
+            part = ckpt / f"{_PART_PREFIX}{k:05d}"
+            with quiet_single_process():
+                dcp.save({MODEL_KEY: state}, storage_writer=dcp.FileSystemWriter(str(part), sync_files=True),
+                         no_dist=True)
+            parts.append(part)
+            bar.update(sum(sizes[n] for n in batch))
+            del state
+    return parts
+
+
+def _batch_state(layout, directory: Path, batch: list[str], alias_of: dict[str, list[str]]) -> dict:
+    """The tensors of ``batch`` assembled from the hub files (a tied alias shares its canonical tensor)."""
+    files = _Files(directory)
+    state = {}
+    try:
+        for n in batch:
+            state[n] = assemble(layout, n, files)
+            for alias in alias_of.get(n, ()):
+                state[alias] = state[n]
+    finally:
+        files.close()
+    return state
 
 
 def _check_readable(ckpt: Path, shapes: dict[str, tuple[int, ...]]) -> None:

@@ -31,6 +31,17 @@ def _fsdp_param_group_state() -> bool:
             and {"sharded_param", "_unsharded_param"} <= set(re.findall(r"\w+", inspect.getsource(_fsdp_param.FSDPParam))))
 
 
+def _generate_sees_fsdp2() -> bool:
+    """transformers' own test for an FSDP-managed model (``generate`` then syncs the ranks) reads the flag that
+    :func:`compat.mark_fsdp_managed` sets."""
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+
+    module = torch.nn.Linear(2, 2)
+    before = is_fsdp_managed_module(module)
+    compat.mark_fsdp_managed(module)
+    return not before and is_fsdp_managed_module(module)
+
+
 def _scaled_by_foreach_mul() -> bool:
     pieces = [torch.ones(3), torch.ones(2, 2)]
     compat.foreach_mul_(pieces, torch.tensor(0.5))
@@ -76,8 +87,7 @@ CHECKS = {
     "transformers _keys_to_ignore_on_load_missing / _unexpected": lambda: all(
         hasattr(importlib.import_module("transformers").PreTrainedModel, f"_keys_to_ignore_on_load_{k}")
         for k in ("missing", "unexpected")),
-    "transformers _is_fsdp_managed_module": lambda: _source_mentions("transformers.distributed.fsdp",
-                                                                     "_is_fsdp_managed_module"),
+    "transformers _is_fsdp_managed_module": _generate_sees_fsdp2,
     "accelerate _is_accelerate_prepared": lambda: _source_mentions("accelerate.accelerator", "_is_accelerate_prepared"),
     # safetensors
     "safetensors.torch._TYPES": lambda: compat.SAFETENSORS_TYPES["BF16"] is torch.bfloat16,

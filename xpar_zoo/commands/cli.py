@@ -217,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.set_defaults(func=_cmd_demo)
+    _add_convert(sub)
+    _add_publish(sub)
+    _add_size(sub)
+    _add_train(sub)
+    return parser
+
+
+def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert checkpoints between the hub's format and xpar_zoo DCP")
     convert = p.add_subparsers(dest="convert_command", required=True)
     c = convert.add_parser("to-hf", help="an xpar_zoo DCP checkpoint -> hub-format safetensors + index + config")
@@ -245,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read every file of an xpar_zoo checkpoint and check it against the checksums recorded at "
                         "save (exit status 2 when one is damaged)")
     c.set_defaults(func=_cmd_inspect)
+
+
+def _add_publish(sub) -> None:
     p = sub.add_parser("publish", help="validate a hub-format folder, write its model card, upload it to the hub")
     p.add_argument("dir", help="hub-format folder (e.g. from convert to-hf)")
     p.add_argument("repo_id", help="hub repository id (org/name)")
@@ -258,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="refuse a folder holding anything but the files of a hub model (default: skip them)")
     p.set_defaults(func=_cmd_publish)
+
+
+def _add_size(sub) -> None:
     p = sub.add_parser("size", aliases=["plan"],
                        help="per-rank memory and per-step communication of a mesh; suggest meshes")
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
@@ -286,8 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_size)
-    _add_train(sub)
-    return parser
+
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,11 +65,39 @@ def validate_folder(directory: str | os.PathLike) -> dict[str, Any]:
     safetensors files whose headers parse and whose data sections are complete, and (when present) an index whose
     every file exists and holds the keys it lists. Returns ``{"config", "files", "tensors", "bytes"}``; raises
     :class:`PublishError` naming the file or key."""
-    from xpar_zoo.hub.safetensors_files import INDEX_FILE, SINGLE_FILE, read_header
+    from xpar_zoo.hub.safetensors_files import INDEX_FILE, SINGLE_FILE
 
     directory = Path(directory)
     if not directory.is_dir():
         raise PublishError(f"{directory}: not a directory")
+    config = _read_config(directory)
+    index_path = directory / INDEX_FILE
+    weight_map = None
+    if index_path.is_file():
+        weight_map, files = _read_index(directory, index_path)
+    elif (directory / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        raise PublishError(f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE}")
+    unindexed = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in files)
+    if unindexed:
+        raise PublishError(f"{directory}: {', '.join(unindexed)} not listed in {INDEX_FILE}")
+    keys: dict[str, str] = {}
+    total = 0
+    for name in files:
+        total += _check_weight_file(directory / name, keys)
+    if weight_map is not None:
+        wrong = [f"{k} (index: {f}, file holds it: {keys.get(k, 'no file')})" for k, f in weight_map.items()
+                 if keys.get(k) != f]
+        unlisted = [k for k in keys if k not in weight_map]
+        if wrong or unlisted:
+            raise PublishError(f"{index_path} does not match the files: "
+                               + "; ".join(wrong[:8] + [f"{k} ({keys[k]}) not in the index" for k in unlisted[:8]]))
+    return {"config": config, "files": files, "tensors": len(keys), "bytes": total}
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    """The folder's ``config.json``, which must parse and name a ``model_type``."""
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise PublishError(f"{directory}: no {CONFIG_FILE}; not a hub-format checkpoint")
@@ -82,54 +110,45 @@ def validate_folder(directory: str | os.PathLike) -> dict[str, Any]:
     if "auto_map" in config:
         raise PublishError(f"{config_path} names custom code (auto_map), which publish does not upload: xpar_zoo "
                            "trains and publishes transformers' own classes; remove auto_map from the config")
-    index_path = directory / INDEX_FILE
-    weight_map = None
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise PublishError(f"{index_path}: unreadable index ({type(e).__name__}: {e})") from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (directory / f).is_file()]
-        if missing:
-            raise PublishError(f"{index_path} lists {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'}"
-                               f" not in {directory}")
-    elif (directory / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        raise PublishError(f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE}")
-    unindexed = sorted(p.name for p in directory.glob("*.safetensors") if p.name not in files)
-    if unindexed:
-        raise PublishError(f"{directory}: {', '.join(unindexed)} not listed in {INDEX_FILE}")
-    keys: dict[str, str] = {}
-    total = 0
-    for name in files:
-        path = directory / name
-        try:
-            header = read_header(path)
-        except XparError as e:
-            raise PublishError(f"{path}: truncated or corrupt safetensors header ({e})") from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise PublishError(f"{path}: malformed safetensors header ({type(e).__name__}: {e})") from None
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-        data_end = max((t.offsets[1] for t in header.values()), default=0)
-        size = path.stat().st_size
-        if size < 8 + header_len + data_end:
-            raise PublishError(f"{path}: truncated ({size} bytes, its header needs {8 + header_len + data_end})")
-        for key in header:
-            if key in keys:
-                raise PublishError(f"{key} is in two files: {keys[key]} and {name}")
-            keys[key] = name
-        total += size
-    if weight_map is not None:
-        wrong = [f"{k} (index: {f}, file holds it: {keys.get(k, 'no file')})" for k, f in weight_map.items()
-                 if keys.get(k) != f]
-        unlisted = [k for k in keys if k not in weight_map]
-        if wrong or unlisted:
-            raise PublishError(f"{index_path} does not match the files: "
-                               + "; ".join(wrong[:8] + [f"{k} ({keys[k]}) not in the index" for k in unlisted[:8]]))
-    return {"config": config, "files": files, "tensors": len(keys), "bytes": total}
+    return config
+
+
+def _read_index(directory: Path, index_path: Path) -> tuple[dict[str, str], list[str]]:
+    """The index's weight map and the files it names, each of which must exist."""
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise PublishError(f"{index_path}: unreadable index ({type(e).__name__}: {e})") from None
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (directory / f).is_file()]
+    if missing:
+        raise PublishError(f"{index_path} lists {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'}"
+                           f" not in {directory}")
+    return weight_map, files
+
+
+def _check_weight_file(path: Path, keys: dict[str, str]) -> int:
+    """Check one safetensors file (its header parses, its data section is complete, no key of another file) and
+    record its keys in ``keys``; returns its size."""
+    from xpar_zoo.hub.safetensors_files import read_header
+
+    try:
+        header = read_header(path)
+    except XparError as e:
+        raise PublishError(f"{path}: truncated or corrupt safetensors header ({e})") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise PublishError(f"{path}: malformed safetensors header ({type(e).__name__}: {e})") from None
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+    data_end = max((t.offsets[1] for t in header.values()), default=0)
+    size = path.stat().st_size
+    if size < 8 + header_len + data_end:
+        raise PublishError(f"{path}: truncated ({size} bytes, its header needs {8 + header_len + data_end})")
+    for key in header:
+        if key in keys:
+            raise PublishError(f"{key} is in two files: {keys[key]} and {path.name}")
+        keys[key] = path.name
+    return size
 
 
 def _export_info(directory: Path) -> dict[str, Any]:

@@ -382,6 +382,22 @@ def estimate(
     units = fsdp_units(model, plan, world, sizes, replicate)
     est = Estimate(mesh={"world": world, "replicate": replicate, **sizes,
                          **{k: v for k, v in (("sp", sp), ("cp", cp)) if v > 1}})
+    rows = micro_batch * seq  # the tokens of the micro-batch the sequence group shares
+    tokens = rows // (sp * cp)  # this rank's, outside attention
+    est.tokens_per_rank = tokens
+    _weight_memory(est, model, units, lora_rank, param_dtype, optimizer)
+    _activation_memory(est, config, model, plan, sizes, rows, tokens, pbytes, fused_loss, recompute, lora_rank,
+                       seq=seq, sp=sp, cp=cp, attention=attention)
+    _fsdp_comm(est, units, world, pbytes, rbytes)
+    _plan_comm(est, config, model, plan, sizes, tokens, pbytes, sp=sp, cp=cp)
+    return est
+
+
+def _weight_memory(est: Estimate, model: nn.Module, units: list, lora_rank: int | None, param_dtype: str,
+                   optimizer: str) -> None:
+    """Parameters, gradients and optimizer states per rank (their shards), the unsharded units FSDP holds at once,
+    its chunk-cat temporary, and how many planned tensors each plan shards on each dim."""
+    pbytes = DTYPE_BYTES[param_dtype]
     shard_numel = sum(u.numel_padded / u.group for u in units)
     trainable = sum(u.trainable / u.group for u in units)
     if lora_rank:
@@ -404,9 +420,13 @@ def estimate(
         for dim in u.shard_dims.values():
             counts = est.placement.setdefault(u.plan_name, {})
             counts[f"dim {dim}"] = counts.get(f"dim {dim}", 0) + 1
-    rows = micro_batch * seq  # the tokens of the micro-batch the sequence group shares
-    tokens = rows // (sp * cp)  # this rank's, outside attention
-    est.tokens_per_rank = tokens
+
+
+def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, sizes: dict[str, int], rows: int,
+                       tokens: int, pbytes: int, fused_loss: bool, recompute: bool, lora_rank: int | None, *,
+                       seq: int, sp: int, cp: int, attention: str) -> None:
+    """Activations of a micro-batch (the adapters' too), attention's ``seq²`` terms, and the fused loss's
+    temporaries where the head is fused."""
     head = sizes.get("head", 1)
     fused = head > 1 or (fused_loss and whole_vocab_head_fusable(model, plan))
     fused_head = head if fused else 0
@@ -425,6 +445,10 @@ def estimate(
     if attention == "eager":
         est.memory["eager backward temporaries (seq²)"] = attention_temporaries(
             config, rows, pbytes, seq=seq, sp=sp, cp=cp, attention=attention)
+
+
+def _fsdp_comm(est: Estimate, units: list, world: int, pbytes: int, rbytes: int) -> None:
+    """FSDP's all-gathers and reduce-scatters, HSDP's all-reduce, and the global-batch loss's target count."""
     gather = reduce = allreduce = 0.0
     for u in units:
         frac = (u.group - 1) / u.group
@@ -437,6 +461,12 @@ def estimate(
     est.comm["all_reduce (HSDP grads)"] = allreduce
     # the global-batch loss: one fp32 count of valid targets summed over the world per forward (xpar_zoo.loss.global_batch)
     est.comm["all_reduce (loss target count)"] = 2 * (world - 1) / world * 4
+
+
+def _plan_comm(est: Estimate, config, model: nn.Module, plan: Plan, sizes: dict[str, int], tokens: int,
+               pbytes: int, *, sp: int, cp: int) -> None:
+    """The extra plans' and the sequence split's collectives: EP's token all-to-alls, sp's and cp's, ``emb``'s and
+    ``head``'s."""
     s = sizes.get("ep", 1)
     a2a = 0.0
     if s > 1:
@@ -467,7 +497,6 @@ def estimate(
     est.comm["all_to_all (head hidden states)"] = (
         (h - 1) * (tokens * (2 * hidden * pbytes + 8) + 8 + 4 + 4) if h > 1 else 0.0)
     est.comm["all_gather (head loss statistics)"] = (h - 1) * 2 * h * tokens * 4 if h > 1 else 0.0
-    return est
 
 
 def sequence_splits(config, shard: int, seq: int, attention: str = "sdpa") -> list[tuple[int, int]]:

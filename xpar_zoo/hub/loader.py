@@ -176,25 +176,29 @@ def fill_local_shards(model: nn.Module, layout: HubLayout, directory: str | Path
     with torch.no_grad(), bar:
         for file in sorted(work):
             reads = sorted(work[file], key=lambda rl: (rl[0].source.offsets[0], [s.start for s in rl[0].slices]))
-            with safe_open(str(directory / file), framework="pt", device="cpu") as handle:
-                for read, local in reads:
-                    if read.slices:
-                        data = handle.get_slice(read.source.key)[read.slices]
-                    else:
-                        data = handle.get_tensor(read.source.key)
-                    if read.stack_dim is not None:
-                        data = data.unsqueeze(read.stack_dim)
-                    local[read.dest].copy_(data)
-                    nbytes += read.nbytes
-                    nreads += 1
-                    bar.update(read.nbytes)
-                    del data
+            nbytes += _read_file(directory / file, reads, bar)
+            nreads += len(reads)
         for name in layout.converted():  # rules without a slice-wise reading: read whole, converted by transformers
             local, region = local_region(live[name])
             local.copy_(layout.convert(name, directory, region))
             nbytes += sum(p.source.nbytes for p in layout.targets[name].pieces)
             nreads += len(layout.targets[name].pieces)
     return LoadStats(nbytes, layout.total_bytes(), nreads, len(work), time.perf_counter() - start, str(directory))
+
+
+def _read_file(path: Path, reads: list[tuple[Read, torch.Tensor]], bar) -> int:
+    """Copy each read of one safetensors file into its local tensor (in the file's order); returns the bytes read."""
+    nbytes = 0
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        for read, local in reads:
+            data = handle.get_slice(read.source.key)[read.slices] if read.slices else handle.get_tensor(read.source.key)
+            if read.stack_dim is not None:
+                data = data.unsqueeze(read.stack_dim)
+            local[read.dest].copy_(data)
+            nbytes += read.nbytes
+            bar.update(read.nbytes)
+            del data
+    return nbytes
 
 
 def from_pretrained(
