@@ -192,13 +192,9 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     scores = 0.0
     if attention == "eager":  # the softmax, fp32, and its copy in the compute dtype
         scores = rows * heads * (seq // cp) * seq * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
-    mask_layer = mask_once = 0.0
-    if masked and attention == "sdpa":  # a boolean mask: torch's sdpa saves a compute-dtype copy per call
-        mask_once = rows * (seq // cp) * seq
-        mask_layer = mask_once * dtype_bytes
-    elif masked and attention == "eager":  # an additive mask in the compute dtype, held for the forward
-        mask_once = rows * (seq // cp) * seq * dtype_bytes
-    return values * dtype_bytes + mask_layer, scores, mask_once
+    # an additive mask in the compute dtype, one per forward shared by the layers (sdpa saves it as it is)
+    mask_once = rows * (seq // cp) * seq * dtype_bytes if masked else 0.0
+    return values * dtype_bytes, scores, mask_once
 
 
 def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1, qk_norm: bool = False,
@@ -260,8 +256,8 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     without a mask keep them as they are), and under sp the output's all-to-all makes a second copy for the output
     projection. ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
     a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp the attention gets a mask of
-    ``rows·(seq/cp)·seq``: boolean for sdpa (torch saves a copy in the compute dtype per layer), additive for eager;
-    sdpa gets none under sp alone (its own causal kernel: plain rows assumed, no packing, padding or short window).
+    ``rows·(seq/cp)·seq``, additive in the compute dtype, one per forward shared by the layers; sdpa gets none
+    under sp alone (its own causal kernel: plain rows assumed, no packing, padding or short window).
     With ``recompute`` (activation checkpointing of every decoder layer, e.g.
     ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
     layer at a time holds all of its values again while it is recomputed: the peak.
