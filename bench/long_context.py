@@ -3,7 +3,7 @@ CPU ranks under ``Mesh(sp=4)``, ``Mesh(cp=4)`` and ``Mesh(sp=2, cp=2, ep=2)`` ag
 same full-length rows; and the longest sequence that trains within a fixed per-rank budget, ours beside transformers'
 own ``DistributedConfig(fsdp_size=4, ep_size=2)`` path (as bench/cpu_suite.py drives it), in the same run.
 
-    python bench/long_context.py [--seq 8192] [--budget-mib 160] [--ladder 1024,2048,...] [--long-mesh cp4]
+    python bench/long_context.py [--seq 8192] [--budget-mib 160] [--ladder 1024,2048,...] [--long-mesh sp4]
                                  [--parts ratio,longest] [--no-write]
 
 **What is measured.** The peak of live CPU tensor bytes during one ``model(input_ids=…, labels=…).loss.backward()``
@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192, help="the length of the ratio rows (goal: ≤ 0.35× FSDP alone)")
     ap.add_argument("--budget-mib", type=float, default=160.0, help="per-rank activation budget of the longest run")
     ap.add_argument("--ladder", default="1024,2048,3072,4096,6144,8192,12288,16384,24576,32768")
-    ap.add_argument("--long-mesh", default="cp4", choices=[m for m in MESHES if m != "fsdp"],
+    ap.add_argument("--long-mesh", default="sp4", choices=[m for m in MESHES if m != "fsdp"],
                     help="our mesh for the longest sequence")
     ap.add_argument("--meshes", default=",".join(MESHES), help="meshes of the ratio rows (fsdp first)")
     ap.add_argument("--parts", default="ratio,longest")

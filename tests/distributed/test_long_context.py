@@ -149,6 +149,10 @@ def _semantics(world: int) -> dict:
         whole = model(**batch).loss
         part = xpar_zoo.shard_sequence(batch, model)
         given_part = model(**part).loss
+    model.set_attn_implementation("sdpa")  # after parallelize (as a training script may): wrapped again
+    with torch.no_grad():
+        out["reset_to_sdpa"] = (model(**batch).loss.item(), whole.item(), model.config._attn_implementation)
+    model.set_attn_implementation("eager")
     out["part_keys"] = sorted(k for k, v in part.items() if torch.is_tensor(v))
     out["part_len"] = part["input_ids"].shape[1]
     out["loss_whole_vs_part"] = (whole.item(), given_part.item())
@@ -275,6 +279,12 @@ def test_shard_sequence_hands_the_model_its_part_with_the_same_loss(results):
     assert sem["part_keys"] == ["input_ids", "labels", "position_ids", "shift_labels"]
     whole, part = sem["loss_whole_vs_part"]
     assert abs(whole - part) < 1e-6
+
+
+def test_an_attention_implementation_set_after_parallelize_is_wrapped_again(results):
+    loss, before, implementation = results["semantics"]["reset_to_sdpa"]
+    assert implementation == "xpar_seq_sdpa"
+    assert abs(loss - before) < 1e-5
 
 
 def test_router_aux_loss_over_the_global_batch_counts_each_token_once(results):

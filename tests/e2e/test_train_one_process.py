@@ -138,11 +138,19 @@ def test_export_hf_with_force_replaces_the_old_export_once_complete(files, tmp_p
 
 
 def test_console_shows_each_step_once_without_control_codes(files, tmp_path, capsys):
-    """Progress on (the default) with stdout and stderr not terminals: one plain line per step, none twice."""
-    argv = [a for a in _common(files, tmp_path / "o", "--steps", "3") if a != "--no-progress"]
+    """Progress on (the default) with stdout and stderr not terminals: one plain line per step (--log-every 1), none
+    twice."""
+    argv = [a for a in _common(files, tmp_path / "o", "--steps", "3", "--log-every", "1") if a != "--no-progress"]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
     out = captured.out + captured.err
     assert "\r" not in out and "\x1b" not in out
     steps = [line.split()[1] for line in captured.out.splitlines() if line.startswith("step ") and "/" in line.split()[1]]
     assert steps == ["1/3", "2/3", "3/3"], captured.out
+
+
+def test_no_progress_shows_every_nth_step_once(files, tmp_path, capsys):
+    assert cli.main(_common(files, tmp_path / "o", "--steps", "5", "--log-every", "2")) == 0
+    out = capsys.readouterr().out
+    steps = [line.split()[1] for line in out.splitlines() if line.startswith("step ") and "/" in line.split()[1]]
+    assert steps == ["2/5", "4/5", "5/5"], out

@@ -118,7 +118,7 @@ def test_console_line_shows_the_step_just_finished():
 
     from xpar_zoo.train.reporting import Reporter
 
-    report = Reporter(SimpleNamespace(progress=True), Path("."), active=True, start_step=0, total_steps=4, wandb=False)
+    report = Reporter(SimpleNamespace(progress=True, log_every=1), Path("."), active=True, start_step=0, total_steps=4, wandb=False)
     lines = [report.line(_record(s, 1.0 / s)) for s in (1, 2)]
     assert lines[0].startswith("step 1/4 [#####---------------]  25% loss 1.0000")
     assert lines[1].startswith("step 2/4 [##########----------]  50% loss 0.5000")

@@ -3,7 +3,7 @@
 gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` each stage the whole unsharded buffer in a temporary
 of their own: the all-gather receives into a new flat tensor and copies it into the output, the reduce-scatter
 copies its input, all-reduces the copy and copies one chunk out. For FSDP2 that is one extra unsharded-size buffer
-per unit and collective (42 MiB per MoE layer in ``bench/cpu_suite.py``), allocated and written every time.
+per unit and collective (a MoE layer's expert weights), allocated and written every time.
 
 FSDP2 lets a unit choose its collectives (``set_custom_all_gather`` / ``set_custom_reduce_scatter``); these two do
 the same communication in place:
@@ -15,8 +15,7 @@ the same communication in place:
 
 The reduce-scatter runs the same all-reduce as gloo's, so its sums are equal to the bit and it moves the same bytes;
 the all-gather delivers each chunk once to every other rank, as gloo's does (its broadcasts are issued together and
-joined into one work). Measured in ``bench/RESULTS.md`` ("gloo collectives in place"): 42 MiB less allocated per call
-and faster from a few MiB up; the CPU suite's training RSS 0.90× transformers' instead of 1.14×.
+joined into one work). What they save, in memory and time: ``bench/RESULTS.md``, "gloo collectives in place".
 :func:`use_in_place_collectives` gives them to an FSDP unit (``parallelize`` does, on every unit of a CPU model: there
 unless told not to); on a group that is not gloo, or tensors off the CPU (NCCL), they call torch's own collectives.
 

@@ -459,6 +459,23 @@ def _own_config(model: nn.Module) -> None:
             module.config = new
 
 
+def _keep_wrapped(model: nn.Module, state: SequenceParallel) -> None:
+    """Wrap again an attention implementation set on ``model`` after ``parallelize`` (``set_attn_implementation
+    ("eager")`` would otherwise run attention on this rank's tokens alone, silently wrong); refuse one the wrapper
+    cannot serve."""
+    current = attn_implementation(model.config)
+    if current == ATTENTION_PREFIX + state.inner:
+        return
+    if current not in INNER_IMPLEMENTATIONS:
+        raise PlanError(f"sp/cp: the model's attention implementation was set to {current!r} after parallelize; "
+                        f"under sp/cp it must be one of {INNER_IMPLEMENTATIONS}")
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_PREFIX + current, _sequence_attention)
+    state.inner = current
+    model.set_attn_implementation(ATTENTION_PREFIX + current)
+
+
 def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> SequenceParallel:
     """Set ``model`` to ``xpar_seq_<inner>`` attention and wrap its forward to keep this rank's part of full-length
     rows (see the module docstring). Call after every other forward wrapper (the global-batch loss must count the
@@ -503,6 +520,7 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
                 raise BatchError("sp/cp: pass no attention_mask with a shard_sequence part (it carries the padding)")
         if "use_cache" in params:
             named["use_cache"] = False
+        _keep_wrapped(model, state)
         ref = named.get("input_ids") if named.get("input_ids") is not None else named.get("inputs_embeds")
         state.begin(part, ref.device)
         return original(**named)

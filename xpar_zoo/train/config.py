@@ -326,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="write into a non-empty --output without checkpoints, and replace an existing --export-hf (only once "
            "the new export is complete)")
     a("--log-every", type=int, default=S,
-      help="with --no-progress: a plain line every N steps and at the last (default 10)")
+      help="a console line every N steps, at evaluations and at the last (default 10)")
     a("--max-line-bytes", type=int, default=S,
       help=f"longest data line (JSONL record, .txt document) read, in bytes (default {DEFAULT_MAX_LINE_BYTES})")
     sft_config.add_arguments(parser)

@@ -500,7 +500,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     sinks = sft_config.reporters(cfg)
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
                      tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
-                     lines=not cfg.progress)  # with --progress the Reporter's line per step says it
+                     lines=not cfg.progress)  # with --progress the Reporter's lines say it
     report = Reporter(cfg, output, active=rank == 0, start_step=step, total_steps=cfg.steps, wandb="wandb" in sinks)
     if cfg.eval_data:
         evaluator = Evaluator(eval_corpus, world=world, rank=rank, part=part, parts=parts,

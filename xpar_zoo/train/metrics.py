@@ -15,8 +15,8 @@ The file is only ever appended to. Every run (a resume included) first appends `
 "time": …}``: its lines supersede the lines of steps after ``S`` written before (a run that went past its last
 checkpoint before it stopped). :func:`read_metrics` returns the lines in force, one per step.
 
-With ``lines`` (the command's ``--no-progress``: otherwise :mod:`~xpar_zoo.train.reporting` prints a line per
-step), a plain line every ``--log-every`` steps and at the last, without terminal control codes.
+With ``lines`` (the command's ``--no-progress``: otherwise :mod:`~xpar_zoo.train.reporting` prints the lines), a
+plain line every ``--log-every`` steps and at the last, without terminal control codes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What a run shows besides ``metrics.jsonl`` (rank 0): a one-line summary of a step on the console (a progress bar,
 the loss, the learning rate, throughput, eval_loss and an ETA) every ``--log-every`` steps (``1``: every step), at
-each evaluation and at the last step, above the tqdm bar on a terminal; and Weights & Biases (``--report-to
+each evaluation and at the last step, with ``--progress`` (the default; ``--no-progress``: the shorter lines of
+:class:`~xpar_zoo.train.metrics.MetricsLog`), plain text on a terminal or not; and Weights & Biases (``--report-to
 wandb``; ``WANDB_MODE=offline`` works without a network; project from ``WANDB_PROJECT``, default ``xpar-zoo``).
 TensorBoard events are written by :class:`~xpar_zoo.train.metrics.MetricsLog`."""
 
@@ -43,7 +44,7 @@ class Reporter:
 
     def __init__(self, cfg, output: Path, *, active: bool, start_step: int, total_steps: int, wandb: bool):
         self.active, self.total, self.start_step = active, total_steps, start_step
-        self.console, self.every = active, cfg.log_every
+        self.console, self.every = active and cfg.progress, cfg.log_every  # --no-progress: MetricsLog's lines
         self._start = time.perf_counter()
         self._run = None
         if active and wandb:
