@@ -10,6 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 60
 MAX_DEPTH = 4
+# Long functions that arrived with merges after the split (owned by work still in flight): listed so that no other
+# joins them; the test also fails when one of them is split and still listed, so the list only shrinks.
+KNOWN_LONG: set[tuple[str, str]] = set()  # functions allowed over the limit until split: none
 _BLOCKS = (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try, ast.Match)
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 
@@ -51,11 +54,15 @@ def too_long_or_deep(source: str, where: str) -> list[str]:
 
 
 def test_no_function_is_longer_than_60_lines_or_nests_deeper_than_4():
-    found = []
+    found, known = [], set()
     for folder in ("xpar_zoo", "plans", "converters"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            found += too_long_or_deep(path.read_text(), str(path.relative_to(ROOT)))
+            where = str(path.relative_to(ROOT))
+            for line in too_long_or_deep(path.read_text(), where):
+                name = line.split(" ")[1].rstrip(":")
+                (known.add((where, name)) if (where, name) in KNOWN_LONG else found.append(line))
     assert not found, "split into named steps:\n" + "\n".join(found)
+    assert known == KNOWN_LONG, f"split already, remove from KNOWN_LONG: {sorted(KNOWN_LONG - known)}"
 
 
 def test_the_measure_counts_what_it_says():

@@ -39,8 +39,6 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     calls it, rank 0 writes (``is_main_process`` is accepted and ignored). ``merge``: an
     :class:`~xpar_zoo.integrations.peft_files.AdapterMerge` of the model's live tensors, whose merged weights are
     written instead (a PEFT model). Returns the directory."""
-    from tqdm.auto import tqdm
-
     from ..zoo.registry import build_meta
 
     if not safe_serialization or push_to_hub or state_dict is not None or kwargs:
@@ -56,47 +54,66 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
                     max_shard_bytes=parse_size(max_shard_size))
     directory = Path(save_directory).expanduser().absolute()
     writing = distributed.rank() == 0
-    error = None
-    staging = None
-    if writing:
-        try:
-            directory.parent.mkdir(parents=True, exist_ok=True)
-            staging = StagingDir(directory, ModelStateError, merge=_is_weight_file)
-            hub.start(staging.path)
-        except Exception as e:
-            error = distributed.describe_error(e)
+    staging, error = _start(hub, directory) if writing else (None, None)
+    error = _write_tensors(hub, live, merge, writing, error, progress)
+    if writing and staging is not None:
+        error = _finish(hub, staging, model, error)
+    error = distributed.broadcast(error)
+    if error:
+        raise ModelStateError(f"save_pretrained to {directory} failed (nothing was written): {error}")
+    return directory
+
+
+
+def _start(hub: HubWriter, directory: Path) -> tuple[StagingDir | None, str | None]:
+    """Rank 0: a staging directory beside ``directory`` with the writer started in it, or the error."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = StagingDir(directory, ModelStateError, merge=_is_weight_file)
+        hub.start(staging.path)
+        return staging, None
+    except Exception as e:
+        return None, distributed.describe_error(e)
+
+
+def _write_tensors(hub: HubWriter, live: dict, merge, writing: bool, error: str | None, progress: bool) -> str | None:
+    """Every rank gathers each tensor in the writer's order (merged under ``merge``); rank 0 writes it. A failed
+    writer keeps gathering, so that no rank is left waiting. Returns rank 0's error, if any."""
+    from tqdm.auto import tqdm
+
+    def gathered(names):
+        for name in names:
+            value = live[name]
+            yield name, (value.full_tensor() if isinstance(value, DTensor) else value)  # every rank, in order
+
     with tqdm(total=hub.total_bytes, unit="B", unit_scale=True, desc="save_pretrained",
               disable=not progress or not writing) as bar, distributed.exact_gathers():
-        def gathered(names):
-            for name in names:
-                value = live[name]
-                yield name, (value.full_tensor() if isinstance(value, DTensor) else value)  # every rank, in order
-
         stream = merge.merged(gathered(merge.reads(hub.names))) if merge is not None else gathered(hub.names)
         for name, full in stream:
-            if writing and error is None:  # a failed writer keeps gathering, so that no rank is left waiting
+            if writing and error is None:
                 try:
                     bar.update(hub.add(name, full.cpu()))
                 except Exception as e:
                     error = f"{name}: {distributed.describe_error(e)}"
             del full
-    if writing and staging is not None:
-        try:
-            if error is None:
-                hub.finish()
-                if model.can_generate() and getattr(model, "generation_config", None) is not None:
-                    model.generation_config.save_pretrained(staging.path)
-                staging.commit()
-        except Exception as e:
-            error = distributed.describe_error(e)
-        finally:
-            hub.close()
-            if error is not None:
-                staging.discard()
-    error = distributed.broadcast(error)
-    if error:
-        raise ModelStateError(f"save_pretrained to {directory} failed (nothing was written): {error}")
-    return directory
+    return error
+
+
+def _finish(hub: HubWriter, staging: StagingDir, model: nn.Module, error: str | None) -> str | None:
+    """Rank 0: the index and generation config written and the directory committed, or everything discarded."""
+    try:
+        if error is None:
+            hub.finish()
+            if model.can_generate() and getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(staging.path)
+            staging.commit()
+    except Exception as e:
+        error = distributed.describe_error(e)
+    finally:
+        hub.close()
+        if error is not None:
+            staging.discard()
+    return error
 
 
 def install_save_pretrained(model: nn.Module) -> None:

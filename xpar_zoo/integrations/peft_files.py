@@ -409,6 +409,81 @@ def adapter_metadata(model: nn.Module) -> dict | None:
 
 
 # ---- merged export ----------------------------------------------------------------------------------------------
+def _one_lora_record(adapters: dict, where: str):
+    """``(adapter name, LoraConfig)`` of the one LoRA record a merge takes, every field checked first."""
+    peft = require_peft()
+    if not isinstance(adapters, dict) or len(adapters) != 1:
+        raise AdapterError(f"{where} holds {len(adapters) if isinstance(adapters, dict) else 'no readable'} "
+                           f"adapter records ({', '.join(map(str, adapters))[:200] if adapters else ''}); "
+                           "xpar_zoo merges one")
+    (adapter, values), = adapters.items()
+    if not isinstance(adapter, str) or not adapter or "." in adapter:
+        raise AdapterError(f"{where}: adapter name {str(adapter)[:60]!r} is not a module name")
+    check_lora_record(values, f"{where}, adapter {adapter!r}")
+    try:
+        lora = peft.LoraConfig.from_peft_type(**values)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise AdapterError(f"{where}, adapter {adapter!r}: PEFT refuses the record ({str(e)[:200]})") from None
+    if lora.lora_bias or lora.use_dora:
+        raise AdapterError("merging lora_bias / DoRA adapters is not supported by xpar_zoo")
+    return adapter, lora
+
+
+def _peft_meta_model(config, lora, adapter: str, where: str) -> nn.Module:
+    """The transformers model of ``config`` on meta with the adapter applied by PEFT, fused experts laid out as
+    ``parallelize`` lays them."""
+    peft = require_peft()
+    try:
+        model = peft.get_peft_model(build_meta(config, torch.float32), lora, adapter_name=adapter,
+                                    low_cpu_mem_usage=True)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise AdapterError(f"{where}, adapter {adapter!r}: PEFT cannot apply the record to the model ({first})"
+                           ) from None
+    for wrapper in param_wrappers(model).values():
+        relayout(wrapper)
+    return model
+
+
+def _check_tensors_fit(state: dict, specs: dict, lora, where: str) -> None:
+    """Every tensor the record implies is in the checkpoint at the shape the record gives (a wrong ``r`` would merge
+    a wrongly scaled update), and nothing else is."""
+    names = set(state)
+    if names != set(specs):
+        missing, unexpected = sorted(names - set(specs)), sorted(set(specs) - names)
+        raise AdapterError("the checkpoint does not fit its own adapter config: " + "; ".join(
+            f"{what} ({len(ks)}): {', '.join(ks[:6])}" for what, ks in
+            (("missing", missing), ("unexpected", unexpected)) if ks))
+    wrong = [f"{n} {list(specs[n][0])}, the record gives {list(state[n].shape)}" for n in sorted(specs)
+             if tuple(specs[n][0]) != tuple(state[n].shape)]
+    if wrong:
+        raise AdapterError(f"{where}: the adapter tensors disagree with the adapter record (r={lora.r}, "
+                           f"lora_alpha={lora.lora_alpha}; a merge scales by lora_alpha / r, so a wrong r merges "
+                           f"a wrongly scaled update): {'; '.join(wrong[:4])}")
+
+
+def _deltas(model: nn.Module, adapter: str) -> tuple[dict[str, list[tuple[str, str, float, str]]], set[str]]:
+    """``{base tensor: [(A, B, scaling, kind)]}`` of every LoRA layer of ``adapter``, and the adapter tensors' names."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    fqn_of = {id(m): n for n, m in model.named_modules()}
+    deltas: dict[str, list[tuple[str, str, float, str]]] = {}
+    adapter_names: set[str] = set()
+    for fqn, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer) or adapter not in layer.lora_A:
+            continue
+        a, b = f"{fqn}.lora_A.{adapter}.weight", f"{fqn}.lora_B.{adapter}.weight"
+        adapter_names |= {a, b}
+        if isinstance(layer, ParamWrapper):
+            base = f"{fqn_of[id(layer.get_base_layer())]}.{layer.parameter_name}"
+            kind = "experts" if lora_swapped_in_out(layer) else "experts_transposed"
+        else:
+            base = f"{fqn_of[id(layer.get_base_layer())]}.weight"
+            kind = "transposed" if layer.fan_in_fan_out else "linear"
+        deltas.setdefault(base, []).append((a, b, layer.scaling[adapter], kind))
+    return deltas, adapter_names
+
+
 class AdapterMerge:
     """Merged weights from the tensors of a checkpoint of a PEFT model (``xpar-zoo convert to-hf --merge-adapter``):
     every adapted tensor becomes ``W + s·ΔW`` as PEFT's ``merge_and_unload`` computes it (``ΔW = B @ A``, per
@@ -420,62 +495,12 @@ class AdapterMerge:
 
     def __init__(self, config, adapters: dict, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  where: str = "the checkpoint") -> None:
-        peft = require_peft()
-        from peft.tuners.lora import LoraLayer, ParamWrapper
-
-        if not isinstance(adapters, dict) or len(adapters) != 1:
-            raise AdapterError(f"{where} holds {len(adapters) if isinstance(adapters, dict) else 'no readable'} "
-                               f"adapter records ({', '.join(map(str, adapters))[:200] if adapters else ''}); "
-                               "xpar_zoo merges one")
-        (adapter, values), = adapters.items()
-        if not isinstance(adapter, str) or not adapter or "." in adapter:
-            raise AdapterError(f"{where}: adapter name {str(adapter)[:60]!r} is not a module name")
-        check_lora_record(values, f"{where}, adapter {adapter!r}")
-        try:
-            lora = peft.LoraConfig.from_peft_type(**values)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise AdapterError(f"{where}, adapter {adapter!r}: PEFT refuses the record ({str(e)[:200]})") from None
-        if lora.lora_bias or lora.use_dora:
-            raise AdapterError("merging lora_bias / DoRA adapters is not supported by xpar_zoo")
-        try:
-            model = peft.get_peft_model(build_meta(config, torch.float32), lora, adapter_name=adapter,
-                                        low_cpu_mem_usage=True)
-        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
-            first = (str(e).splitlines() or [""])[0][:200]
-            raise AdapterError(f"{where}, adapter {adapter!r}: PEFT cannot apply the record to the model ({first})"
-                               ) from None
-        for wrapper in param_wrappers(model).values():
-            relayout(wrapper)
+        adapter, lora = _one_lora_record(adapters, where)
+        model = _peft_meta_model(config, lora, adapter, where)
         if not any(n.startswith("base_model.model.") for n in specs):  # saved from the transformers model itself
             model = model.get_base_model()
-        state = model.state_dict()
-        names = set(state)
-        if names != set(specs):
-            missing, unexpected = sorted(names - set(specs)), sorted(set(specs) - names)
-            raise AdapterError("the checkpoint does not fit its own adapter config: " + "; ".join(
-                f"{what} ({len(ks)}): {', '.join(ks[:6])}" for what, ks in
-                (("missing", missing), ("unexpected", unexpected)) if ks))
-        wrong = [f"{n} {list(specs[n][0])}, the record gives {list(state[n].shape)}" for n in sorted(specs)
-                 if tuple(specs[n][0]) != tuple(state[n].shape)]
-        if wrong:
-            raise AdapterError(f"{where}: the adapter tensors disagree with the adapter record (r={lora.r}, "
-                               f"lora_alpha={lora.lora_alpha}; a merge scales by lora_alpha / r, so a wrong r merges "
-                               f"a wrongly scaled update): {'; '.join(wrong[:4])}")
-        fqn_of = {id(m): n for n, m in model.named_modules()}
-        self._deltas: dict[str, list[tuple[str, str, float, str]]] = {}  # base -> [(A, B, scaling, kind)]
-        adapter_names = set()
-        for fqn, layer in model.named_modules():
-            if not isinstance(layer, LoraLayer) or adapter not in layer.lora_A:
-                continue
-            a, b = f"{fqn}.lora_A.{adapter}.weight", f"{fqn}.lora_B.{adapter}.weight"
-            adapter_names |= {a, b}
-            if isinstance(layer, ParamWrapper):
-                base = f"{fqn_of[id(layer.get_base_layer())]}.{layer.parameter_name}"
-                kind = "experts" if lora_swapped_in_out(layer) else "experts_transposed"
-            else:
-                base = f"{fqn_of[id(layer.get_base_layer())]}.weight"
-                kind = "transposed" if layer.fan_in_fan_out else "linear"
-            self._deltas.setdefault(base, []).append((a, b, layer.scaling[adapter], kind))
+        _check_tensors_fit(model.state_dict(), specs, lora, where)
+        self._deltas, adapter_names = _deltas(model, adapter)
         prefix = "base_model.model." if any(n.startswith("base_model.model.") for n in specs) else ""
         self._hf_name = {n: unwrapped_name(n).removeprefix(prefix) for n in specs if n not in adapter_names}
         self._source = {hf: n for n, hf in self._hf_name.items()}

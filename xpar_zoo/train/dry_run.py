@@ -23,26 +23,15 @@ def _model_config(cfg: TrainConfig):
     return load_config(resolve_config(cfg.model).parent)
 
 
-def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
-    """The report of ``--dry-run`` (see the module docstring) for ``world`` ranks (default: the launcher's
-    ``WORLD_SIZE``, else 1); raises what the run would raise on bad settings or data."""
+def _read_data(cfg: TrainConfig, config, world: int):
+    """The run's data and held-out data read as the run would (the tiny model's tokenizer built in memory), and the
+    settings with ``--epochs`` resolved: ``(cfg, corpus, held-out corpus or None)``."""
     import dataclasses
     import tempfile
 
-    from ..commands import sizing
-    from ..parallel.mesh import validate_sequence_sizes, validate_sizes
-    from .data import rows_per_step
-    from .loop import data_parts, load_corpus, resolve_epochs
-    from .sft_config import lora_enabled, lora_targets
+    from .loop import load_corpus, resolve_epochs
     from .tiny import TINY_MODEL, tiny_tokenizer
 
-    world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
-    sizes = dict(cfg.mesh)
-    replicate = sizes.pop("replicate", 1)
-    sequence = {d: sizes.pop(d, 1) for d in ("sp", "cp")}
-    validate_sizes(world, sizes, replicate)
-    validate_sequence_sizes(world, replicate, sequence["sp"], sequence["cp"])
-    config = _model_config(cfg)
     held = None
     with tempfile.TemporaryDirectory() as tmp:
         data_cfg = cfg
@@ -53,6 +42,14 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
         if cfg.eval_data:
             held = load_corpus(data_cfg, config.vocab_size, cfg.eval_data)[0]
     cfg, corpus = resolve_epochs(cfg, corpus, tokenizer, world)
+    return cfg, corpus, held
+
+
+def _data_lines(cfg: TrainConfig, config, corpus, held, world: int, replicate: int) -> list[str]:
+    """The report's settings, mesh, model and data lines."""
+    from .data import rows_per_step
+    from .loop import data_parts
+
     per_step = rows_per_step(data_parts(cfg, world), cfg.micro_batch, cfg.grad_accum)
     lines = ["xpar-zoo train --dry-run (no weights loaded)", "settings:"]
     lines += [f"  {k}: {json.dumps(v)}" for k, v in sorted(cfg.to_json().items())]
@@ -70,6 +67,14 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
                  f"{cfg.steps} steps" + (f" ({cfg.epochs} epochs)" if cfg.epochs else ""))
     if held is not None:
         lines.append(f"eval: {getattr(held, 'summary', '') or f'{held.num_tokens} tokens'}")
+    return lines
+
+
+def _estimate_lines(cfg: TrainConfig, config, world: int, sizes: dict, replicate: int, sequence: dict) -> list[str]:
+    """The sizer's per-rank memory estimate of the run (LoRA counted when it trains a new adapter)."""
+    from ..commands import sizing
+    from .sft_config import lora_enabled, lora_targets
+
     lora = {}
     if lora_enabled(cfg) and cfg.lora_rank is not None:
         from ..integrations.peft import expert_parameters
@@ -84,8 +89,25 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
                           param_dtype=param_dtype, recompute=cfg.recompute, **sequence, **lora,
                           **({"attention": cfg.attn_implementation}
                              if cfg.attn_implementation in sizing.ATTENTION_IMPLEMENTATIONS else {}))
-    lines.append("memory estimate (xpar_zoo.sizing, per rank):")
-    lines.append(sizing.format_estimate(est))
+    lines = ["memory estimate (xpar_zoo.sizing, per rank):", sizing.format_estimate(est)]
     if cfg.adapter:
         lines.append(f"LoRA: the saved adapter {Path(cfg.adapter)} (not counted by the estimate)")
+    return lines
+
+
+def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
+    """The report of ``--dry-run`` (see the module docstring) for ``world`` ranks (default: the launcher's
+    ``WORLD_SIZE``, else 1); raises what the run would raise on bad settings or data."""
+    from ..parallel.mesh import validate_sequence_sizes, validate_sizes
+
+    world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
+    sizes = dict(cfg.mesh)
+    replicate = sizes.pop("replicate", 1)
+    sequence = {d: sizes.pop(d, 1) for d in ("sp", "cp")}
+    validate_sizes(world, sizes, replicate)
+    validate_sequence_sizes(world, replicate, sequence["sp"], sequence["cp"])
+    config = _model_config(cfg)
+    cfg, corpus, held = _read_data(cfg, config, world)
+    lines = _data_lines(cfg, config, corpus, held, world, replicate)
+    lines += _estimate_lines(cfg, config, world, sizes, replicate, sequence)
     return "\n".join(lines)

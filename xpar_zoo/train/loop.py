@@ -451,19 +451,22 @@ def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
         check_long_context(model_config, world, replicate, cfg.seq_len, sp, cp, attention)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run the training ``cfg`` describes on every rank of the default process group (initialised from the
-    launcher's environment when needed; a plain process runs as world 1). A collective: every rank calls it with
-    the same settings (checked first). Returns the trained model and the last step's metrics. Raises
-    :class:`~xpar_zoo.train.stop.Stopped` after saving when SIGINT or SIGTERM stopped it."""
-    from ..parallel.mesh import Mesh, init_single_process
+@dataclass
+class _Inputs:
+    """What a run reads before the model loads: the settings as resolved, the data, the checkpoint to resume."""
 
-    if not dist.is_initialized() and not init_distributed(cfg.timeout_minutes):
-        init_single_process()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    quiet_other_ranks(rank)
-    check_same_settings(cfg)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cfg: TrainConfig
+    model_config: Any
+    corpus: PackedCorpus
+    tokenizer: Any
+    eval_corpus: Any
+    ckpt: Path | None
+    changes: list[str]
+
+
+def _read_inputs(cfg: TrainConfig, world: int) -> _Inputs:
+    """Every check and read that comes before the model loads: the checkpoint to resume and what changed since, the
+    model's config and the mesh against it, the data (and held-out data), the settings agreed across ranks."""
     output = Path(cfg.output)
     ckpt, changes = run_everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
     cfg = dataclasses.replace(cfg, model=run_everywhere(lambda: resolve_model(cfg.model, output), rank0_only=True))
@@ -472,15 +475,23 @@ def train(cfg: TrainConfig) -> TrainResult:
     corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size))
     cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
     check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
-    evaluator = None
+    eval_corpus = None
     if cfg.eval_data:
         eval_corpus = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size, cfg.eval_data)[0])
     if ckpt is not None:
         run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
+    return _Inputs(cfg, model_config, corpus, tokenizer, eval_corpus, ckpt, changes)
+
+
+def _build_run(inputs: _Inputs, device: torch.device, rank: int, world: int) -> tuple[_Run, Any, int, int]:
+    """The parallelized model, its optimizer and schedule (resumed from the checkpoint, if any): the run, its mesh,
+    and the step and data position it starts from."""
+    from ..parallel.mesh import Mesh
+
+    cfg = inputs.cfg
     sizes = dict(cfg.mesh)
     mesh = Mesh(replicate=sizes.pop("replicate", 1), **sizes)
-
-    peft = from_pretrained_kwargs(cfg, model_config)
+    peft = from_pretrained_kwargs(cfg, inputs.model_config)
     if peft:
         torch.manual_seed(cfg.seed)  # a new adapter is drawn from --seed (rank 0's RNG)
     model = _load_model(cfg, mesh, rank, **peft)
@@ -491,71 +502,115 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise TrainConfigError(f"--expert-bias-update-rate {cfg.expert_bias_update_rate}: {type(model).__name__} "
                                "has no router with an e_score_correction_bias (DeepSeek-V3 / GLM-4-MoE style)")
     optimizer = build_optimizer(model, cfg)
-    step, position = _resume(ckpt, model, optimizer, cfg) if ckpt is not None else (0, 0)
+    step, position = _resume(inputs.ckpt, model, optimizer, cfg) if inputs.ckpt is not None else (0, 0)
     part, parts = data_shard(model)
-    run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg, step), corpus, load, biases,
+    run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg, step), inputs.corpus, load, biases,
                router_aux(model, cfg), attn.startswith("flash_attention"), device, world, rank, part, parts,
                counts_once=mesh.sequence_rank("sp") == 0 and mesh.sequence_rank("cp") == 0)
-    last_step = cfg.stop_after or cfg.steps
-    sinks = sft_config.reporters(cfg)
-    log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
-                     tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
-                     lines=not cfg.progress)  # with --progress the Reporter's lines say it
-    report = Reporter(cfg, output, active=rank == 0, start_step=step, total_steps=cfg.steps, wandb="wandb" in sinks)
-    if cfg.eval_data:
-        evaluator = Evaluator(eval_corpus, world=world, rank=rank, part=part, parts=parts,
-                              micro_batch=cfg.micro_batch,
-                              max_batches=cfg.eval_batches, flatten=run.flatten, device=device,
-                              pad_id=pad_token_id(tokenizer))
-        best = run_everywhere(lambda: best_eval_loss(output, step), rank0_only=True)
+    return run, mesh, step, position
+
+
+def _announce(log: MetricsLog, run: _Run, inputs: _Inputs, mesh, step: int) -> None:
+    """Rank 0's opening lines: what trains on which mesh, from where, what changed on resume, the data's summary
+    and a note when the attention does not mask packed documents."""
+    cfg, model, world, parts = run.cfg, run.model, run.world, run.parts
     group = f" ({parts} sequence groups of {world // parts} ranks)" if parts != world else ""
     log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
                 f"ranks{group} x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
-                f"step; {corpus.num_tokens} tokens, {corpus.rows_per_epoch} rows per epoch; "
-                + (f"resumed from {ckpt} at step {step}" if ckpt else "from step 0"))
-    for line in changes:
+                f"step; {run.corpus.num_tokens} tokens, {run.corpus.rows_per_epoch} rows per epoch; "
+                + (f"resumed from {inputs.ckpt} at step {step}" if inputs.ckpt else "from step 0"))
+    for line in inputs.changes:
         log.message(f"changed on resume: {line}")
-    for data in (corpus, eval_corpus if cfg.eval_data else None):
+    for data in (run.corpus, inputs.eval_corpus):
         if getattr(data, "summary", ""):
             log.message(data.summary)
+    attn = attn_implementation(model.config)
     if attn not in DOCUMENT_MASKING and not run.flatten:
         log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
                     f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
+
+
+def _run_steps(run: _Run, log: MetricsLog, report: Reporter, evaluator: Evaluator | None, best: float,
+               step: int, position: int) -> tuple[int, dict | None]:
+    """Train from ``step`` to the last step: each step's metrics (and evaluation) logged, the best and the periodic
+    checkpoints saved; on an agreed SIGINT/SIGTERM, save and raise :class:`Stopped`. Returns the last step and
+    its record."""
+    cfg, model, optimizer = run.cfg, run.model, run.optimizer
+    output, last_step = Path(cfg.output), cfg.stop_after or cfg.steps
+    record = None
+    with StopOnSignal(announce=log.message) as stop:
+        while step < last_step:
+            record = {"step": step + 1, **optimizer_step(run, position)}
+            step, position = record["step"], record["data_position"]
+            if evaluator is not None and (step == last_step or (cfg.eval_every and step % cfg.eval_every == 0)):
+                record.update(evaluator(model))
+                run.load.take()  # the evaluation's tokens are no step's expert load
+            log.write(record)
+            report.write(record)
+            if (line := report.line(record)) is not None:
+                log.message(line)
+            signum = stop.agreed(run.device)
+            if cfg.save_best and "eval_loss" in record and record["eval_loss"] < best:
+                best = record["eval_loss"]
+                path = _save(cfg, model, optimizer, run.scheduler, step, position, run.corpus, root=output / BEST,
+                             keep_last=1)
+                log.message(f"step {step}: eval_loss {best:.4f}, the lowest so far: saved {path}")
+            if step == last_step or signum or (cfg.save_every and step % cfg.save_every == 0):
+                path = _save(cfg, model, optimizer, run.scheduler, step, position, run.corpus)  # every rank
+                log.message(f"step {step}: saved {path}")
+            if signum:
+                name = signal.Signals(signum).name
+                log.message(f"{name}: saved step-{step}; rerun with --resume to continue")
+                raise Stopped(signum, f"stopped by {name} after step {step}")
+    return step, record
+
+
+def _export_outputs(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int, log: MetricsLog) -> None:
+    """After the last step: the hub-format export (merged under LoRA) and PEFT's adapter files, where asked for."""
+    if cfg.export_hf:
+        _export(cfg, model, tokenizer, rank)
+        log.message(f"exported the {'merged ' if is_lora(model) else ''}model in the hub's format to "
+                    f"{cfg.export_hf}")
+    if cfg.export_adapter:
+        export_adapter(model, cfg.export_adapter, tokenizer, rank)
+        log.message(f"exported the LoRA adapter (PEFT's files) to {cfg.export_adapter}")
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run the training ``cfg`` describes on every rank of the default process group (initialised from the
+    launcher's environment when needed; a plain process runs as world 1). A collective: every rank calls it with
+    the same settings (checked first). Returns the trained model and the last step's metrics. Raises
+    :class:`~xpar_zoo.train.stop.Stopped` after saving when SIGINT or SIGTERM stopped it."""
+    from ..parallel.mesh import init_single_process
+
+    if not dist.is_initialized() and not init_distributed(cfg.timeout_minutes):
+        init_single_process()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    quiet_other_ranks(rank)
+    check_same_settings(cfg)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    inputs = _read_inputs(cfg, world)
+    cfg, output = inputs.cfg, Path(inputs.cfg.output)
+    run, mesh, step, position = _build_run(inputs, device, rank, world)
+    sinks = sft_config.reporters(cfg)
+    log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
+                     tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
+                     lines=not cfg.progress)  # with --progress the Reporter's line per step says it
+    report = Reporter(cfg, output, active=rank == 0, start_step=step, total_steps=cfg.steps, wandb="wandb" in sinks)
+    evaluator, best = None, math.inf
+    if cfg.eval_data:
+        evaluator = Evaluator(inputs.eval_corpus, world=world, rank=rank, part=run.part, parts=run.parts,
+                              micro_batch=cfg.micro_batch, max_batches=cfg.eval_batches, flatten=run.flatten,
+                              device=device, pad_id=pad_token_id(inputs.tokenizer))
+        best = run_everywhere(lambda: best_eval_loss(output, step), rank0_only=True)
+    _announce(log, run, inputs, mesh, step)
     record = None
     try:
-        with StopOnSignal(announce=log.message) as stop:
-            while step < last_step:
-                record = {"step": step + 1, **optimizer_step(run, position)}
-                step, position = record["step"], record["data_position"]
-                if evaluator is not None and (step == last_step or (cfg.eval_every and step % cfg.eval_every == 0)):
-                    record.update(evaluator(model))
-                    load.take()  # the evaluation's tokens are no step's expert load
-                log.write(record)
-                report.write(record)
-                if (line := report.line(record)) is not None:
-                    log.message(line)
-                signum = stop.agreed(device)
-                if cfg.save_best and "eval_loss" in record and record["eval_loss"] < best:
-                    best = record["eval_loss"]
-                    path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus, root=output / BEST,
-                                 keep_last=1)
-                    log.message(f"step {step}: eval_loss {best:.4f}, the lowest so far: saved {path}")
-                if step == last_step or signum or (cfg.save_every and step % cfg.save_every == 0):
-                    path = _save(cfg, model, optimizer, run.scheduler, step, position, corpus)  # every rank
-                    log.message(f"step {step}: saved {path}")
-                if signum:
-                    name = signal.Signals(signum).name
-                    log.message(f"{name}: saved step-{step}; rerun with --resume to continue")
-                    raise Stopped(signum, f"stopped by {name} after step {step}")
-        if cfg.export_hf and step == cfg.steps:
-            _export(cfg, model, tokenizer, rank)
-            log.message(f"exported the {'merged ' if is_lora(model) else ''}model in the hub's format to "
-                        f"{cfg.export_hf}")
-        if cfg.export_adapter and step == cfg.steps:
-            export_adapter(model, cfg.export_adapter, tokenizer, rank)
-            log.message(f"exported the LoRA adapter (PEFT's files) to {cfg.export_adapter}")
+        step, record = _run_steps(run, log, report, evaluator, best, step, position)
+        if step == cfg.steps:
+            _export_outputs(cfg, run.model, inputs.tokenizer, rank, log)
     finally:
-        load.remove()
+        run.load.remove()
         log.close()
         report.close()
-    return TrainResult(model=model, step=step, last=record, output=output)
+    return TrainResult(model=run.model, step=step, last=record, output=output)
