@@ -49,6 +49,14 @@ CASES = {
     "deepseek_v3_mla_sp2_ep2": (("deepseek_v3", {}), {"sp": 2, "ep": 2}, False),
     "deepseek_v3_mla_cp4": (("deepseek_v3", {}), {"cp": 4}, True),
 }
+# cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
+# that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES
+SDPA = {"attn_implementation": "sdpa"}
+LOWER_RIGHT = {
+    "lower_right_qwen3_moe_cp2_ep2_sdpa": (("qwen3_moe", SDPA), {"cp": 2, "ep": 2}, False),
+    "lower_right_qwen3_moe_sp2_cp2_sdpa": (("qwen3_moe", SDPA), {"sp": 2, "cp": 2}, False),
+    "lower_right_qwen3_cp4_sdpa": (("qwen3", SDPA), {"cp": 4}, False),
+}
 # Cases with more than one SGD step, or activation checkpointing: name -> (case above, train_parallel options)
 VARIANTS = {
     "qwen3_moe_sp2_cp2_checkpointing": ("packed_qwen3_moe_sp2_cp2", {"checkpointing": True}),
@@ -100,14 +108,27 @@ def _rows(kind, world: int, steps: int):
 
 
 def _cases(world: int) -> dict:
+    import os
+
     import torch.distributed as dist
+
+    from xpar_zoo.styles import sequence
 
     rank = dist.get_rank()
     refs, results = {}, {}
     runs = {name: (case, {}) for name, case in CASES.items()}
     runs.update({name: (CASES[base], options) for name, (base, options) in VARIANTS.items()})
+    runs.update({name: (case, {"cp_attention": "lower_right"}) for name, case in LOWER_RIGHT.items()})
+    calls = [0]
+    plain = sequence.lower_right_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return plain(*args, **kwargs)
+
     for name, (((model_type, overrides), mesh, packed), options) in runs.items():
         options = dict(options)
+        cp_attention = options.pop("cp_attention", None)
         optimizer, steps, max_norm = options.pop("optimizer", "sgd"), options.pop("steps", 1), options.pop("max_norm",
                                                                                                           None)
         config = _config(model_type, overrides)
@@ -117,11 +138,20 @@ def _cases(world: int) -> dict:
         if rank == 0 and key not in refs:
             refs[key] = (parity.train_reference(_config(model_type, overrides), data, optimizer, max_norm,
                                                 extra=extra), parity.build_model(config).state_dict())
-        rec = parity.train_parallel(config, data, mesh, optimizer, max_norm, extra=extra, **options)
+        calls[0] = 0
+        sequence.lower_right_attention = counted
+        if cp_attention:
+            os.environ[sequence.CP_ATTENTION_ENV] = cp_attention
+        try:
+            rec = parity.train_parallel(config, data, mesh, optimizer, max_norm, extra=extra, **options)
+        finally:
+            os.environ.pop(sequence.CP_ATTENTION_ENV, None)
+            sequence.lower_right_attention = plain
         if rank == 0:
             ref, before = refs[key]
             results[name] = {"loss": (rec.losses, ref.losses), "norm": (rec.grad_norms, ref.grad_norms),
-                             "errors": parity.param_errors(rec.params, ref.params, before)}
+                             "errors": parity.param_errors(rec.params, ref.params, before),
+                             "lower_right_calls": calls[0]}
     return results
 
 
@@ -259,12 +289,20 @@ def results(zoo_proofs):
     return zoo_proofs[__name__]
 
 
-@pytest.mark.parametrize("case", [*CASES, *VARIANTS])
+@pytest.mark.parametrize("case", [*CASES, *VARIANTS, *LOWER_RIGHT])
 def test_training_matches_single_process_on_the_whole_rows(results, case):
     row = results["cases"][case]
     parity.assert_losses_match(*row["loss"], what=case)
     parity.assert_norms_match(*row["norm"], what=case)
     parity.assert_params_match(row["errors"], what=f"{case}, one SGD step:")
+
+
+@pytest.mark.parametrize("case", [*LOWER_RIGHT])
+def test_cp_on_plain_rows_runs_sdpa_without_a_mask_on_the_lower_right_path(results, case):
+    """The forced lower-right cases above ran every attention layer through it (CUDA's default), and the others
+    (CPU's default: the shared dense mask; eager; packed or padded rows) never did."""
+    assert results["cases"][case]["lower_right_calls"] > 0, case
+    assert not any(row["lower_right_calls"] for name, row in results["cases"].items() if name not in LOWER_RIGHT)
 
 
 def test_data_shard_gives_the_ranks_of_a_sequence_group_one_index(results):

@@ -10,8 +10,9 @@ import torch
 
 from xpar_zoo.errors import BatchError, MeshError, PlanError
 from xpar_zoo.parallel.mesh import sequence_rank_layout, validate_sequence_sizes
-from xpar_zoo.styles.sequence import (_Forward, check_sequence_length, check_sequence_parallel, cp_chunk,
-                                      document_ids, kv_repeat, token_layout)
+from xpar_zoo.styles.sequence import (CP_ATTENTION_ENV, _Forward, check_sequence_length, check_sequence_parallel,
+                                      cp_chunk, cp_lower_right, document_ids, kv_repeat, lower_right_attention,
+                                      token_layout)
 from xpar_zoo.testing import parity
 
 
@@ -99,6 +100,42 @@ def _meta_model(model_type, **overrides):
     config = parity.tiny_config(model_type, attn_implementation="eager", **overrides)
     with torch.device("meta"):
         return model_class(config)._from_config(config)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_lower_right_attention_equals_sdpa_under_the_dense_mask(cp):
+    """Without a mask: each run of a cp rank's queries (head chunk, tail chunk) against the row-ordered key prefix
+    that ends where the run ends, aligned lower-right, gives the values and gradients of sdpa under the dense
+    causal mask of the gathered keys (grouped-query heads: 4 query heads over 2 key/value heads)."""
+    torch.manual_seed(0)
+    seq, b, d = 4 * cp, 2, 8
+    q_all, k_row, v_row = torch.randn(b, 4, seq, d), torch.randn(b, 2, seq, d), torch.randn(b, 2, seq, 6)
+    for c in range(cp):
+        layout = token_layout(seq, 1, cp, 0, c)
+        forward = _Forward(layout.queries, layout.keys, None, None)
+        q = q_all[:, :, layout.queries].requires_grad_()
+        k, v = k_row[:, :, layout.keys].requires_grad_(), v_row[:, :, layout.keys].requires_grad_()
+        got = lower_right_attention(q, k, v, forward, 0.0, 0.3)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=forward.mask(True, None, q.dtype),
+            scale=0.3).transpose(1, 2)
+        assert got.shape == (b, seq // cp, 4, 6)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        grad = torch.randn_like(got)
+        for a, w in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+            torch.testing.assert_close(a, w, atol=1e-6, rtol=1e-5)
+
+
+def test_cp_runs_without_a_mask_on_cuda_and_with_the_dense_one_elsewhere_unless_told(monkeypatch):
+    monkeypatch.delenv(CP_ATTENTION_ENV, raising=False)
+    assert cp_lower_right(torch.device("cuda", 0)) and not cp_lower_right(torch.device("cpu"))
+    monkeypatch.setenv(CP_ATTENTION_ENV, "lower_right")
+    assert cp_lower_right(torch.device("cpu"))
+    monkeypatch.setenv(CP_ATTENTION_ENV, "dense")
+    assert not cp_lower_right(torch.device("cuda", 0))
+    monkeypatch.setenv(CP_ATTENTION_ENV, "ring")
+    with pytest.raises(PlanError, match="XPAR_ZOO_CP_ATTENTION='ring': expected 'lower_right' or 'dense'"):
+        cp_lower_right(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("model_type, layer", [

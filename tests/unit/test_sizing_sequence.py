@@ -64,6 +64,19 @@ def test_flash_cp_keeps_queries_over_cp_against_the_keys_and_values_of_whole_row
     assert got["activations"] == alone["activations"] + gathered
 
 
+def test_sdpa_cp_keeps_no_mask_and_repeats_the_key_value_heads():
+    """A GPU's sdpa under cp on plain rows runs each query chunk against its key prefix, aligned lower-right: no
+    ``seq²`` mask (eager still gets one), and the key/value heads repeated to the query heads (flash keeps them)."""
+    cfg = _config()
+    seq, cp = 4096, 4
+    got = _terms(cfg, seq, cp=cp, attention="sdpa")
+    assert got["attention mask"] == 0 and got["attention scores"] == 0
+    assert _terms(cfg, seq, cp=cp, attention="eager")["attention mask"] == seq // cp * seq * 4
+    repeated = cfg.num_hidden_layers * 2 * seq * (cfg.num_attention_heads - cfg.num_key_value_heads) * cfg.head_dim
+    assert got["activations"] == _terms(cfg, seq, cp=cp, attention=FLASH)["activations"] + repeated * 4
+    assert not any("mask" in k for k in sizing.estimate(cfg, 4, {}, seq=seq, cp=cp).memory)
+
+
 @pytest.mark.parametrize("sp,cp", [(4, 1), (1, 4), (2, 2)])
 def test_eager_scores_are_heads_over_sp_times_queries_over_cp_times_whole_rows(sp, cp):
     """eager keeps its fp32 softmax, ``rows · heads/sp · seq/cp · seq`` per layer (and its copy in a lower compute
@@ -163,7 +176,7 @@ def test_suggest_grows_sp_up_to_the_heads_then_cp():
 def test_suggest_ranks_long_context_meshes_first_when_only_they_fit():
     """At a long sequence with a budget that one rank's whole rows exceed, the suggestions that fit split the
     sequence; with no budget, the least communication first. (A wide model, where the tokens'
-    values outweigh sdpa's per-layer copy of the sp/cp mask.)"""
+    values outweigh the gathered keys and values.)"""
     cfg = _config(hidden_size=2048, head_dim=128, moe_intermediate_size=1024)
     common = dict(micro_batch=1, seq=8192, param_dtype="fp32")
     everything = sizing.suggest(cfg, 8, top=100, **common)

@@ -181,10 +181,11 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     heads, kv_heads = attention_heads(config, sp)
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     queries, keys = rows * seq // cp, rows * seq  # inside attention: the rank's cp chunk, against the whole row
-    # the sp/cp attention passes a mask built from global positions, except to sdpa on rows in order (sp alone,
-    # plain rows: sdpa's own causal kernel); packed rows, padding or a short sliding window need it there too
-    masked = cp > 1 if attention == "sdpa" else sp * cp > 1 and attention == "eager"
-    native_gqa = attention.startswith("flash") or (attention == "sdpa" and not masked)
+    # the sp/cp attention passes eager a mask built from global positions; sdpa on plain rows gets none (sp alone:
+    # its own causal kernel; cp on a GPU: each query chunk against its key prefix, aligned lower-right, with the
+    # key/value heads repeated to the queries'); packed rows, padding or a short sliding window need the mask
+    masked = sp * cp > 1 and attention == "eager"
+    native_gqa = attention.startswith("flash") or (attention == "sdpa" and cp == 1)
     kv_kernel = kv_heads if native_gqa else heads  # otherwise transformers repeats the key/value heads to the queries'
     values = 2 * queries * heads * d + 2 * keys * kv_kernel * d  # q and the output, k and v
     if attention != "eager" and sp > 1:  # Ulysses' output all-to-all: a new o_proj input beside the kernel's output
@@ -192,8 +193,9 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     scores = 0.0
     if attention == "eager":  # the softmax, fp32, and its copy in the compute dtype
         scores = rows * heads * (seq // cp) * seq * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
-    # an additive mask in the compute dtype, one per forward shared by the layers (sdpa saves it as it is)
-    mask_once = rows * (seq // cp) * seq * dtype_bytes if masked else 0.0
+    mask_once = 0.0
+    if masked:  # eager: an additive mask in the compute dtype, held for the forward and shared by the layers
+        mask_once = rows * (seq // cp) * seq * dtype_bytes
     return values * dtype_bytes, scores, mask_once
 
 
@@ -255,9 +257,10 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     under sp/cp, and for eager, transformers repeats the key/value heads to the query heads first; sdpa and flash
     without a mask keep them as they are), and under sp the output's all-to-all makes a second copy for the output
     projection. ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
-    a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp the attention gets a mask of
-    ``rows·(seq/cp)·seq``, additive in the compute dtype, one per forward shared by the layers; sdpa gets none
-    under sp alone (its own causal kernel: plain rows assumed, no packing, padding or short window).
+    a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp eager gets an additive mask of
+    ``rows·(seq/cp)·seq`` shared by the layers; sdpa gets none (plain rows assumed, no packing, padding or short
+    window): its own causal kernel under sp alone, and under cp on a GPU each query chunk against the key prefix
+    that ends where it ends, aligned lower-right (key/value heads repeated to the query heads).
     With ``recompute`` (activation checkpointing of every decoder layer, e.g.
     ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
     layer at a time holds all of its values again while it is recomputed: the peak.

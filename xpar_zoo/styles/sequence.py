@@ -31,8 +31,10 @@ starts where ``position_ids`` do not step by one, transformers' own rule, so no 
 across cp chunks too) and padding. Additive in the query dtype (for ``sdpa`` too: a boolean one would become a
 float copy per layer inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers).
 Where it would be the plain causal mask of a whole row
-(no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). The
-model applies RoPE before attention with the local ``position_ids``, which hold global positions.
+(no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). With
+cp on plain causal rows, ``sdpa`` on CUDA gets none either (:func:`lower_right_attention`: each query chunk against
+the key prefix that ends where it ends, aligned lower-right; :func:`cp_lower_right` chooses). The model applies
+RoPE before attention with the local ``position_ids``, which hold global positions.
 
 **Hybrid models** (linear attention, SSM layers: qwen3_next's gated delta net, minimax's lightning attention, mamba
 mixers) are refused with sp and cp: those layers run a recurrence over the whole sequence per head outside the
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -159,6 +162,47 @@ def kv_repeat(query_heads: int, kv_heads: int, sp: int) -> int:
     raise PlanError(f"cannot spread {kv_heads} key/value heads over sp={sp} for {query_heads} query heads")
 
 
+# cp's plain causal rows on sdpa: "lower_right" (no mask: each query chunk against the key prefix that ends where it
+# ends, torch's causal_lower_right: flash/efficient kernels on CUDA) or "dense" (the shared additive mask).
+CP_ATTENTION_ENV = "XPAR_ZOO_CP_ATTENTION"
+
+
+def cp_lower_right(device: torch.device) -> bool:
+    """Whether cp's plain causal rows on sdpa run without a mask (:func:`lower_right_attention`): on CUDA by default
+    (kernels without a mask); elsewhere torch materialises a ``[chunk, prefix]`` mask per call and layer, kept for
+    backward, which costs more than the one additive mask per forward that the layers share. The environment
+    variable ``XPAR_ZOO_CP_ATTENTION`` (``lower_right`` or ``dense``) overrides the choice."""
+    mode = os.environ.get(CP_ATTENTION_ENV, "").strip().lower()
+    if mode not in ("", "lower_right", "dense"):
+        raise PlanError(f"{CP_ATTENTION_ENV}={mode!r}: expected 'lower_right' or 'dense'")
+    return mode == "lower_right" if mode else device.type == "cuda"
+
+
+def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch, dropout: float,
+                          scaling: float | None) -> torch.Tensor:
+    """Causal sdpa of the queries of a cp chunk (``[b, h, S/cp, d]``, runs of consecutive global positions: the
+    head and tail chunks) against the cp-gathered keys and values of the whole row (``[b, kv, S, d]``), with no
+    mask: the keys are put in row order once, and each run of queries attends to the prefix of the row that ends
+    where the run ends, aligned lower-right (``torch.nn.attention.bias.causal_lower_right``). Key/value heads are
+    repeated to the query heads (sdpa's ``enable_gqa`` does not reach its lower-right kernels). Returns
+    ``[b, S/cp, h, dv]`` as transformers' sdpa does."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    order = batch.key_order()
+    key, value = key[:, :, order], value[:, :, order]
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    outs = []
+    for start, n, end in batch.query_runs():
+        q = query[:, :, start:start + n]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, key[:, :, :end], value[:, :, :end], attn_mask=causal_lower_right(n, end), dropout_p=dropout,
+            scale=scaling)
+        outs.append(o.transpose(1, 2))
+    return torch.cat(outs, dim=1)
+
+
 class _ModuleView:
     """The attention module as the inner attention function sees it under sp: its own attributes, except the
     local head counts and per-head sinks."""
@@ -184,13 +228,36 @@ class _Forward:
     key_valid: torch.Tensor | None
     masks: dict = field(default_factory=dict)
 
+    def causal_only(self, causal: bool, window: int | None, keys: int) -> bool:
+        """Whether the mask is plain causality by global position (no packed documents, no padding, no window
+        shorter than the row), whatever the order of the queries and keys."""
+        return causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
+
     def plain_causal(self, causal: bool, window: int | None, keys: int) -> bool:
         """Whether the mask is the plain causal one of queries and keys both in row order (no cp, no packed
         documents, no padding, no window shorter than the row)."""
         if "in_order" not in self.masks:  # one host sync per forward, not per layer
             self.masks["in_order"] = self.queries.shape == self.keys.shape and bool((self.keys == self.queries).all())
-        return (causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
-                and self.masks["in_order"])
+        return self.causal_only(causal, window, keys) and self.masks["in_order"]
+
+    def query_runs(self) -> list[tuple[int, int, int]]:
+        """The runs of consecutive global positions in the queries (cp: the head chunk and the tail chunk):
+        ``[(first local query, queries, global end)]``; a run attends causally to the row's keys before its end."""
+        if "runs" not in self.masks:  # one host sync per forward
+            q = self.queries.tolist()
+            runs, start = [], 0
+            for i in range(1, len(q) + 1):
+                if i == len(q) or q[i] != q[i - 1] + 1:
+                    runs.append((start, i - start, q[i - 1] + 1))
+                    start = i
+            self.masks["runs"] = runs
+        return self.masks["runs"]
+
+    def key_order(self) -> torch.Tensor:
+        """Indices that put the cp-gathered keys in row order (``keys[:, :, order]``)."""
+        if "order" not in self.masks:
+            self.masks["order"] = torch.argsort(self.keys)
+        return self.masks["order"]
 
     def mask(self, causal: bool, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
         key = (causal, window, additive_dtype)
@@ -341,17 +408,23 @@ class SequenceParallel:
             shard = self.cp_shard()
             key, value = gather_sequence(key, shard), gather_sequence(value, shard)
         causal = bool(getattr(module, "is_causal", True))
-        if self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
+        out = None
+        if (self.cp > 1 and self.inner == "sdpa" and cp_lower_right(query.device)
+                and batch.causal_only(causal, sliding_window, key.shape[2])
+                and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None):
+            out, mask = lower_right_attention(query, key, value, batch, dropout, scaling), None
+        elif self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
             mask = None  # sdpa's own is_causal over the whole row (flash kernels on GPU); nothing else to mask
         else:
             # additive in the query dtype for eager and sdpa: one tensor per forward that every layer shares (sdpa
             # would turn a boolean mask into a float one of its own, saved for backward, in every layer)
             mask = batch.mask(causal, sliding_window, query.dtype)
-        for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-            kwargs.pop(name, None)
-        view = _ModuleView(module, overrides) if overrides else module
-        out, _ = self.inner_function(module)(view, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                             sliding_window=sliding_window, **kwargs)
+        if out is None:
+            for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+                kwargs.pop(name, None)
+            view = _ModuleView(module, overrides) if overrides else module
+            out, _ = self.inner_function(module)(view, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                                 sliding_window=sliding_window, **kwargs)
         if self.sp > 1:
             out = sequence_to_heads(out, self.sp_group, self.sp)
         return out, None
