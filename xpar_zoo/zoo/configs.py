@@ -73,7 +73,8 @@ def read_config_json(directory: str | os.PathLike, error: type[Exception] = Load
         raise error(f"{path} does not exist") from None
     except (OSError, ValueError, RecursionError) as e:  # unreadable, invalid UTF-8 / JSON, nested too deeply
         first = (str(e).splitlines() or [""])[0][:200]
-        raise error(f"{path}: cannot read the model config ({type(e).__name__}: {first})") from None
+        what = "not a valid JSON file: " if isinstance(e, json.JSONDecodeError) else ""
+        raise error(f"{path}: cannot read the model config ({what}{type(e).__name__}: {first})") from None
     if not isinstance(data, dict):
         raise error(f"{path}: a model config is a JSON object, got {type(data).__name__}")
     check_remote_code(data, path)
