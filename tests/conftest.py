@@ -17,6 +17,7 @@ TIERS = {
     "unit": "no launched process group, fast (`pytest -m unit`: under a minute)",
     "distributed": "launched gloo ranks (xpar_zoo.testing.launch) or processes",
     "e2e": "the xpar-zoo commands, the demo and the examples",
+    "kernels": "the Triton kernels under Triton's interpreter on the CPU (slow there: each test tens of seconds)",
 }
 TESTS = Path(__file__).parent
 

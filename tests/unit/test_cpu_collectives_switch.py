@@ -3,22 +3,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from xpar_zoo.errors import PlanError
 from xpar_zoo.parallelize import GLOO_IN_PLACE_ENV, resolve_cpu_collectives
-
-
-def test_importing_the_package_does_not_import_the_gloo_collectives():
-    code = ("import sys, xpar_zoo, xpar_zoo.commands.cli, xpar_zoo.train, xpar_zoo.integrations.trainer\n"
-            "print(sorted(m for m in sys.modules if m.startswith('xpar_zoo.parallel.gloo')))")
-    env = {k: v for k, v in os.environ.items() if k != GLOO_IN_PLACE_ENV}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out.strip() == "[]"
 
 
 def test_in_place_is_the_default_and_the_environment_turns_it_off(monkeypatch):

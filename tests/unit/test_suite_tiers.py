@@ -5,7 +5,7 @@ import pytest
 
 from xpar_zoo.testing import launch
 
-TIERS = ("unit", "distributed", "e2e")
+TIERS = ("unit", "distributed", "e2e", "kernels")
 
 
 def test_every_collected_test_has_its_folders_tier_and_only_that(request):
