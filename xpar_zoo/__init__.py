@@ -13,9 +13,9 @@ from .parallel.materialize import materialize
 from .parallel.mesh import Mesh
 from .parallel.state import full_state_dict
 from .parallelize import parallelize
+from .styles.sequence import data_shard, shard_sequence
 from .styles.vocab import full_logits
 from .version import __version__
-from .styles.sequence import data_shard, shard_sequence
 from .zoo.plan import ExtraPlan, Plan
 from .zoo.registry import get_plan, supported_architectures
 
@@ -39,8 +39,7 @@ __all__ = [
     "UnknownArchitectureError", "XparError",
     # the API
     "CheckpointFuture", "ExtraPlan", "Mesh", "Plan", "clip_grad_norm_", "data_shard", "from_pretrained",
-    "full_logits",
-    "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
+    "full_logits", "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
     "read_checkpoint_metadata", "save_adapter", "save_checkpoint", "shard_sequence", "supported_architectures",
     "verify_checkpoint",
 ]

@@ -274,8 +274,8 @@ class _Forward:
                 allowed = allowed | ~allowed.any(-1, keepdim=True)  # a padded query attends to all: no NaN
             allowed = allowed[:, None]
             if additive_dtype is not None:
-                allowed = torch.zeros(allowed.shape, dtype=additive_dtype, device=allowed.device).masked_fill(
-                    ~allowed, torch.finfo(additive_dtype).min)
+                allowed = torch.full(allowed.shape, torch.finfo(additive_dtype).min, dtype=additive_dtype,
+                                     device=allowed.device).masked_fill_(allowed, 0)  # in place: no second copy
             self.masks[key] = allowed
         return self.masks[key]
 
