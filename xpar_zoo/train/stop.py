@@ -23,7 +23,28 @@ class Stopped(Exception):
         self.code = 128 + signum
 
 
-class StopOnSignal:
+class _SignalHandlers:
+    """While active (a context manager), SIGINT and SIGTERM call the subclass's ``_handler``; the previous handlers
+    come back on exit. Outside the main thread it does nothing (signals are delivered to the main thread only)."""
+
+    _old: dict[int, object]
+
+    def _handler(self, signum, frame) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old.clear()
+
+
+class StopOnSignal(_SignalHandlers):
     """While active (a context manager), SIGINT and SIGTERM set :attr:`signum` instead of stopping the process;
     :meth:`agreed` is the largest signal number any rank received (0: none). Outside the main thread it does
     nothing (signals are delivered to the main thread only)."""
@@ -41,17 +62,6 @@ class StopOnSignal:
         self._announce(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                        "(send it again to stop without saving)")
 
-    def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
-                self._old[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, old in self._old.items():
-            signal.signal(s, old)
-        self._old.clear()
-
     def agreed(self, device: torch.device) -> int:
         """The largest signal number received on any rank since the start (0: none). A collective."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -61,7 +71,7 @@ class StopOnSignal:
         return int(flag.item())
 
 
-class StopAtOnce:
+class StopAtOnce(_SignalHandlers):
     """Outside the training loop (loading, exporting): SIGINT or SIGTERM stops the run at once with
     :class:`Stopped` (no step is in flight: nothing trained since the last checkpoint is lost), said on rank 0; the
     loop's :class:`StopOnSignal` takes over while it runs."""
@@ -75,14 +85,3 @@ class StopAtOnce:
         if self.rank == 0:
             print(f"{name}: stopped (nothing trained since the last checkpoint is lost)", flush=True)
         raise Stopped(signum, f"stopped by {name}")
-
-    def __enter__(self) -> StopAtOnce:
-        if threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
-                self._old[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, old in self._old.items():
-            signal.signal(s, old)
-        self._old.clear()
