@@ -18,19 +18,7 @@ from peft import LoraConfig, get_peft_model
 from xpar_zoo.integrations.peft import prepare, to_expert_major, to_peft_layout  # noqa: E402
 from xpar_zoo.integrations.peft_files import attach_adapter
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-
-
-def lora_config(**overrides) -> LoraConfig:
-    """LoRA on attention and on both fused expert tensors; ``init_lora_weights=False`` draws ``B`` too, so that
-    the adapters change the forward from the first step."""
-    kwargs = dict(r=4, lora_alpha=8, init_lora_weights=False, target_modules=ATTENTION, target_parameters=EXPERTS)
-    return LoraConfig(**{**kwargs, **overrides})
-
-
-def _config():
-    return parity.tiny_config("qwen3_moe")
+from support.lora_setup import ATTENTION, EXPERTS, _config, lora_config  # noqa: E402,F401
 
 
 
