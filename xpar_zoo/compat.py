@@ -185,6 +185,7 @@ TRAINER_PRIVATE_OVERRIDES = {
     "_load_from_checkpoint": "resume from an xpar_zoo checkpoint",
     "_load_optimizer_and_scheduler": "resume from an xpar_zoo checkpoint",
     "_load_best_model": "the best model is an xpar_zoo checkpoint",
+    "_track_num_input_tokens": "the sp·cp ranks of a sequence group pass the same rows: each token counted once",
 }
 
 # ---- safetensors -----------------------------------------------------------------------------------------------

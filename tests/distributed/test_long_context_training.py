@@ -81,7 +81,8 @@ def _jobs(base) -> dict:
         args = TrainingArguments(output_dir=str(base / name), per_device_train_batch_size=per_device,
                                  per_device_eval_batch_size=per_device, gradient_accumulation_steps=ACCUM,
                                  max_steps=STEPS, learning_rate=1e-2, logging_steps=1, save_strategy="no",
-                                 report_to="none", disable_tqdm=True, use_cpu=True, seed=0)
+                                 report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+                                 include_num_input_tokens_seen="all")
         model = xpar_zoo.parallelize(parity.build_model(config), xpar_zoo.Mesh(**mesh))
         t = XparTrainer(model=model, args=args, train_dataset=rows)
         t.train()
@@ -89,7 +90,7 @@ def _jobs(base) -> dict:
         seen = [None] * WORLD  # the first sample of each rank's first batch
         dist.all_gather_object(seen, next(iter(t.get_train_dataloader()))["input_ids"][:, :2].tolist())
         return {"log": log, "eval_loss": t.evaluate(eval_dataset=rows[:8])["eval_loss"], "seen": seen,
-                "shard": xpar_zoo.data_shard(model)}
+                "shard": xpar_zoo.data_shard(model), "tokens_seen": t.state.num_input_tokens_seen}
 
     result["trainer_ref"] = trainer("trainer_ref", {}, 2)
     result["trainer_sp2"] = trainer("trainer_sp2", {"sp": 2}, 4)
@@ -141,6 +142,13 @@ def test_trainer_on_sp2_logs_the_losses_and_grad_norms_of_the_same_batch_without
         assert _close(g["loss"], r["loss"], LOSS_RTOL), (g, r)
         assert _close(g["grad_norm"], r["grad_norm"], NORM_RTOL), (g, r)
     assert _close(got["eval_loss"], ref["eval_loss"], LOSS_RTOL), (got["eval_loss"], ref["eval_loss"])
+
+
+def test_trainer_on_sp2_counts_each_input_token_once(jobs):
+    # the two ranks of an sp group pass the same rows: num_input_tokens_seen counts them once, as without sp
+    rows = WORLD * 2 * ACCUM * STEPS  # the reference's rows: 2 per device, every step
+    assert jobs["trainer_sp2"]["tokens_seen"] == jobs["trainer_ref"]["tokens_seen"] > 0
+    assert jobs["trainer_ref"]["tokens_seen"] == rows * TRAINER_SEQ
 
 
 def test_trainer_gives_the_ranks_of_a_sequence_group_the_same_samples(jobs):

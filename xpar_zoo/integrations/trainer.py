@@ -285,6 +285,15 @@ class XparTrainerMixin:
         index, count = data_shard(self._xpar_state.module)
         return self.accelerator.num_processes // count
 
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        """The Trainer's ``num_input_tokens_seen``, counting each token once: the ``sp·cp`` ranks of a sequence
+        group pass the same rows, which the Trainer's gather over the world would count once per rank."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        group = self.get_cp_size()
+        if group > 1:
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // group
+
     # ---- the step -----------------------------------------------------------------------------------------------
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):

@@ -189,10 +189,10 @@ def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def iter_records(path: str | os.PathLike, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
-                 ) -> Iterator[tuple[str, dict]]:
-    """``(where, record)`` of every record of a JSONL file, of what ``datasets`` reads locally, or of a directory of
-    such files (``where`` names the file and line or record); nothing for ``.txt`` (documents, not records)."""
+def _source(path: str | os.PathLike, max_line_bytes: int, jsonl_hint: str = "") -> tuple[str, Path, Iterator]:
+    """What ``path`` holds, read lazily: ``("text", path, documents)`` for ``.txt`` (one document per non-empty
+    line), ``("jsonl", path, records)`` or ``("datasets", path, records)`` (``(where, record)`` pairs). A directory is
+    read whole: every data file of its one format, in sorted order (:func:`data_files`)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or directory")
@@ -201,16 +201,26 @@ def iter_records(path: str | os.PathLike, max_line_bytes: int = DEFAULT_MAX_LINE
         files = data_files(path)
         kind = files[0].suffix.lower()
         if kind in (".jsonl", ".json"):
-            return itertools.chain.from_iterable(_jsonl_records(p, max_line_bytes) for p in files)
-        return iter(()) if kind == ".txt" else _datasets_records(path, files)
+            return "jsonl", path, itertools.chain.from_iterable(_jsonl_records(p, max_line_bytes) for p in files)
+        if kind == ".txt":
+            return "text", path, (t for p in files for t in _text_documents(p, max_line_bytes))
+        return "datasets", path, _datasets_records(path, files)
     if path.is_file() and suffix in (".jsonl", ".json"):
-        return _jsonl_records(path, max_line_bytes)
+        return "jsonl", path, _jsonl_records(path, max_line_bytes)
     if path.is_file() and suffix == ".txt":
-        return iter(())
+        return "text", path, iter(_text_documents(path, max_line_bytes))
     if path.is_dir() or suffix in DATASETS_BUILDERS:
-        return _datasets_records(path)
-    raise DataError(f"{path}: unknown data format {suffix!r}; use .jsonl, .txt, .parquet, .arrow, .csv or a "
-                    "datasets directory")
+        return "datasets", path, _datasets_records(path)
+    raise DataError(f"{path}: unknown data format {suffix!r}; use .jsonl{jsonl_hint}, .txt, .parquet, .arrow, .csv "
+                    "or a datasets directory")
+
+
+def iter_records(path: str | os.PathLike, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+                 ) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` of every record of a JSONL file, of what ``datasets`` reads locally, or of a directory of
+    such files (``where`` names the file and line or record); nothing for ``.txt`` (documents, not records)."""
+    kind, _, items = _source(path, max_line_bytes)
+    return iter(()) if kind == "text" else items
 
 
 def read_documents(path: str | os.PathLike, text_field: str = "text",
@@ -218,30 +228,12 @@ def read_documents(path: str | os.PathLike, text_field: str = "text",
     """The documents in ``path`` (see the module docstring for the formats); empty documents are skipped. A
     directory is read whole: every data file of its one format, in sorted order (:func:`data_files`). Raises
     :class:`DataError` naming the file (and line, byte offset or record) on anything unreadable."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such file or directory")
-    suffix = path.suffix.lower()
-    if path.is_dir() and not (path / "state.json").is_file():
-        files = data_files(path)
-        kind = files[0].suffix.lower()
-        if kind in (".jsonl", ".json"):
-            records = itertools.chain.from_iterable(_jsonl_records(p, max_line_bytes) for p in files)
-            docs = _from_records(records, text_field, str(path))
-        elif kind == ".txt":
-            docs = Documents([t for p in files for t in _text_documents(p, max_line_bytes)], None, str(path))
-        else:
-            docs = _from_records(_capped(_datasets_records(path, files), text_field, max_line_bytes), text_field,
-                                 str(path))
-    elif path.is_file() and suffix in (".jsonl", ".json"):
-        docs = _from_records(_jsonl_records(path, max_line_bytes), text_field, str(path))
-    elif path.is_file() and suffix == ".txt":
-        docs = Documents(_text_documents(path, max_line_bytes), None, str(path))
-    elif path.is_dir() or suffix in DATASETS_BUILDERS:
-        docs = _from_records(_capped(_datasets_records(path), text_field, max_line_bytes), text_field, str(path))
+    kind, path, items = _source(path, max_line_bytes, f" (a {text_field!r} field)")
+    if kind == "text":
+        docs = Documents(list(items), None, str(path))
     else:
-        raise DataError(f"{path}: unknown data format {suffix!r}; use .jsonl (a {text_field!r} field), .txt, "
-                        f".parquet, .arrow, .csv or a datasets directory")
+        records = _capped(items, text_field, max_line_bytes) if kind == "datasets" else items
+        docs = _from_records(records, text_field, str(path))
     if not len(docs):
         raise DataError(f"{path}: no documents (no non-empty {text_field!r} field)")
     return docs
