@@ -64,7 +64,8 @@ from ..compat import attn_implementation
 from ..errors import BatchError, ModelStateError, PlanError
 from ..parallel.collectives import GatherRows, all_to_all
 from ..parallel.mesh import Mesh, PlanShard
-from .sequence_mixers import decoder_layers, dispatches_attention, install_sequence_mixers, sequence_mixers, unserved_mixers
+from .sequence_mixers import (decoder_layers, dispatches_attention, install_sequence_mixers, sequence_mixers,
+                              unserved_mixers)
 
 ATTENTION_PREFIX = "xpar_seq_"
 INNER_IMPLEMENTATIONS = ("eager", "sdpa")
