@@ -130,24 +130,23 @@ def unserved_mixers(model: nn.Module, config) -> list[str]:
 
 # ---- the wrapper ------------------------------------------------------------------------------------------------
 
-def gather_rows_in_order(x: torch.Tensor, state, seq_len: int) -> torch.Tensor:
+def gather_rows_in_order(x: torch.Tensor, state) -> torch.Tensor:
     """``[b, s, …]`` (this rank's tokens) → ``[b, S, …]`` (the group's whole rows in row order): all-gathered over
     sp, then over cp, then reordered. Differentiable (backward: the group's sum for this rank's tokens)."""
     rows = x.transpose(0, 1).contiguous()
     for group, size, rank in ((state.sp_group, state.sp, state.sp_rank), (state.cp_group, state.cp, state.cp_rank)):
         if size > 1:
             rows = GatherRows.apply(rows, [rows.shape[0]] * size, PlanShard(group, size, rank, 0))
-    if state.cp > 1:
-        keys = state.layout(seq_len).keys
-        rows = rows[torch.argsort(keys).to(rows.device)]
+    if state.cp > 1:  # the cp chunks in cp rank order, as the attention's gathered keys: put in row order
+        rows = rows[state.current.key_order()]
     return rows.transpose(0, 1)
 
 
-def _gather_kwarg(value, state, seq_len: int, local: int):
+def _gather_kwarg(value, state, local: int):
     if isinstance(value, (tuple, list)):
-        return type(value)(_gather_kwarg(v, state, seq_len, local) for v in value)
+        return type(value)(_gather_kwarg(v, state, local) for v in value)
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local:
-        return gather_rows_in_order(value, state, seq_len)
+        return gather_rows_in_order(value, state)
     return value
 
 
@@ -179,10 +178,13 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
             named.pop(name, None)
         for name in SEQUENCE_KWARGS:
             if named.get(name) is not None:
-                named[name] = _gather_kwarg(named[name], state, seq_len, local)
-        named["attention_mask"] = batch.key_valid
-        out = original(gather_rows_in_order(hidden, state, seq_len), **named)
-        return _keep_local(out, state.layout(seq_len).local.to(hidden.device), seq_len)
+                named[name] = _gather_kwarg(named[name], state, local)
+        # the whole rows' padding, as the integer 0/1 mask transformers passes its mixers (None: no padding)
+        named["attention_mask"] = None if batch.key_valid is None else batch.key_valid.long()
+        out = original(gather_rows_in_order(hidden, state), **named)
+        if "mixer_local" not in batch.masks:  # this rank's tokens on the device, once per forward
+            batch.masks["mixer_local"] = state.layout(seq_len).local.to(hidden.device)
+        return _keep_local(out, batch.masks["mixer_local"], seq_len)
 
     return forward
 
