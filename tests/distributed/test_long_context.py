@@ -8,7 +8,9 @@ Cases: qwen3_moe on sp, sp+ep, sp=4 over 2 key/value heads (repeated), cp+ep, sp
 and on packed rows (position_ids restart per document: no token attends across a boundary, also across cp
 chunks) and right-padded rows, with eager and sdpa inner attention; a dense model (qwen3) on sp=4 and cp=4;
 mixtral and gemma4_text with a sliding window; gpt_oss (attention sinks, sliding and full layers); deepseek_v2/v3
-(MLA: q/k head dim 16, v head dim 8); activation checkpointing; three clipped AdamW steps. The
+(MLA: q/k head dim 16, v head dim 8); hybrid qwen3_next (gated delta net layers on the group's whole rows) on sp+ep,
+cp, sp+cp, packed, right-padded and checkpointed, and minimax (lightning attention) right-padded; activation
+checkpointing; three clipped AdamW steps. The
 same launched run checks ``shard_sequence``, ``data_shard`` and the refusals that need ranks. One 4-rank run for
 all (the zoo's: tests/conftest.py ``zoo_proofs``)."""
 
@@ -18,6 +20,7 @@ from xpar_zoo.testing import parity
 
 SEQ = 16
 QWEN3_MOE = ("qwen3_moe", {})
+QWEN3_NEXT = ("qwen3_next", {})
 CASES = {
     # name: ((model_type, config overrides), mesh, rows: plain (False), packed (True) or right-"padded")
     "qwen3_moe_sp2": (QWEN3_MOE, {"sp": 2}, False),
@@ -48,6 +51,15 @@ CASES = {
     "deepseek_v2_mla_sp2_cp2": (("deepseek_v2", {}), {"sp": 2, "cp": 2}, True),
     "deepseek_v3_mla_sp2_ep2": (("deepseek_v3", {}), {"sp": 2, "ep": 2}, False),
     "deepseek_v3_mla_cp4": (("deepseek_v3", {}), {"cp": 4}, True),
+    # hybrid: the gated delta net layers run on the group's whole rows (xpar_zoo.styles.sequence_mixers); packed
+    # rows as single-process transformers runs them (its gated delta net does not see the documents: nor does ours)
+    "qwen3_next_gdn_sp2_ep2": (QWEN3_NEXT, {"sp": 2, "ep": 2}, False),
+    "qwen3_next_gdn_cp2": (QWEN3_NEXT, {"cp": 2}, False),
+    "qwen3_next_gdn_sp2_cp2": (QWEN3_NEXT, {"sp": 2, "cp": 2}, False),
+    "packed_qwen3_next_gdn_sp2_cp2": (QWEN3_NEXT, {"sp": 2, "cp": 2}, True),
+    "padded_qwen3_next_gdn_sp2_cp2": (QWEN3_NEXT, {"sp": 2, "cp": 2}, "padded"),
+    "padded_qwen3_next_gdn_cp2_ep2": (QWEN3_NEXT, {"cp": 2, "ep": 2}, "padded"),
+    "padded_minimax_lightning_sp2_cp2": (("minimax", {}), {"sp": 2, "cp": 2}, "padded"),
 }
 # cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
 # that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES
@@ -62,6 +74,7 @@ VARIANTS = {
     "qwen3_moe_sp2_cp2_checkpointing": ("packed_qwen3_moe_sp2_cp2", {"checkpointing": True}),
     "qwen3_moe_sp2_ep2_adamw3_clipped": ("packed_qwen3_moe_sp2_ep2", {"optimizer": "adamw", "steps": 3,
                                                                      "max_norm": 0.5}),
+    "qwen3_next_gdn_sp2_cp2_checkpointing": ("packed_qwen3_next_gdn_sp2_cp2", {"checkpointing": True}),
 }
 
 

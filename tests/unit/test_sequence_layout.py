@@ -10,6 +10,7 @@ import torch
 
 from xpar_zoo.errors import BatchError, MeshError, PlanError
 from xpar_zoo.parallel.mesh import sequence_rank_layout, validate_sequence_sizes
+from xpar_zoo.styles.sequence_mixers import sequence_mixers
 from xpar_zoo.styles.sequence import (CP_ATTENTION_ENV, _Forward, check_sequence_length, check_sequence_parallel,
                                       cp_chunk, cp_lower_right, document_ids, kv_repeat, lower_right_attention,
                                       token_layout)
@@ -138,13 +139,32 @@ def test_cp_runs_without_a_mask_on_cuda_and_with_the_dense_one_elsewhere_unless_
         cp_lower_right(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("model_type, layer", [
-    ("qwen3_next", "layer type 'linear_attention', Qwen3NextGatedDeltaNet (model.layers.0.linear_attn)"),
-    ("minimax", "layer type 'linear_attention', MiniMaxLightningAttention (model.layers.0.self_attn)"),
+@pytest.mark.parametrize("model_type, mixers", [
+    ("qwen3_next", ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]),  # gated delta net
+    ("minimax", ["model.layers.0.self_attn"]),  # lightning attention (layer 1: attention through the interface)
+    ("jamba", ["model.layers.1.mamba", "model.layers.3.mamba"]),
+    ("nemotron_h", ["model.layers.0.mixer"]),  # its 'moe' layers mix no tokens
+    ("kimi_linear", ["model.layers.0.self_attn", "model.layers.2.self_attn"]),  # not its MLA KimiLinearAttention
+    ("lfm2_moe", ["model.layers.0.conv", "model.layers.2.conv"]),
 ])
-def test_hybrid_linear_attention_models_are_refused_naming_the_layer(model_type, layer):
-    with pytest.raises(PlanError, match=rf"^cp=2: \w+ has sequence mixers outside attention \({re.escape(layer)}\) "
-                                        "that need the whole sequence per head on one rank; sp and cp are refused"):
+def test_hybrid_models_run_their_sequence_mixers_on_whole_rows(model_type, mixers):
+    """sp/cp take hybrid models: each linear-attention / SSM / short-convolution mixer (the decoder layer's child
+    that takes the hidden states and the 2-D padding mask) runs on the group's gathered whole rows."""
+    model = _meta_model(model_type)
+    assert list(sequence_mixers(model)) == mixers
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=1, cp=2)) == "eager"
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("deepseek_v32", "layer type 'indexed_attention': sparse attention whose indexer picks keys over the whole "
+                     "sequence inside the attention module"),
+    ("inkling_text", "InklingShortConvolution (model.layers.0.self_attn.k_sconv): not a module that takes the "
+                     "layer's hidden states [b, s, H]"),
+    ("zaya", "layer type 'hybrid': its layers hold no sequence mixer module that takes the layer's hidden states"),
+])
+def test_sequence_mixing_that_cannot_run_on_gathered_rows_is_refused_with_the_reason(model_type, why):
+    with pytest.raises(PlanError, match=rf"^cp=2: \w+ has sequence mixing that sp/cp cannot run on whole rows "
+                                        rf"\(.*{re.escape(why)}.*\); sp and cp are refused for it$"):
         check_sequence_parallel(_meta_model(model_type), types.SimpleNamespace(sp=1, cp=2))
 
 

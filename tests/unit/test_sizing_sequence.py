@@ -156,12 +156,28 @@ def test_impossible_sizes_are_one_clear_error(kwargs, error, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_hybrid_models_are_refused_with_the_reason():
+def test_sequence_mixing_sp_cp_cannot_gather_is_refused_with_the_reason():
     cfg = _config()
-    cfg.layer_types = ["linear_attention", "full_attention", "full_attention"]
-    with pytest.raises(PlanError, match="layers of type 'linear_attention' that need the whole sequence per head"):
+    cfg.layer_types = ["linear_attention", "full_attention", "full_attention"]  # no mixer module to gather around
+    with pytest.raises(PlanError, match="layer type 'linear_attention': its layers hold no sequence mixer module"):
         sizing.check_long_context(cfg, 4, 1, 4096, sp=2)
     assert sizing.sequence_splits(cfg, 4, 4096) == [(1, 1)]
+
+
+def test_hybrid_mixer_layers_hold_whole_rows_of_activations_under_sp_cp():
+    """qwen3_next's gated delta net layers run on the group's whole rows: their activations are not divided by
+    sp·cp (the attention and MoE layers' are)."""
+    cfg = parity.tiny_config("qwen3_next", hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                             head_dim=16, num_hidden_layers=4,
+                             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    assert sizing.sequence_splits(cfg, 4, 4096)[1:] == [(2, 1), (4, 1)]
+    assert sizing.whole_row_layers(cfg) == 2
+    plain, split = (_terms(cfg, 4096, sp=sp)["activations"] for sp in (1, 4))
+    cfg.layer_types = ["full_attention"] * 4
+    all_attention = _terms(cfg, 4096, sp=4)["activations"]
+    assert all_attention < split < plain
+    # the two mixer layers keep whole rows: [4096, 2H + 2q + 2kv] each, against [1024, …] of an attention layer
+    assert split - all_attention > 2 * 3072 * 2 * 128 * 4
 
 
 def test_suggest_grows_sp_up_to_the_heads_then_cp():

@@ -23,8 +23,8 @@ from ..parallel.mesh import validate_sequence_sizes, validate_sizes
 from ..parallel.fsdp_layout import fsdp_layout
 from ..loss.fused import CE_CHUNK_ELEMENTS
 from ..styles.planned import check_plan_names, match_plan, whole_vocab_head_fusable
-from ..styles.sequence import (ATTENTION_LAYER_TYPES, INNER_IMPLEMENTATIONS, check_sequence_length,
-                               kv_repeat)
+from ..styles.sequence import INNER_IMPLEMENTATIONS, check_sequence_length, kv_repeat, recurrent_layers
+from ..styles.sequence_mixers import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
 
@@ -143,22 +143,28 @@ def attention_heads(config, sp: int = 1) -> tuple[int, int]:
     return heads // sp, kv_heads * kv_repeat(heads, kv_heads, sp) // sp
 
 
-def sequence_refusal(config, attention: str = "sdpa") -> str | None:
-    """Why ``config``'s model cannot split its sequence with sp or cp at all (``None``: it can): layers outside
-    attention that need whole sequences (hybrid linear-attention / SSM models), or an attention that sp/cp does
-    not wrap."""
-    kinds = [k for k in dict.fromkeys(getattr(config, "layer_types", None) or ())
-             if k not in ATTENTION_LAYER_TYPES]
-    if kinds:
-        return (f"{config.model_type} has layers of type {', '.join(map(repr, kinds))} that need the whole "
-                "sequence per head on one rank; sp and cp are refused for hybrid linear-attention/SSM models")
+def sequence_refusal(config, attention: str = "sdpa", model: nn.Module | None = None) -> str | None:
+    """Why ``config``'s model cannot split its sequence with sp or cp at all (``None``: it can): sequence mixing that
+    sp/cp cannot run on whole rows (``parallelize``'s own check on ``model``, default the meta model of
+    ``config``), or an attention that sp/cp does not wrap. Hybrid linear-attention / SSM layers run gathered."""
+    unserved = recurrent_layers(model if model is not None else meta_model(config))
+    if unserved:
+        return (f"{config.model_type} has sequence mixing that sp/cp cannot run on whole rows "
+                f"({'; '.join(unserved)}); sp and cp are refused for it")
     if attention not in SEQUENCE_ATTENTION:
         return f"attention {attention!r} is not supported under sp/cp; use one of {', '.join(SEQUENCE_ATTENTION)}"
     return None
 
 
+def whole_row_layers(config) -> int:
+    """How many layers of ``config`` are sequence mixers that run on the whole rows of the group under sp/cp
+    (:mod:`xpar_zoo.styles.sequence_mixers`): their ``config.layer_types`` other than attention or MLP/MoE."""
+    kinds = getattr(config, "layer_types", None) or ()
+    return sum(1 for k in kinds if k not in ATTENTION_LAYER_TYPES and k not in CHANNEL_LAYER_TYPES)
+
+
 def check_long_context(config, world: int, replicate: int, seq: int, sp: int = 1, cp: int = 1,
-                       attention: str = "sdpa") -> None:
+                       attention: str = "sdpa", model: nn.Module | None = None) -> None:
     """Raise one clear error (:class:`~xpar_zoo.errors.MeshError`, :class:`~xpar_zoo.errors.PlanError` or
     :class:`~xpar_zoo.errors.BatchError`, naming the numbers) when ``sp`` / ``cp`` cannot split rows of ``seq``
     tokens of ``config``'s model on ``world`` ranks: the same rules as ``xpar_zoo.Mesh`` and ``parallelize``."""
@@ -167,7 +173,7 @@ def check_long_context(config, world: int, replicate: int, seq: int, sp: int = 1
     validate_sequence_sizes(world, replicate, sp, cp)
     if sp * cp == 1:
         return
-    refusal = sequence_refusal(config, attention)
+    refusal = sequence_refusal(config, attention, model)
     if refusal:
         raise PlanError(f"sp={sp}, cp={cp}: {refusal}")
     attention_heads(config, sp)
@@ -224,12 +230,17 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
         mlp = h + 4 * config.intermediate_size
     attn, scores, mask = _attention_bytes(config, rows, seq, dtype_bytes, sp, cp, attention)
     layer = local * (4 * h + outside + mlp) * dtype_bytes + attn  # bytes one layer keeps (scores apart)
+    # a sequence mixer on the group's whole rows (sp/cp): its gathered input, its input and projections as wide as
+    # the attention's (a proxy) for every token of the rows
+    mixers = whole_row_layers(config) if sp * cp > 1 else 0
+    mixer = local * (4 * h + mlp) * dtype_bytes + tokens * (2 * h + 2 * q_width + 2 * kv_width) * dtype_bytes
     layers = config.num_hidden_layers
     if recompute:  # the other layers' inputs, and one layer's values (its input among them) while it is recomputed
-        values = max(layers - 1, 0) * local * h * dtype_bytes + (layer if layers else 0)
-        scores_kept = scores if layers else 0
+        values = max(layers - 1, 0) * local * h * dtype_bytes + (max(layer, mixer if mixers else 0) if layers else 0)
+        scores_kept = scores if layers > mixers else 0
     else:
-        values, scores_kept = layers * layer, layers * scores
+        values = (layers - mixers) * layer + mixers * mixer
+        scores_kept = (layers - mixers) * scores
     values += local * 2 * h * dtype_bytes  # the final norm
     s = fused_head
     if s == 0:
@@ -373,7 +384,7 @@ def estimate(
     adapters in fp32 with their gradients and optimizer states; only the adapters are reduce-scattered."""
     sizes = dict(sizes or {})
     validate_sizes(world, sizes, replicate)
-    check_long_context(config, world, replicate, seq, sp, cp, attention)
+    check_long_context(config, world, replicate, seq, sp, cp, attention, model)
     plan = plan or get_plan(config.model_type)
     check_plan_names([n for n, s in sizes.items() if s > 1], plan)
     if lora_rank is not None:
@@ -502,13 +513,14 @@ def _plan_comm(est: Estimate, config, model: nn.Module, plan: Plan, sizes: dict[
     est.comm["all_gather (head loss statistics)"] = (h - 1) * 2 * h * tokens * 4 if h > 1 else 0.0
 
 
-def sequence_splits(config, shard: int, seq: int, attention: str = "sdpa") -> list[tuple[int, int]]:
+def sequence_splits(config, shard: int, seq: int, attention: str = "sdpa", model: nn.Module | None = None
+                    ) -> list[tuple[int, int]]:
     """The ``(sp, cp)`` splits worth trying for rows of ``seq`` tokens on ``shard`` ranks: one per sequence group
     size ``g`` dividing ``shard``, with ``sp`` as large as the query heads allow (Ulysses moves less than cp's
     gathered keys and values) and ``cp = g/sp`` for the rest; sizes that :func:`check_long_context` refuses left
     out (``[(1, 1)]`` for a hybrid model or an attention that sp/cp does not wrap)."""
     out = [(1, 1)]
-    if sequence_refusal(config, attention):
+    if sequence_refusal(config, attention, model):
         return out
     for g in (g for g in range(2, shard + 1) if shard % g == 0):
         for sp in sorted((s for s in range(1, g + 1) if g % s == 0), reverse=True):
@@ -536,7 +548,7 @@ def candidate_meshes(config, world: int, plan: Plan | None = None, model: nn.Mod
     out = []
     for replicate in [r for r in range(1, world + 1) if world % r == 0]:
         shard = world // replicate
-        splits = sequence_splits(config, shard, seq, attention) if seq else [(1, 1)]
+        splits = sequence_splits(config, shard, seq, attention, model) if seq else [(1, 1)]
         for ep in [e for e in range(1, shard + 1) if shard % e == 0] if "ep" in plan.extra else [1]:
             try:
                 match_plan(model, plan, {"ep": ep} if ep > 1 else {}, shard)

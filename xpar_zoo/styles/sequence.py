@@ -36,11 +36,12 @@ cp on plain causal rows, ``sdpa`` on CUDA gets none either (:func:`lower_right_a
 the key prefix that ends where it ends, aligned lower-right; :func:`cp_lower_right` chooses). The model applies
 RoPE before attention with the local ``position_ids``, which hold global positions.
 
-**Hybrid models** (linear attention, SSM layers: qwen3_next's gated delta net, minimax's lightning attention, mamba
-mixers) are refused with sp and cp: those layers run a recurrence over the whole sequence per head outside the
-``AttentionInterface`` and would silently see only the rank's tokens; gathering the whole sequence around them would
-cost every rank the full ``[b, S, H]`` activations of those layers, which defeats the point at the sequence lengths
-sp/cp are for. The refusal names the layer type.
+**Hybrid models** (linear attention, SSM and short-convolution layers: qwen3_next's gated delta net, minimax's
+lightning attention, mamba mixers) run those layers on the whole rows of the sequence group
+(:mod:`xpar_zoo.styles.sequence_mixers`: the hidden states are all-gathered around the real module, which runs
+unchanged; the rank keeps its tokens of the output). Exact, but their compute is repeated over the group and their
+activation memory is not divided. Sequence mixing that is not such a module (a convolution inside the attention,
+an indexer inside indexed sparse attention) is refused, naming it and why.
 
 ``generate`` (a KV cache) is refused on an sp/cp mesh with one line: decoding one token at a time has nothing to
 split. Parameters are placed exactly as without sp/cp, so checkpoints are unchanged.
@@ -63,16 +64,14 @@ from ..compat import attn_implementation
 from ..errors import BatchError, ModelStateError, PlanError
 from ..parallel.collectives import GatherRows, all_to_all
 from ..parallel.mesh import Mesh, PlanShard
+from .sequence_mixers import (decoder_layers, dispatches_attention, install_sequence_mixers, sequence_mixers,
+                              unserved_mixers)
 
 ATTENTION_PREFIX = "xpar_seq_"
 INNER_IMPLEMENTATIONS = ("eager", "sdpa")
 # The key of a batch that :func:`shard_sequence` made: its value is a SequencePart.
 PART_KEY = "xpar_sequence_part"
 IGNORE_INDEX = -100
-# Layer types (config.layer_types) that attention through the AttentionInterface serves.
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
-# Module class-name fragments of sequence mixers outside the AttentionInterface.
-RECURRENT_MIXERS = ("GatedDeltaNet", "LightningAttention", "LinearAttention", "Mamba", "ShortConv", "Rwkv")
 
 
 # ---- the token layout -------------------------------------------------------------------------------------------
@@ -446,36 +445,22 @@ def _text_config(config):
 
 
 def recurrent_layers(model: nn.Module) -> list[str]:
-    """Sequence mixers of ``model`` that run outside the ``AttentionInterface`` (``config.layer_types`` other than
-    attention, or linear-attention / SSM modules by class name): ``["layer type or class (first module)"]``."""
-    config = _text_config(model.config)
-    found = []
-    for kind in dict.fromkeys(getattr(config, "layer_types", None) or ()):
-        if kind not in ATTENTION_LAYER_TYPES:
-            found.append(f"layer type {kind!r}")
-    seen = set()
-    for name, module in model.named_modules():
-        cls = type(module).__name__
-        if cls not in seen and any(f in cls for f in RECURRENT_MIXERS) and not isinstance(module, nn.Linear):
-            seen.add(cls)
-            found.append(f"{cls} ({name})")
-    return found
-
-
-@functools.cache
-def _dispatches(cls: type) -> bool:
-    try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
+    """Sequence mixing of ``model`` outside the ``AttentionInterface`` that sp/cp cannot run on whole rows (the
+    mixers :func:`~xpar_zoo.styles.sequence_mixers.sequence_mixers` finds run gathered), one ``"what: why"`` each."""
+    return unserved_mixers(model, _text_config(model.config))
 
 
 def attention_outside_interface(model: nn.Module) -> str | None:
     """The first attention module class of ``model`` whose forward does not call transformers'
-    ``ALL_ATTENTION_FUNCTIONS`` (it computes attention itself: sp/cp cannot wrap it), or ``None``."""
+    ``ALL_ATTENTION_FUNCTIONS`` (it computes attention itself: sp/cp cannot wrap it), or ``None``. Sequence mixers
+    that run on gathered whole rows (linear attention) are not attention here."""
+    mixers, layers = tuple(sequence_mixers(model)), {id(m) for m in decoder_layers(model)}
     for name, module in model.named_modules():
         cls = type(module)
-        if "Attention" in cls.__name__ and not _dispatches(cls) and any(True for _ in module.parameters()):
+        if (name in mixers or name.startswith(tuple(m + "." for m in mixers)) or id(module) in layers
+                or "Attention" not in cls.__name__):
+            continue
+        if not dispatches_attention(cls) and any(True for _ in module.parameters()):
             return f"{cls.__name__} ({name})"
     return None
 
@@ -489,9 +474,8 @@ def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
         raise PlanError(f"{sizes}: {type(model).__name__} is multimodal; long context supports text-only causal LMs")
     recurrent = recurrent_layers(model)
     if recurrent:
-        raise PlanError(f"{sizes}: {type(model).__name__} has sequence mixers outside attention "
-                        f"({', '.join(recurrent)}) that need the whole sequence per head on one rank; sp and cp "
-                        "are refused for hybrid linear-attention/SSM models")
+        raise PlanError(f"{sizes}: {type(model).__name__} has sequence mixing that sp/cp cannot run on whole rows "
+                        f"({'; '.join(recurrent)}); sp and cp are refused for it")
     inner = attn_implementation(config) or "eager"
     if inner.startswith(ATTENTION_PREFIX):
         raise PlanError(f"{type(model).__name__} is already set to sp/cp attention ({inner})")
@@ -564,6 +548,7 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
         raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
     for module in model.modules():
         module.__dict__["_xpar_seq"] = state
+    install_sequence_mixers(model, state)  # linear-attention / SSM mixers: on the group's whole rows
     original = model.forward
     signature = inspect.signature(original)
     var_kw = next(p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD)

@@ -446,7 +446,7 @@ def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
         raise MeshError(f"--mesh {','.join(f'{k}={v}' for k, v in cfg.mesh.items())} needs several ranks, and this "
                         f"is one process ({e}): start {need} or more with --nproc-per-node (or torchrun), or pass "
                         "--mesh none to train on one process") from None
-    if sp * cp > 1:  # the sizer's rules (heads, attention, hybrid layers, --seq-len): one line, before the load
+    if sp * cp > 1:  # the sizer's rules (heads, attention, mixing sp/cp cannot gather, --seq-len), before the load
         attention = cfg.attn_implementation or attn_implementation(model_config) or "sdpa"
         check_long_context(model_config, world, replicate, cfg.seq_len, sp, cp, attention)
 

@@ -1,0 +1,202 @@
+"""Hybrid models under sp/cp: sequence mixers outside attention (linear attention, gated delta nets, SSM and
+short-convolution mixers) run on the *whole rows* of their sequence group, exactly, with the real transformers modules.
+
+**What is wrapped.** A *sequence mixer* is a direct child of a decoder layer (transformers' ``_no_split_modules``
+classes) whose ``forward`` takes the layer's ``hidden_states`` ``[b, s, H]`` and the 2-D padding ``attention_mask``
+(what transformers hands its mamba / linear-attention layers: ``create_recurrent_attention_mask``) and that does not
+dispatch attention through the ``AttentionInterface``: ``linear_attn`` (qwen3_next, qwen3_5_moe, lara_mini gated
+delta nets), ``self_attn`` on linear layers (minimax lightning attention, kimi_linear / bailing_hybrid delta
+attention), ``mamba`` / ``mixer`` (jamba, granitemoehybrid, nemotron_h) and ``conv`` (lfm2_moe short convolution).
+
+**How it runs.** Its forward is wrapped (:func:`install_sequence_mixers`): the hidden states of the ``sp·cp`` ranks
+of the group are all-gathered along the sequence (over sp, then over cp: the cp chunks in cp rank order, as the
+attention's gathered keys) and put in row order; the original forward runs on the whole rows with the whole rows'
+padding mask (kept by the sp/cp forward; transformers' own would be of the local shard) and the whole rows'
+``position_ids`` / ``position_embeddings`` (gathered too); the rank keeps its own tokens of the output. The
+all-gather's backward is a reduce-scatter (the sum over the group of the gradients for this rank's chunk), and each
+rank's parameter gradients come from its own output tokens only, so their sum over the group (what FSDP reduces, as
+for every per-token parameter) is the single-process gradient. Packing kwargs (``cu_seq_lens_*``, ``seq_idx``) are
+dropped, as the sp/cp attention drops them: the mixer sees what single-process transformers gives it on rows packed
+by ``position_ids`` alone.
+
+**The cost, plainly.** The compute of those layers is repeated on every rank of the group and their activation
+memory is *not* divided by ``sp·cp`` (every rank holds the whole ``[b, S, ·]`` activations of each such layer). A
+true Ulysses (each rank the whole sequence for ``1/sp`` of the heads) would need head-sliced projection weights and
+convolutions inside the modules, i.e. copied modeling code; we do not copy modeling code, so the mixers run whole.
+
+**Refused** (:func:`unserved_mixers` names them, with the reason): sequence mixing that is not such a module,
+e.g. a short convolution inside the attention module on the key projections (inkling), indexed / compressed sparse
+attention whose indexer runs inside the attention module over the whole sequence (deepseek_v32, glm_moe_dsa, …),
+or a layer type whose layers hold no such module.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import nn
+
+from ..compat import no_split_modules
+from ..errors import ModelStateError
+from ..parallel.collectives import GatherRows
+from ..parallel.mesh import PlanShard
+
+# Layer types (config.layer_types) that attention through the AttentionInterface serves.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+# Layer types that mix no tokens (their sequence mixer slot holds an MLP / MoE block: nemotron_h).
+CHANNEL_LAYER_TYPES = frozenset({"moe", "mlp"})
+# Module class-name fragments of sequence mixers outside the AttentionInterface.
+RECURRENT_MIXERS = ("GatedDeltaNet", "LightningAttention", "LinearAttention", "Mamba", "ShortConv", "Rwkv")
+# Keyword arguments holding per-token values of the local shard that the mixer gets for the whole rows.
+SEQUENCE_KWARGS = ("position_ids", "position_embeddings")
+# Packing kwargs of flash-attention collators: dropped (the documents come from position_ids, as for attention).
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# Why a kind of layer type cannot run on gathered rows, by a fragment of its name.
+LAYER_TYPE_REASONS = {
+    "index": "sparse attention whose indexer picks keys over the whole sequence inside the attention module",
+    "compress": "compressed attention whose compressor runs over the whole sequence inside the attention module",
+}
+
+
+@functools.cache
+def dispatches_attention(cls: type) -> bool:
+    """Whether ``cls.forward`` calls transformers' ``ALL_ATTENTION_FUNCTIONS`` (its attention is the
+    ``AttentionInterface``'s, which the sp/cp attention wraps)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of ``model`` in order: modules of its ``_no_split_modules`` classes (FSDP2's subclasses of
+    them too)."""
+    names = set(no_split_modules(model))
+    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+
+def _is_mixer(module: nn.Module) -> bool:
+    params = list(inspect.signature(module.forward).parameters)
+    return (bool(params) and params[0] == "hidden_states" and "attention_mask" in params
+            and not dispatches_attention(type(module)) and any(True for _ in module.parameters()))
+
+
+def sequence_mixers(model: nn.Module) -> dict[str, nn.Module]:
+    """``{qualified name: module}`` of the sequence mixers of ``model`` that run on gathered whole rows under sp/cp
+    (see the module docstring), in layer order."""
+    layers = {id(m) for m in decoder_layers(model)}
+    found = {}
+    for name, module in model.named_modules():
+        if id(module) in layers:
+            for child, sub in module.named_children():
+                if _is_mixer(sub):
+                    found[f"{name}.{child}" if name else child] = sub
+    return found
+
+
+def _layer_type_reason(kind: str) -> str:
+    why = next((r for f, r in LAYER_TYPE_REASONS.items() if f in kind),
+               "its layers hold no sequence mixer module that takes the layer's hidden states")
+    return f"layer type {kind!r}: {why}"
+
+
+def unserved_mixers(model: nn.Module, config) -> list[str]:
+    """Sequence mixing of ``model`` that neither the sp/cp attention nor :func:`sequence_mixers` serves, one
+    ``"what: why"`` each (empty: sp/cp can run the model)."""
+    mixers = sequence_mixers(model)
+    owners = {id(m) for name, m in model.named_modules() if any(k.startswith(name + ".") for k in mixers)}
+    types = list(getattr(config, "layer_types", None) or ())
+    layers = decoder_layers(model)
+    served: dict[str, bool] = {}
+    for i, kind in enumerate(types):
+        if kind not in ATTENTION_LAYER_TYPES and kind not in CHANNEL_LAYER_TYPES:
+            ok = len(layers) == len(types) and id(layers[i]) in owners
+            served[kind] = served.get(kind, True) and ok
+    found = [_layer_type_reason(kind) for kind, ok in served.items() if not ok]
+    seen = set()
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if (cls in seen or not any(f in cls for f in RECURRENT_MIXERS) or isinstance(module, nn.Linear)
+                or dispatches_attention(type(module)) or name in mixers or id(module) in owners
+                or any(name.startswith(k + ".") for k in mixers)):
+            continue
+        seen.add(cls)
+        found.append(f"{cls} ({name}): not a module that takes the layer's hidden states [b, s, H] (e.g. a "
+                     "convolution inside the attention on its projections)")
+    return found
+
+
+# ---- the wrapper ------------------------------------------------------------------------------------------------
+
+def gather_rows_in_order(x: torch.Tensor, state) -> torch.Tensor:
+    """``[b, s, …]`` (this rank's tokens) → ``[b, S, …]`` (the group's whole rows in row order): all-gathered over
+    sp, then over cp, then reordered. Differentiable (backward: the group's sum for this rank's tokens)."""
+    rows = x.transpose(0, 1).contiguous()
+    for group, size, rank in ((state.sp_group, state.sp, state.sp_rank), (state.cp_group, state.cp, state.cp_rank)):
+        if size > 1:
+            rows = GatherRows.apply(rows, [rows.shape[0]] * size, PlanShard(group, size, rank, 0))
+    if state.cp > 1:  # the cp chunks in cp rank order, as the attention's gathered keys: put in row order
+        rows = rows[state.current.key_order()]
+    return rows.transpose(0, 1)
+
+
+def _gather_kwarg(value, state, local: int):
+    if isinstance(value, (tuple, list)):
+        return type(value)(_gather_kwarg(v, state, local) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local:
+        return gather_rows_in_order(value, state)
+    return value
+
+
+def _keep_local(out, index: torch.Tensor, seq_len: int):
+    if isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[1] == seq_len:
+        return out[:, index]
+    if isinstance(out, tuple) and out:  # (hidden states, the layer's final state or weights)
+        return (_keep_local(out[0], index, seq_len), *out[1:])
+    raise ModelStateError(f"sp/cp: a sequence mixer returned {type(out).__name__} without [b, {seq_len}, …] hidden "
+                          "states first")
+
+
+def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.Signature):
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        batch = state.current
+        if batch is None:
+            raise ModelStateError(f"{type(module).__name__} (sp/cp sequence mixer) ran outside a forward of the "
+                                  "parallelized model")
+        seq_len = batch.keys.numel()
+        bound = signature.bind(*args, **kwargs)
+        named = dict(bound.arguments)
+        extra = named.pop(next((p.name for p in signature.parameters.values()
+                                if p.kind is inspect.Parameter.VAR_KEYWORD), "\0"), {})
+        named.update(extra)
+        hidden = named.pop("hidden_states")
+        local = hidden.shape[1]
+        for name in PACKING_KWARGS:
+            named.pop(name, None)
+        for name in SEQUENCE_KWARGS:
+            if named.get(name) is not None:
+                named[name] = _gather_kwarg(named[name], state, local)
+        # the whole rows' padding, as the integer 0/1 mask transformers passes its mixers (None: no padding)
+        named["attention_mask"] = None if batch.key_valid is None else batch.key_valid.long()
+        out = original(gather_rows_in_order(hidden, state), **named)
+        if "mixer_local" not in batch.masks:  # this rank's tokens on the device, once per forward
+            batch.masks["mixer_local"] = state.layout(seq_len).local.to(hidden.device)
+        return _keep_local(out, batch.masks["mixer_local"], seq_len)
+
+    return forward
+
+
+def install_sequence_mixers(model: nn.Module, state) -> list[str]:
+    """Wrap the forward of every :func:`sequence_mixers` module of ``model`` to run on the whole rows of ``state``'s
+    sequence group (a :class:`~xpar_zoo.styles.sequence.SequenceParallel`); returns their names."""
+    mixers = sequence_mixers(model)
+    missed = unserved_mixers(model, model.config.get_text_config())
+    if missed:  # checked before parallelize; found again here, or the model would run them on its shard alone
+        raise ModelStateError(f"sp/cp: sequence mixing not wrapped after parallelize: {'; '.join(missed)}")
+    for module in mixers.values():
+        original = module.forward
+        module.forward = _whole_rows_forward(module, state, original, inspect.signature(original))
+    return list(mixers)
