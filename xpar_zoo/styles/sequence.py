@@ -225,14 +225,20 @@ def attention_block_budget() -> float:
     return mib * 2 ** 20
 
 
+def attention_query_bytes(rows: int, heads: int, keys: int, dtype_bytes: int, eager: bool) -> int:
+    """What one query of the masked sp/cp attention holds while its block runs, for ``rows`` rows against ``keys``
+    keys (``heads`` per rank): per key its additive mask (``dtype_bytes``) and the boolean terms it is built from
+    (2), and for eager its scores, their softmax and gradients (``heads·(8 + 2·dtype_bytes)``); sdpa makes no
+    score matrix."""
+    return rows * keys * (dtype_bytes + 2 + (heads * (8 + 2 * dtype_bytes) if eager else 0))
+
+
 def attention_block_rows(rows: int, heads: int, queries: int, keys: int, dtype_bytes: int, eager: bool,
                          budget: float | None = None) -> int | None:
     """Queries per block of :func:`blocked_attention` for ``rows`` rows of ``queries`` queries against ``keys``
-    keys (``heads`` per rank), or ``None`` where the whole mask fits the budget (:func:`attention_block_budget`):
-    then one mask per forward, shared by the layers. A query costs per key its additive mask (``dtype_bytes``) and
-    the boolean terms it is built from (2), and for eager its scores and their softmax and gradients
-    (``heads·(8 + 2·dtype_bytes)``); sdpa keeps no score matrix."""
-    per_query = rows * keys * (dtype_bytes + 2 + (heads * (8 + 2 * dtype_bytes) if eager else 0))
+    keys, or ``None`` where all of them fit the budget (:func:`attention_block_budget`; a query's bytes:
+    :func:`attention_query_bytes`): then one mask per forward, shared by the layers."""
+    per_query = attention_query_bytes(rows, heads, keys, dtype_bytes, eager)
     budget = attention_block_budget() if budget is None else budget
     if queries * per_query <= budget:
         return None
