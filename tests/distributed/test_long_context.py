@@ -8,7 +8,9 @@ Cases: qwen3_moe on sp, sp+ep, sp=4 over 2 key/value heads (repeated), cp+ep, sp
 and on packed rows (position_ids restart per document: no token attends across a boundary, also across cp
 chunks) and right-padded rows, with eager and sdpa inner attention; a dense model (qwen3) on sp=4 and cp=4;
 mixtral and gemma4_text with a sliding window; gpt_oss (attention sinks, sliding and full layers); deepseek_v2/v3
-(MLA: q/k head dim 16, v head dim 8); activation checkpointing; three clipped AdamW steps. The
+(MLA: q/k head dim 16, v head dim 8); activation checkpointing; the blocked masked attention under a tiny block
+budget (sdpa and eager, cp and sp+cp, packed, padded, windows, sinks, with checkpointing); three clipped AdamW
+steps. The
 same launched run checks ``shard_sequence``, ``data_shard`` and the refusals that need ranks. One 4-rank run for
 all (the zoo's: tests/conftest.py ``zoo_proofs``)."""
 

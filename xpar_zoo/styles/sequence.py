@@ -29,8 +29,9 @@ the whole row. The mask is built here from the *global* token indices, never fro
 would build for a shard: causal, a ``sliding_window`` (as transformers passes it), packed documents (a new document
 starts where ``position_ids`` do not step by one, transformers' own rule, so no token attends across a boundary,
 across cp chunks too) and padding. Additive in the query dtype (for ``sdpa`` too: a boolean one would become a
-float copy per layer inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers).
-Where it would be the plain causal mask of a whole row
+float copy per layer inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers)
+where it fits a byte budget; beyond it a block of queries at a time, each block's mask rebuilt in backward
+(:func:`blocked_attention`, :func:`attention_block_rows`). Where it would be the plain causal mask of a whole row
 (no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). With
 cp on plain causal rows, ``sdpa`` on CUDA gets none either (:func:`lower_right_attention`: each query chunk against
 the key prefix that ends where it ends, aligned lower-right; :func:`cp_lower_right` chooses). The model applies
