@@ -4,7 +4,7 @@ same full-length rows; and the longest sequence that trains within a fixed per-r
 own ``DistributedConfig(fsdp_size=4, ep_size=2)`` path (as bench/cpu_suite.py drives it), in the same run.
 
     python bench/long_context.py [--seq 8192] [--budget-mib 160] [--ladder 1024,2048,...] [--long-mesh sp4]
-                                 [--parts ratio,longest] [--no-write]
+                                 [--parts ratio,longest] [--attention sdpa] [--no-write]
 
 **What is measured.** The peak of live CPU tensor bytes during one ``model(input_ids=…, labels=…).loss.backward()``
 above those live when it starts (the parameters, FSDP's sharded state), from the torch profiler's allocator
@@ -19,7 +19,8 @@ gradients, activations, the sp/cp mask, the fused loss's temporaries).
 
 **The rows.** Every rank of a sequence group passes the same full-length rows, as the API asks (``model(**batch)``
 keeps this rank's part); FSDP alone and transformers give every rank its own row of the same length. One row per
-micro-batch, fp32, sdpa.
+micro-batch, fp32, sdpa (``--attention eager``: eager). The step time is that of one more step of the same length
+without the profiler (whose per-allocation records would weigh on paths with more allocations).
 
 **Longest sequence.** Lengths from ``--ladder`` in order, per stack, until one's measured peak exceeds the budget;
 a length whose sizer prediction exceeds twice the budget is not run (recorded as such): on a shared host a
@@ -66,7 +67,7 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
-def _predicted(stack: str, seq: int) -> float:
+def _predicted(stack: str, seq: int, attention: str) -> float:
     """The sizer's activation peak of one forward+backward on a rank of ``stack`` (bytes)."""
     from xpar_zoo.commands import sizing
     from xpar_zoo.testing import parity
@@ -75,24 +76,33 @@ def _predicted(stack: str, seq: int) -> float:
     sizes = dict(MESHES.get(stack, {}))
     sp, cp = sizes.pop("sp", 1), sizes.pop("cp", 1)
     ours = stack != "transformers"
-    est = sizing.estimate(cfg, WORLD, sizes, seq=seq, param_dtype="fp32", sp=sp, cp=cp, fused_loss=ours)
+    est = sizing.estimate(cfg, WORLD, sizes, seq=seq, param_dtype="fp32", sp=sp, cp=cp, fused_loss=ours,
+                          attention=attention)
     # what a step adds to the sharded parameters a rank holds when it starts (no optimizer step here)
     return sum(v for k, v in est.memory.items() if not k.startswith(("parameters", "optimizer states")))
 
 
-def _load(stack: str, directory: str):
+def _load(stack: str, directory: str, attention: str):
     if stack == "transformers":
         from transformers import AutoModelForCausalLM
         from transformers.distributed import DistributedConfig
 
         return AutoModelForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(
-            fsdp_size=WORLD, ep_size=2), attn_implementation="sdpa")
+            fsdp_size=WORLD, ep_size=2), attn_implementation=attention)
     import xpar_zoo
+    from xpar_zoo.styles.sequence import set_inner_attention
 
-    return xpar_zoo.from_pretrained(directory, mesh=xpar_zoo.Mesh(**MESHES[stack]), progress=False)
+    sizes = MESHES[stack]
+    model = xpar_zoo.from_pretrained(directory, mesh=xpar_zoo.Mesh(**sizes), progress=False)
+    if "sp" in sizes or "cp" in sizes:
+        set_inner_attention(model, attention)
+    else:
+        model.set_attn_implementation(attention)
+    return model
 
 
-def _side(stack: str, directory: str, seqs: list[int], budget: float | None, trace: str) -> list[dict]:
+def _side(stack: str, directory: str, seqs: list[int], budget: float | None, trace: str, attention: str
+          ) -> list[dict]:
     """On every rank: load ``stack``, then for each length the live peak of one forward+backward (with ``budget``:
     stop after the first length over it, and skip lengths the sizer puts over twice the budget)."""
     import torch
@@ -103,7 +113,7 @@ def _side(stack: str, directory: str, seqs: list[int], budget: float | None, tra
     rank = dist.get_rank()
     rows: list[dict] = []
     try:
-        model = _load(stack, directory)
+        model = _load(stack, directory, attention)
         model.train()
         sequence_group = stack in MESHES and ("sp" in MESHES[stack] or "cp" in MESHES[stack])
 
@@ -125,7 +135,7 @@ def _side(stack: str, directory: str, seqs: list[int], budget: float | None, tra
         bases = [None] * dist.get_world_size()
         dist.all_gather_object(bases, base)
         for seq in seqs:
-            predicted = _predicted(stack, seq)
+            predicted = _predicted(stack, seq, attention)
             row = {"seq": seq, "predicted": predicted}
             if budget is not None and predicted > 2 * budget:
                 row["skipped"] = True
@@ -133,8 +143,11 @@ def _side(stack: str, directory: str, seqs: list[int], budget: float | None, tra
                 break
             gc.collect()
             dist.barrier()
-            t0 = time.perf_counter()
             row["peak"] = parity.live_peak_bytes(step(seq), f"{trace}-{stack}-{rank}.json")
+            gc.collect()
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(seq)()  # the step time, without the profiler
             row["seconds"] = time.perf_counter() - t0
             peaks = [None] * dist.get_world_size()
             dist.all_gather_object(peaks, row["peak"])
@@ -152,9 +165,9 @@ def _side(stack: str, directory: str, seqs: list[int], budget: float | None, tra
     return failed[0] if failed else gathered[0]
 
 
-def _sides(jobs: list[tuple], directory: str, trace: str) -> dict[str, list[dict]]:
+def _sides(jobs: list[tuple], directory: str, trace: str, attention: str) -> dict[str, list[dict]]:
     """Several :func:`_side` runs one after another in one launched run: ``[(name, stack, seqs, budget)]``."""
-    return {name: _side(stack, directory, seqs, budget, trace) for name, stack, seqs, budget in jobs}
+    return {name: _side(stack, directory, seqs, budget, trace, attention) for name, stack, seqs, budget in jobs}
 
 
 def _make_checkpoint(directory: Path) -> None:
@@ -173,6 +186,7 @@ def main() -> None:
                     help="our mesh for the longest sequence")
     ap.add_argument("--meshes", default=",".join(MESHES), help="meshes of the ratio rows (fsdp first)")
     ap.add_argument("--parts", default="ratio,longest")
+    ap.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--no-write", action="store_true", help="print, do not append to bench/RESULTS.md")
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -190,11 +204,12 @@ def main() -> None:
     ours = [(mesh, mesh, [args.seq], None) for mesh in args.meshes.split(",")] if "ratio" in parts else []
     if "longest" in parts:
         ours.append(("longest", args.long_mesh, ladder, budget))
-    results = launch.run(_sides, WORLD, ours, str(ckpt), trace, timeout_s=1800, start_method="forkserver")
+    results = launch.run(_sides, WORLD, ours, str(ckpt), trace, args.attention, timeout_s=1800,
+                         start_method="forkserver")
     load.append(os.getloadavg()[0])
     if "longest" in parts:  # transformers in a run of its own (its loading sets process-wide state)
         results.update(launch.run(_sides, WORLD, [("transformers", "transformers", ladder, budget)], str(ckpt),
-                                  trace, timeout_s=1800, start_method="forkserver"))
+                                  trace, args.attention, timeout_s=1800, start_method="forkserver"))
         load.append(os.getloadavg()[0])
     print(json.dumps(results, default=str), flush=True)
     ratio = {name: rows for name, rows in results.items() if name in MESHES}
@@ -205,6 +220,7 @@ def main() -> None:
     import transformers
 
     import xpar_zoo
+    from xpar_zoo.styles.sequence import ATTENTION_BLOCK_ENV, attention_block_budget
 
     lines = ["", "## Long context: activation peak per rank, sp / cp against FSDP alone (issue 30)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: {cpu_model()}, "
@@ -213,11 +229,14 @@ def main() -> None:
              f"- model: qwen3_moe fp32, {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, "
              f"{CONFIG['num_experts']} experts of {CONFIG['moe_intermediate_size']} (top-{CONFIG['num_experts_per_tok']}), "
              f"{CONFIG['num_attention_heads']} query / {CONFIG['num_key_value_heads']} key-value heads of "
-             f"{CONFIG['head_dim']}, vocab {CONFIG['vocab_size']}; sdpa; 4 gloo ranks; one row per micro-batch",
+             f"{CONFIG['head_dim']}, vocab {CONFIG['vocab_size']}; {args.attention}; 4 gloo ranks; one row per micro-batch",
              "- measured: peak live CPU tensor bytes of one forward+backward above its start (torch profiler, "
              "`profile_memory=True`, `xpar_zoo.testing.parity.live_peak_bytes`), worst rank; sizer: `xpar-zoo size` "
              "(gathered units, gradients, activations, sp/cp mask, fused-loss temporaries)",
-             "- host load average (1 min) before and after each launched run: " + ", ".join(f"{a:.1f}" for a in load)]
+             "- host load average (1 min) before and after each launched run: " + ", ".join(f"{a:.1f}" for a in load),
+             f"- sp/cp masked attention: blocks of queries within {attention_block_budget() / MB:g} MiB "
+             f"(`{ATTENTION_BLOCK_ENV}`), the whole mask once per forward where it fits; step: one more step without "
+             "the profiler"]
     fmt = (lambda v: f"{v / MB:.1f}")
     if ratio:
         base = next((r[0].get("worst") for m, r in ratio.items() if m == "fsdp" and r and "worst" in r[0]), None)

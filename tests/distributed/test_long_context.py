@@ -10,7 +10,8 @@ chunks) and right-padded rows, with eager and sdpa inner attention; a dense mode
 mixtral and gemma4_text with a sliding window; gpt_oss (attention sinks, sliding and full layers); deepseek_v2/v3
 (MLA: q/k head dim 16, v head dim 8); hybrid qwen3_next (gated delta net layers on the group's whole rows) on sp+ep,
 cp, sp+cp, packed, right-padded and checkpointed, and minimax (lightning attention) right-padded; activation
-checkpointing; three clipped AdamW steps. The
+checkpointing; the blocked masked attention under a tiny block budget (sdpa and eager, cp and sp+cp, packed,
+padded, windows, sinks, with checkpointing); three clipped AdamW steps. The
 same launched run checks ``shard_sequence``, ``data_shard`` and the refusals that need ranks. One 4-rank run for
 all (the zoo's: tests/conftest.py ``zoo_proofs``)."""
 
@@ -69,9 +70,23 @@ LOWER_RIGHT = {
     "lower_right_qwen3_moe_sp2_cp2_sdpa": (("qwen3_moe", SDPA), {"sp": 2, "cp": 2}, False),
     "lower_right_qwen3_cp4_sdpa": (("qwen3", SDPA), {"cp": 4}, False),
 }
+# The blocked masked attention (a block of queries at a time, each block's mask rebuilt in backward), forced onto
+# these tiny rows by a block budget of 512 bytes (1-2 queries per block): name -> case as in CASES
+BLOCK_MIB = "0.0005"
+BLOCKED = {
+    "blocked_qwen3_moe_cp2_ep2_sdpa": (("qwen3_moe", SDPA), {"cp": 2, "ep": 2}, False),
+    "blocked_qwen3_cp4_sdpa": (("qwen3", SDPA), {"cp": 4}, False),
+    "blocked_packed_qwen3_moe_sp2_cp2": (QWEN3_MOE, {"sp": 2, "cp": 2}, True),
+    "blocked_padded_qwen3_moe_sp2_cp2": (QWEN3_MOE, {"sp": 2, "cp": 2}, "padded"),
+    "blocked_padded_qwen3_moe_sp2_ep2_sdpa": (("qwen3_moe", SDPA), {"sp": 2, "ep": 2}, "padded"),
+    "blocked_mixtral_window4_sp2_cp2": (("mixtral", {"sliding_window": 4}), {"sp": 2, "cp": 2}, True),
+    "blocked_gpt_oss_sinks_cp2_sp2": (("gpt_oss", {}), {"cp": 2, "sp": 2}, False),
+}
 # Cases with more than one SGD step, or activation checkpointing: name -> (case above, train_parallel options)
 VARIANTS = {
     "qwen3_moe_sp2_cp2_checkpointing": ("packed_qwen3_moe_sp2_cp2", {"checkpointing": True}),
+    "blocked_qwen3_moe_sp2_cp2_checkpointing": ("packed_qwen3_moe_sp2_cp2", {"checkpointing": True,
+                                                                            "block_mib": BLOCK_MIB}),
     "qwen3_moe_sp2_ep2_adamw3_clipped": ("packed_qwen3_moe_sp2_ep2", {"optimizer": "adamw", "steps": 3,
                                                                      "max_norm": 0.5}),
     "qwen3_next_gdn_sp2_cp2_checkpointing": ("packed_qwen3_next_gdn_sp2_cp2", {"checkpointing": True}),
@@ -132,16 +147,19 @@ def _cases(world: int) -> dict:
     runs = {name: (case, {}) for name, case in CASES.items()}
     runs.update({name: (CASES[base], options) for name, (base, options) in VARIANTS.items()})
     runs.update({name: (case, {"cp_attention": "lower_right"}) for name, case in LOWER_RIGHT.items()})
-    calls = [0]
-    plain = sequence.lower_right_attention
+    runs.update({name: (case, {"block_mib": BLOCK_MIB}) for name, case in BLOCKED.items()})
+    calls = {"lower_right": 0, "blocked": 0}
+    plain, blocked = sequence.lower_right_attention, sequence.blocked_attention
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return plain(*args, **kwargs)
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
 
     for name, (((model_type, overrides), mesh, packed), options) in runs.items():
         options = dict(options)
-        cp_attention = options.pop("cp_attention", None)
+        cp_attention, block_mib = options.pop("cp_attention", None), options.pop("block_mib", None)
         optimizer, steps, max_norm = options.pop("optimizer", "sgd"), options.pop("steps", 1), options.pop("max_norm",
                                                                                                           None)
         config = _config(model_type, overrides)
@@ -151,20 +169,23 @@ def _cases(world: int) -> dict:
         if rank == 0 and key not in refs:
             refs[key] = (parity.train_reference(_config(model_type, overrides), data, optimizer, max_norm,
                                                 extra=extra), parity.build_model(config).state_dict())
-        calls[0] = 0
-        sequence.lower_right_attention = counted
-        if cp_attention:
-            os.environ[sequence.CP_ATTENTION_ENV] = cp_attention
+        calls.update(lower_right=0, blocked=0)
+        sequence.lower_right_attention = counting("lower_right", plain)
+        sequence.blocked_attention = counting("blocked", blocked)
+        for env, value in ((sequence.CP_ATTENTION_ENV, cp_attention), (sequence.ATTENTION_BLOCK_ENV, block_mib)):
+            if value:
+                os.environ[env] = value
         try:
             rec = parity.train_parallel(config, data, mesh, optimizer, max_norm, extra=extra, **options)
         finally:
             os.environ.pop(sequence.CP_ATTENTION_ENV, None)
-            sequence.lower_right_attention = plain
+            os.environ.pop(sequence.ATTENTION_BLOCK_ENV, None)
+            sequence.lower_right_attention, sequence.blocked_attention = plain, blocked
         if rank == 0:
             ref, before = refs[key]
             results[name] = {"loss": (rec.losses, ref.losses), "norm": (rec.grad_norms, ref.grad_norms),
                              "errors": parity.param_errors(rec.params, ref.params, before),
-                             "lower_right_calls": calls[0]}
+                             "lower_right_calls": calls["lower_right"], "blocked_calls": calls["blocked"]}
     return results
 
 
@@ -302,7 +323,7 @@ def results(zoo_proofs):
     return zoo_proofs[__name__]
 
 
-@pytest.mark.parametrize("case", [*CASES, *VARIANTS, *LOWER_RIGHT])
+@pytest.mark.parametrize("case", [*CASES, *VARIANTS, *LOWER_RIGHT, *BLOCKED])
 def test_training_matches_single_process_on_the_whole_rows(results, case):
     row = results["cases"][case]
     parity.assert_losses_match(*row["loss"], what=case)
@@ -316,6 +337,15 @@ def test_cp_on_plain_rows_runs_sdpa_without_a_mask_on_the_lower_right_path(resul
     (CPU's default: the shared dense mask; eager; packed or padded rows) never did."""
     assert results["cases"][case]["lower_right_calls"] > 0, case
     assert not any(row["lower_right_calls"] for name, row in results["cases"].items() if name not in LOWER_RIGHT)
+
+
+@pytest.mark.parametrize("case", [*BLOCKED, "blocked_qwen3_moe_sp2_cp2_checkpointing"])
+def test_a_mask_over_the_block_budget_runs_a_block_of_queries_at_a_time(results, case):
+    """The cases under a tiny block budget ran their masked attention blocked (the values above: exact), and the
+    others (a whole mask of a few KiB, within the default 16 MiB) built the whole mask once per forward."""
+    assert results["cases"][case]["blocked_calls"] > 0, case
+    blocked = {*BLOCKED, "blocked_qwen3_moe_sp2_cp2_checkpointing"}
+    assert not any(row["blocked_calls"] for name, row in results["cases"].items() if name not in blocked)
 
 
 def test_data_shard_gives_the_ranks_of_a_sequence_group_one_index(results):

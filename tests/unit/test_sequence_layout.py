@@ -11,9 +11,10 @@ import torch
 from xpar_zoo.errors import BatchError, MeshError, PlanError
 from xpar_zoo.parallel.mesh import sequence_rank_layout, validate_sequence_sizes
 from xpar_zoo.styles.sequence_mixers import sequence_mixers
-from xpar_zoo.styles.sequence import (CP_ATTENTION_ENV, _Forward, check_sequence_length, check_sequence_parallel,
-                                      cp_chunk, cp_lower_right, document_ids, kv_repeat, lower_right_attention,
-                                      token_layout)
+from xpar_zoo.styles.sequence import (ATTENTION_BLOCK_ENV, CP_ATTENTION_ENV, _Forward, attention_block_budget,
+                                      attention_block_rows, blocked_attention, check_sequence_length,
+                                      check_sequence_parallel, cp_chunk, cp_lower_right, document_ids, kv_repeat,
+                                      lower_right_attention, token_layout)
 from xpar_zoo.testing import parity
 
 
@@ -137,6 +138,107 @@ def test_cp_runs_without_a_mask_on_cuda_and_with_the_dense_one_elsewhere_unless_
     monkeypatch.setenv(CP_ATTENTION_ENV, "ring")
     with pytest.raises(PlanError, match="XPAR_ZOO_CP_ATTENTION='ring': expected 'lower_right' or 'dense'"):
         cp_lower_right(torch.device("cpu"))
+
+
+def _rows_of(kind: str, b: int, seq: int) -> tuple:
+    """``(docs, key_valid)`` of ``b`` rows of ``seq`` tokens: plain, packed (positions restart), right-padded."""
+    if kind == "packed":
+        pos = torch.arange(seq).repeat(b, 1)
+        pos[0, 7:], pos[1, 20:] = torch.arange(seq - 7), torch.arange(seq - 20)
+        return document_ids(pos), None
+    if kind == "padded":
+        valid = torch.ones(b, seq, dtype=torch.bool)
+        valid[0, -5:] = False
+        return None, valid
+    return None, None
+
+
+def _inner(inner: str):
+    """transformers' own inner attention (sdpa, or qwen3's eager) as the sp/cp wrapper calls it: ``call(q, k, v,
+    mask) -> [b, q, h, dv]`` for 4 query heads over 2 key/value heads."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
+    fn = sdpa_attention_forward if inner == "sdpa" else eager_attention_forward
+    module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True, training=True)
+    return lambda q, k, v, mask: fn(module, q, k, v, mask, dropout=0.0, scaling=0.3)[0]
+
+
+@pytest.mark.parametrize("inner", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["plain", "packed", "padded"])
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, None)])
+@pytest.mark.parametrize("cp", [1, 4])
+def test_blocked_attention_equals_the_whole_mask_in_values_and_gradients(inner, kind, causal, window, cp):
+    """Queries in blocks of 3 (each block's mask built from the global positions against the keys it may see,
+    checkpointed) give the values and gradients of one call under the whole ``[b, 1, S/cp, S]`` mask: causal,
+    sliding window, packed documents, right padding (a padded query attends to all keys), every cp rank."""
+    torch.manual_seed(0)
+    seq, b, call = 32, 2, _inner(inner)
+    docs, valid = _rows_of(kind, b, seq)
+    for c in range(cp):
+        layout = token_layout(seq, 1, cp, 0, c)
+        batch = _Forward(layout.queries, layout.keys, docs, valid)
+        q = torch.randn(b, 4, seq // cp, 8, requires_grad=True)
+        k, v = torch.randn(b, 2, seq, 8, requires_grad=True), torch.randn(b, 2, seq, 6, requires_grad=True)
+        want = call(q, k, v, batch.mask(causal, window, q.dtype))
+        got = blocked_attention(call, q, k, v, batch, causal, window, 3)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        grad = torch.randn_like(want)
+        for a, w in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+            torch.testing.assert_close(a, w, atol=1e-6, rtol=1e-5)
+
+
+def test_a_causal_block_sees_only_the_keys_before_its_last_query_and_never_crosses_a_cp_chunk():
+    layout = token_layout(16, 1, 2, 0, 0)  # cp rank 0: queries 0..3 and 12..15; gathered keys 0..3 12..15 4..11
+    plain = _Forward(layout.queries, layout.keys, None, None)
+    blocks = plain.blocks(3, True, None)
+    assert [(s, n) for s, n, _ in blocks] == [(0, 3), (3, 1), (4, 3), (7, 1)]
+    seen = [sorted(layout.keys[k].tolist()) for _, _, k in blocks]
+    assert seen == [list(range(3)), list(range(4)), list(range(15)), list(range(16))]
+    assert blocks[0][2] == slice(0, 3)  # consecutive in the gathered order: a view, no copy
+    windowed = [sorted(layout.keys[k].tolist()) for _, _, k in plain.blocks(3, True, 4)]
+    assert windowed[2] == list(range(9, 15))  # queries 12..14 with a window of 4: keys 9..14
+    padded = _Forward(layout.queries, layout.keys, None, torch.ones(1, 16, dtype=torch.bool))
+    assert all(k == slice(None) for _, _, k in padded.blocks(3, True, None))  # a padded query attends to all
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_blocked_attention_nests_in_layer_checkpointing_and_keeps_no_mask_for_backward(reentrant):
+    """Under the layer's activation checkpointing (transformers' non-reentrant default, and reentrant) the
+    gradients are those of the whole mask; what autograd keeps holds no ``[queries, keys]`` mask or scores."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(1)
+    seq, cp, call = 256, 4, _inner("eager")
+    layout = token_layout(seq, 1, cp, 0, 1)
+    batch = _Forward(layout.queries, layout.keys, *_rows_of("packed", 2, seq))
+    q = torch.randn(2, 4, seq // cp, 8, requires_grad=True)
+    k, v = torch.randn(2, 2, seq, 8, requires_grad=True), torch.randn(2, 2, seq, 6, requires_grad=True)
+    want = call(q, k, v, batch.mask(True, None, q.dtype))
+    grad = torch.randn_like(want)
+    wanted = torch.autograd.grad(want, (q, k, v), grad)
+    got = checkpoint(blocked_attention, call, q, k, v, batch, True, None, 8, use_reentrant=reentrant)
+    got.backward(grad)  # the reentrant checkpoint does not take autograd.grad
+    for t, w in zip((q, k, v), wanted):
+        torch.testing.assert_close(t.grad, w, atol=1e-6, rtol=1e-5)
+    kept = parity.saved_for_backward_bytes(lambda: blocked_attention(call, q, k, v, batch, True, None, 8),
+                                           exclude=(q, k, v))
+    mask_bytes = 2 * (seq // cp) * seq * 4
+    assert kept < mask_bytes / 4, (kept, mask_bytes)  # the output and block bookkeeping only
+
+
+def test_the_block_size_comes_from_a_byte_budget_the_environment_can_set(monkeypatch):
+    monkeypatch.delenv(ATTENTION_BLOCK_ENV, raising=False)
+    assert attention_block_budget() == 16 * 2 ** 20
+    # sdpa: a query costs its additive mask (4) and boolean terms (2) per key; the whole 2048 x 8192 mask is 96 MiB
+    assert attention_block_rows(1, 4, 2048, 8192, 4, False) == 16 * 2 ** 20 // (8192 * 6)
+    assert attention_block_rows(1, 4, 512, 4096, 4, False) is None  # 12 MiB: the whole mask, once per forward
+    assert attention_block_rows(1, 4, 512, 4096, 4, True) == 16 * 2 ** 20 // (4096 * (6 + 4 * 16))  # eager's scores
+    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "0.5")
+    assert attention_block_rows(1, 4, 2048, 8192, 4, False) == 2 ** 19 // (8192 * 6)
+    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "0")
+    with pytest.raises(PlanError, match="XPAR_ZOO_ATTENTION_BLOCK_MIB='0': expected a positive number of MiB"):
+        attention_block_budget()
 
 
 @pytest.mark.parametrize("model_type, mixers", [

@@ -7,6 +7,7 @@ import pytest
 
 from xpar_zoo.commands import sizing
 from xpar_zoo.errors import BatchError, MeshError, PlanError
+from xpar_zoo.styles.sequence import ATTENTION_BLOCK_ENV
 from xpar_zoo.testing import parity
 
 FLASH = "flash_attention_2"
@@ -64,9 +65,11 @@ def test_flash_cp_keeps_queries_over_cp_against_the_keys_and_values_of_whole_row
     assert got["activations"] == alone["activations"] + gathered
 
 
-def test_sdpa_cp_keeps_no_mask_and_repeats_the_key_value_heads():
+def test_sdpa_cp_keeps_no_mask_and_repeats_the_key_value_heads(monkeypatch):
     """A GPU's sdpa under cp on plain rows runs each query chunk against its key prefix, aligned lower-right: no
-    ``seq²`` mask (eager still gets one), and the key/value heads repeated to the query heads (flash keeps them)."""
+    ``seq²`` mask (eager still gets one, within the block budget), and the key/value heads repeated to the query
+    heads (flash keeps them)."""
+    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "100000")
     cfg = _config()
     seq, cp = 4096, 4
     got = _terms(cfg, seq, cp=cp, attention="sdpa")
@@ -78,9 +81,10 @@ def test_sdpa_cp_keeps_no_mask_and_repeats_the_key_value_heads():
 
 
 @pytest.mark.parametrize("sp,cp", [(4, 1), (1, 4), (2, 2)])
-def test_eager_scores_are_heads_over_sp_times_queries_over_cp_times_whole_rows(sp, cp):
+def test_eager_scores_are_heads_over_sp_times_queries_over_cp_times_whole_rows(sp, cp, monkeypatch):
     """eager keeps its fp32 softmax, ``rows · heads/sp · seq/cp · seq`` per layer (and its copy in a lower compute
-    dtype); every split of a group of 4 keeps a quarter of one rank's."""
+    dtype); every split of a group of 4 keeps a quarter of one rank's (within a block budget that takes them)."""
+    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "100000")
     cfg = _config()
     rows, seq = 2, 1024
     one = _terms(cfg, seq, rows, attention="eager")["attention scores"]
@@ -98,10 +102,38 @@ def test_sdpa_and_flash_keep_no_score_matrix(attention):
     assert not any("scores" in k or "eager" in k for k in est.memory)
 
 
-def test_eager_rows_of_the_estimate_name_the_quadratic_terms():
+def test_eager_rows_of_the_estimate_name_the_quadratic_terms(monkeypatch):
+    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "100000")
     est = sizing.estimate(_config(), 4, {}, seq=1024, sp=2, cp=2, attention="eager")
     for row in ("attention scores (eager, seq²)", "attention mask (sp/cp, seq²)", "eager backward temporaries (seq²)"):
         assert est.memory[row] > 0, row
+
+
+@pytest.mark.parametrize("sp,cp", [(4, 1), (1, 4), (2, 2)])
+def test_eager_over_the_block_budget_keeps_no_scores_or_mask_only_one_block(sp, cp, monkeypatch):
+    """Where eager's sp/cp mask and scores exceed the block budget, the attention runs a block of queries at a
+    time, checkpointed: no ``seq²`` term is kept, the key/value heads stay as gathered (not repeated), and one
+    block's mask and scores (within the budget) is the only quadratic term, transient."""
+    monkeypatch.delenv(ATTENTION_BLOCK_ENV, raising=False)
+    cfg, seq = _config(), 4096
+    heads, _ = sizing.attention_heads(cfg, sp)
+    got = _terms(cfg, seq, sp=sp, cp=cp, attention="eager")
+    assert got["attention scores"] == 0 and got["attention mask"] == 0
+    per_query = seq * (4 + 2 + heads * (8 + 8))
+    block = 16 * 2 ** 20 // per_query * per_query  # within the default budget of 16 MiB
+    mlp = cfg.hidden_size + 2 * cfg.num_experts + cfg.num_experts_per_tok * 2 * (cfg.hidden_size
+                                                                                 + cfg.moe_intermediate_size)
+    freed = seq // (sp * cp) * (mlp + 2 * cfg.hidden_size) * 4  # the layer's values after attention
+    assert got["attention block"] == block - freed and block <= 16 * 2 ** 20
+    # the values of flash (key/value heads as they are), less Ulysses' output copy that eager does not make
+    flash = _terms(cfg, seq, sp=sp, cp=cp, attention=FLASH)["activations"]
+    output_copy = cfg.num_hidden_layers * seq // cp * heads * cfg.head_dim * 4 if sp > 1 else 0
+    assert got["activations"] == flash - output_copy
+    est = sizing.estimate(cfg, 4, {}, seq=seq, sp=sp, cp=cp, attention="eager", param_dtype="fp32")
+    assert not any("seq²" in k for k in est.memory)
+    loss = est.memory["fused loss temporaries"]
+    assert est.memory["attention block (sp/cp, one block of queries, beyond the loss temporaries)"] == (
+        got["attention block"] - loss)
 
 
 def test_activations_shrink_with_the_sequence_group_at_long_sequences():

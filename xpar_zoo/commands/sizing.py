@@ -23,7 +23,8 @@ from ..parallel.mesh import validate_sequence_sizes, validate_sizes
 from ..parallel.fsdp_layout import fsdp_layout
 from ..loss.fused import CE_CHUNK_ELEMENTS
 from ..styles.planned import check_plan_names, match_plan, whole_vocab_head_fusable
-from ..styles.sequence import INNER_IMPLEMENTATIONS, check_sequence_length, kv_repeat, recurrent_layers
+from ..styles.sequence import (INNER_IMPLEMENTATIONS, attention_block_rows, attention_query_bytes,
+                               check_sequence_length, kv_repeat, recurrent_layers)
 from ..styles.sequence_mixers import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
@@ -191,25 +192,41 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     # its own causal kernel; cp on a GPU: each query chunk against its key prefix, aligned lower-right, with the
     # key/value heads repeated to the queries'); packed rows, padding or a short sliding window need the mask
     masked = sp * cp > 1 and attention == "eager"
-    native_gqa = attention.startswith("flash") or (attention == "sdpa" and cp == 1)
+    block = _eager_block(config, rows, seq, dtype_bytes, sp, cp, attention)
+    # blocked (the sp/cp mask over its budget): the blocks' checkpoints keep the key/value heads as gathered
+    native_gqa = attention.startswith("flash") or (attention == "sdpa" and cp == 1) or block is not None
     kv_kernel = kv_heads if native_gqa else heads  # otherwise transformers repeats the key/value heads to the queries'
     values = 2 * queries * heads * d + 2 * keys * kv_kernel * d  # q and the output, k and v
     if attention != "eager" and sp > 1:  # Ulysses' output all-to-all: a new o_proj input beside the kernel's output
         values += queries * heads * d  # [tokens/(sp·cp), q]: the same count as sdpa's output
     scores = 0.0
-    if attention == "eager":  # the softmax, fp32, and its copy in the compute dtype
+    if attention == "eager" and block is None:  # the softmax, fp32, and its copy in the compute dtype
         scores = rows * heads * (seq // cp) * seq * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
     mask_once = 0.0
-    if masked:  # eager: an additive mask in the compute dtype, held for the forward and shared by the layers
+    if masked and block is None:  # eager: an additive mask in the compute dtype, held for the forward and shared
         mask_once = rows * (seq // cp) * seq * dtype_bytes
     return values * dtype_bytes, scores, mask_once
+
+
+def _eager_block(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, attention: str) -> float | None:
+    """The bytes of one block of queries where eager's sp/cp attention runs blocked (its whole mask and scores over
+    the block budget, :func:`~xpar_zoo.styles.sequence.attention_block_rows`): its mask and scores, transient,
+    none kept for backward; ``None`` where it is not blocked. (sdpa is sized on a GPU's path, without a mask; on
+    CPU it runs blocked too, a transient of at most the budget.)"""
+    if sp * cp == 1 or attention != "eager":
+        return None
+    heads, _ = attention_heads(config, sp)
+    block = attention_block_rows(rows, heads, seq // cp, seq, dtype_bytes, True)
+    return None if block is None else block * attention_query_bytes(rows, heads, seq, dtype_bytes, True)
 
 
 def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1, qk_norm: bool = False,
                      recompute: bool = False, *, seq: int | None = None, sp: int = 1, cp: int = 1,
                      attention: str = "sdpa") -> dict[str, float]:
     """The activation estimate of one rank (see :func:`activation_bytes`) by kind: ``"activations"`` (linear in
-    the tokens), ``"attention scores"`` (eager's ``seq²`` softmax) and ``"attention mask"`` (the sp/cp mask)."""
+    the tokens), ``"attention scores"`` (eager's ``seq²`` softmax), ``"attention mask"`` (the sp/cp mask) and
+    ``"attention block"`` (eager's blocked sp/cp attention: what one block of queries' mask and scores add to the
+    peak, a transient in a layer's backward beyond the values that layer's MLP has freed by then)."""
     seq = seq or tokens
     rows = tokens // seq
     local = tokens // (sp * cp)  # this rank's tokens outside attention
@@ -247,7 +264,11 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
         loss = local * config.vocab_size * 4
     else:
         loss = (s * local * h * (1 if s == 1 else 2) + config.vocab_size // s * h) * dtype_bytes
-    return {"activations": values + loss, "attention scores": scores_kept, "attention mask": mask}
+    # a block runs in a layer's backward, after that layer's MLP and second norm have freed their values
+    block = max(0.0, (_eager_block(config, rows, seq, dtype_bytes, sp, cp, attention) or 0.0)
+                - local * (mlp + 2 * h) * dtype_bytes)
+    return {"activations": values + loss, "attention scores": scores_kept, "attention mask": mask,
+            "attention block": block}
 
 
 def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
@@ -269,9 +290,13 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     without a mask keep them as they are), and under sp the output's all-to-all makes a second copy for the output
     projection. ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
     a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp eager gets an additive mask of
-    ``rows·(seq/cp)·seq`` shared by the layers; sdpa gets none (plain rows assumed, no packing, padding or short
-    window): its own causal kernel under sp alone, and under cp on a GPU each query chunk against the key prefix
-    that ends where it ends, aligned lower-right (key/value heads repeated to the query heads).
+    ``rows·(seq/cp)·seq`` shared by the layers where that mask and one layer's scores fit the block budget
+    (:func:`~xpar_zoo.styles.sequence.attention_block_rows`, 16 MiB unless ``XPAR_ZOO_ATTENTION_BLOCK_MIB``);
+    beyond it eager runs a block of queries at a time, checkpointed: no mask or scores kept, the key/value heads
+    kept as gathered, and one block's mask and scores (``"attention block"``) while it runs. sdpa gets none
+    (plain rows assumed, no packing, padding or short window): its own causal kernel under sp alone, and under cp
+    on a GPU each query chunk against the key prefix that ends where it ends, aligned lower-right (key/value heads
+    repeated to the query heads); on CPU it runs blocked, at most one block's mask at a time.
     With ``recompute`` (activation checkpointing of every decoder layer, e.g.
     ``model.activation_checkpointing_enable()``) each layer keeps only its input ``H`` until backward, and one
     layer at a time holds all of its values again while it is recomputed: the peak.
@@ -312,9 +337,9 @@ def attention_temporaries(config, tokens: int, dtype_bytes: int, *, seq: int | N
     """What eager attention holds only while one layer's backward runs (at the activation peak, on top of what
     autograd keeps): the gradients of its softmax output and of its scores, one ``rows·heads/sp·(seq/cp)·seq``
     matrix each in fp32 (in a lower compute dtype: one in that dtype and one in fp32). None for sdpa and flash."""
-    if attention != "eager":
-        return 0.0
     seq = seq or tokens
+    if attention != "eager" or _eager_block(config, tokens // seq, seq, dtype_bytes, sp, cp, attention) is not None:
+        return 0.0  # blocked: the block's own (attention_terms' "attention block")
     heads, _ = attention_heads(config, sp)
     return tokens // seq * heads * (seq // cp) * seq * (4 + (dtype_bytes if dtype_bytes != 4 else 4))
 
@@ -454,11 +479,15 @@ def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, size
         est.memory[f"attention scores ({attention}, seq²)"] = terms["attention scores"]
     if terms["attention mask"]:
         est.memory["attention mask (sp/cp, seq²)"] = terms["attention mask"]
+    loss_temporaries = fused_loss_temporaries(config, tokens, fused_head, pbytes) if fused_head else 0.0
     if fused_head:
-        est.memory["fused loss temporaries"] = fused_loss_temporaries(config, tokens, fused_head, pbytes)
-    if attention == "eager":
-        est.memory["eager backward temporaries (seq²)"] = attention_temporaries(
-            config, rows, pbytes, seq=seq, sp=sp, cp=cp, attention=attention)
+        est.memory["fused loss temporaries"] = loss_temporaries
+    block = terms["attention block"] - loss_temporaries  # the loss's temporaries are freed before the layers' backward
+    if block > 0:
+        est.memory["attention block (sp/cp, one block of queries, beyond the loss temporaries)"] = block
+    temporaries = attention_temporaries(config, rows, pbytes, seq=seq, sp=sp, cp=cp, attention=attention)
+    if temporaries:
+        est.memory["eager backward temporaries (seq²)"] = temporaries
 
 
 def _fsdp_comm(est: Estimate, units: list, world: int, pbytes: int, rbytes: int) -> None:

@@ -29,8 +29,9 @@ the whole row. The mask is built here from the *global* token indices, never fro
 would build for a shard: causal, a ``sliding_window`` (as transformers passes it), packed documents (a new document
 starts where ``position_ids`` do not step by one, transformers' own rule, so no token attends across a boundary,
 across cp chunks too) and padding. Additive in the query dtype (for ``sdpa`` too: a boolean one would become a
-float copy per layer inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers).
-Where it would be the plain causal mask of a whole row
+float copy per layer inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers)
+where it fits a byte budget; beyond it a block of queries at a time, each block's mask rebuilt in backward
+(:func:`blocked_attention`, :func:`attention_block_rows`). Where it would be the plain causal mask of a whole row
 (no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). With
 cp on plain causal rows, ``sdpa`` on CUDA gets none either (:func:`lower_right_attention`: each query chunk against
 the key prefix that ends where it ends, aligned lower-right; :func:`cp_lower_right` chooses). The model applies
@@ -49,6 +50,7 @@ split. Parameters are placed exactly as without sp/cp, so checkpoints are unchan
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
 import os
@@ -202,6 +204,78 @@ def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return torch.cat(outs, dim=1)
 
 
+# The blocked sp/cp attention (:func:`blocked_attention`): the bytes one block of queries may hold for its mask and,
+# for eager, its scores (MiB); where the whole mask fits, it is built once per forward and shared by the layers.
+ATTENTION_BLOCK_ENV = "XPAR_ZOO_ATTENTION_BLOCK_MIB"
+ATTENTION_BLOCK_MIB = 16.0
+
+
+def attention_block_budget() -> float:
+    """The bytes of one block of :func:`blocked_attention`: ``XPAR_ZOO_ATTENTION_BLOCK_MIB`` (MiB, a positive
+    number), else 16 MiB."""
+    raw = os.environ.get(ATTENTION_BLOCK_ENV, "").strip()
+    if not raw:
+        return ATTENTION_BLOCK_MIB * 2 ** 20
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = float("nan")
+    if not mib > 0:
+        raise PlanError(f"{ATTENTION_BLOCK_ENV}={raw!r}: expected a positive number of MiB")
+    return mib * 2 ** 20
+
+
+def attention_query_bytes(rows: int, heads: int, keys: int, dtype_bytes: int, eager: bool) -> int:
+    """What one query of the masked sp/cp attention holds while its block runs, for ``rows`` rows against ``keys``
+    keys (``heads`` per rank): per key its additive mask (``dtype_bytes``) and the boolean terms it is built from
+    (2), and for eager its scores, their softmax and gradients (``heads·(8 + 2·dtype_bytes)``); sdpa makes no
+    score matrix."""
+    return rows * keys * (dtype_bytes + 2 + (heads * (8 + 2 * dtype_bytes) if eager else 0))
+
+
+def attention_block_rows(rows: int, heads: int, queries: int, keys: int, dtype_bytes: int, eager: bool,
+                         budget: float | None = None) -> int | None:
+    """Queries per block of :func:`blocked_attention` for ``rows`` rows of ``queries`` queries against ``keys``
+    keys, or ``None`` where all of them fit the budget (:func:`attention_block_budget`; a query's bytes:
+    :func:`attention_query_bytes`): then one mask per forward, shared by the layers."""
+    per_query = attention_query_bytes(rows, heads, keys, dtype_bytes, eager)
+    budget = attention_block_budget() if budget is None else budget
+    if queries * per_query <= budget:
+        return None
+    return max(1, int(budget // per_query))
+
+
+def blocked_attention(call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch, causal: bool,
+                      window: int | None, rows: int) -> torch.Tensor:
+    """The masked attention of ``query`` (``[b, h, S/cp, d]``) against ``key`` / ``value`` (``[b, kv, S, d]``,
+    gathered order) in blocks of at most ``rows`` queries (:meth:`_Forward.blocks`), exact: a query is a row of
+    its own softmax, so the blocks need no log-sum-exp merge. Each block builds its own ``[b, 1, rows, keys]`` mask
+    from the global positions, against only the keys a causal block may see, and calls ``call(q, k, v, mask)``
+    (the inner attention, ``[b, rows, h, dv]`` out) under non-reentrant activation checkpointing: neither its
+    mask nor eager's scores are kept for backward, which rebuilds and recomputes one block at a time. So the mask
+    and score transients are one block (:func:`attention_block_rows`), not ``[b, 1, S/cp, S]`` per forward and
+    ``[b, h, S/cp, S]`` per layer, for one more forward of the attention in backward. Layer checkpointing
+    (``activation_checkpointing_enable``) nests around it."""
+    from torch.utils.checkpoint import checkpoint
+
+    outs = []
+    for start, n, keys in batch.blocks(rows, causal, window):
+        q = query[:, :, start:start + n]
+        args = (call, batch, causal, window, start, keys, q, key, value)
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_attention_block, *args, use_reentrant=False))
+        else:
+            outs.append(_attention_block(*args))
+    return torch.cat(outs, dim=1)
+
+
+def _attention_block(call, batch, causal: bool, window: int | None, start: int, keys, q: torch.Tensor,
+                     key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """One block of :func:`blocked_attention`: its keys, its mask, the inner attention."""
+    mask = batch.block_mask(batch.queries[start:start + q.shape[2]], batch.keys[keys], causal, window, q.dtype)
+    return call(q, key[:, :, keys], value[:, :, keys], mask)
+
+
 class _ModuleView:
     """The attention module as the inner attention function sees it under sp: its own attributes, except the
     local head counts and per-head sinks."""
@@ -259,24 +333,63 @@ class _Forward:
         return self.masks["order"]
 
     def mask(self, causal: bool, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
+        """The ``[b, 1, S/cp, S]`` mask of the whole forward (boolean, or additive in ``additive_dtype``), built
+        once per window and kind and shared by the layers."""
         key = (causal, window, additive_dtype)
         if key not in self.masks:
-            q, k = self.queries[:, None], self.keys[None, :]
-            allowed = k <= q if causal else torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
-            if window is not None:
-                allowed = allowed & (q - k < window)
-            allowed = allowed[None]
-            if self.docs is not None:
-                allowed = allowed & (self.docs[:, self.queries, None] == self.docs[:, None, self.keys])
-            if self.key_valid is not None:
-                allowed = allowed & self.key_valid[:, None, self.keys]
-                allowed = allowed | ~allowed.any(-1, keepdim=True)  # a padded query attends to all: no NaN
-            allowed = allowed[:, None]
-            if additive_dtype is not None:
-                allowed = torch.full(allowed.shape, torch.finfo(additive_dtype).min, dtype=additive_dtype,
-                                     device=allowed.device).masked_fill_(allowed, 0)  # in place: no second copy
-            self.masks[key] = allowed
+            self.masks[key] = self.block_mask(self.queries, self.keys, causal, window, additive_dtype)
         return self.masks[key]
+
+    def block_mask(self, queries: torch.Tensor, keys: torch.Tensor, causal: bool, window: int | None,
+                   additive_dtype: torch.dtype | None) -> torch.Tensor:
+        """The ``[b, 1, len(queries), len(keys)]`` mask of the given global query and key positions (not kept)."""
+        q, k = queries[:, None], keys[None, :]
+        allowed = k <= q if causal else torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
+        if window is not None:
+            allowed = allowed & (k > q - window)  # q - k < window, without an int64 [q, k] difference
+        allowed = allowed[None]
+        if self.docs is not None:
+            allowed = allowed & (self.docs[:, queries, None] == self.docs[:, None, keys])
+        if self.key_valid is not None:
+            allowed = allowed & self.key_valid[:, None, keys]
+            allowed = allowed | ~allowed.any(-1, keepdim=True)  # a padded query attends to all: no NaN
+        allowed = allowed[:, None]
+        if additive_dtype is not None:
+            allowed = torch.full(allowed.shape, torch.finfo(additive_dtype).min, dtype=additive_dtype,
+                                 device=allowed.device).masked_fill_(allowed, 0)  # in place: no second copy
+        return allowed
+
+    def blocks(self, rows: int, causal: bool, window: int | None) -> list[tuple[int, int, slice | torch.Tensor]]:
+        """The query blocks of :func:`blocked_attention`: ``[(first local query, queries, keys)]``, at most
+        ``rows`` consecutive global positions each (never across a run: cp's head and tail chunks apart). ``keys``
+        indexes the gathered keys: with a causal mask and no padding only those a query of the block may see (the
+        row up to the block's last position, from its first less the window), else all. One host sync per
+        forward."""
+        cache = ("blocks", rows, causal, window)
+        if cache in self.masks:
+            return self.masks[cache]
+        trim = causal and self.key_valid is None  # padded queries attend to every key: keep them all
+        order = self.key_order().tolist() if trim else None
+        positions = self.keys[self.key_order()].tolist() if trim else None  # the keys' positions, ascending
+        out = []
+        for start, n, end in self.query_runs():
+            for s in range(start, start + n, rows):
+                m = min(rows, start + n - s)
+                keys: slice | torch.Tensor = slice(None)
+                if trim:
+                    first = end - n + (s - start)  # global position of the block's first query
+                    lo = 0 if window is None else bisect.bisect_left(positions, first - window + 1)
+                    keys = _index(order[lo:bisect.bisect_right(positions, first + m - 1)], self.keys.device)
+                out.append((s, m, keys))
+        self.masks[cache] = out
+        return out
+
+
+def _index(indices: list[int], device: torch.device) -> slice | torch.Tensor:
+    """``indices`` as a slice where they are consecutive (a view, no copy), else as an index tensor."""
+    if indices == list(range(indices[0], indices[0] + len(indices))):
+        return slice(indices[0], indices[0] + len(indices))
+    return torch.tensor(indices, device=device)
 
 
 @dataclass(frozen=True)
@@ -382,6 +495,31 @@ class SequenceParallel:
 
         return ALL_ATTENTION_FUNCTIONS[self.inner]
 
+    def inner_call(self, module, overrides: dict, dropout: float, scaling, sliding_window, kwargs: dict):
+        """``call(q, k, v, mask) -> [b, q, h, dv]``: the inner attention of ``module`` (seen with the local head
+        counts and sinks of ``overrides``) with the layer's other arguments."""
+        for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            kwargs.pop(name, None)
+        view = _ModuleView(module, overrides) if overrides else module
+        inner = self.inner_function(module)
+
+        def call(q, k, v, mask):
+            return inner(view, q, k, v, mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+                         **kwargs)[0]
+        return call
+
+    def masked_attention(self, call, query, key, value, causal: bool, window: int | None) -> torch.Tensor:
+        """The attention under the mask of the global positions: the whole ``[b, 1, S/cp, S]`` mask, additive in the
+        query dtype, built once per forward and shared by the layers where it fits the block budget (for eager and
+        sdpa alike: sdpa would turn a boolean mask into a float one of its own, saved for backward, in every
+        layer); otherwise :func:`blocked_attention`, a block of queries at a time."""
+        batch = self.current
+        rows = attention_block_rows(query.shape[0], query.shape[1], query.shape[2], key.shape[2],
+                                    query.element_size(), self.inner == "eager")
+        if rows is None:
+            return call(query, key, value, batch.mask(causal, window, query.dtype))
+        return blocked_attention(call, query, key, value, batch, causal, window, rows)
+
     def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                   **kwargs):
         batch = self.current
@@ -407,23 +545,16 @@ class SequenceParallel:
             shard = self.cp_shard()
             key, value = gather_sequence(key, shard), gather_sequence(value, shard)
         causal = bool(getattr(module, "is_causal", True))
-        out = None
         if (self.cp > 1 and self.inner == "sdpa" and cp_lower_right(query.device)
                 and batch.causal_only(causal, sliding_window, key.shape[2])
                 and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None):
-            out, mask = lower_right_attention(query, key, value, batch, dropout, scaling), None
-        elif self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
-            mask = None  # sdpa's own is_causal over the whole row (flash kernels on GPU); nothing else to mask
+            out = lower_right_attention(query, key, value, batch, dropout, scaling)
         else:
-            # additive in the query dtype for eager and sdpa: one tensor per forward that every layer shares (sdpa
-            # would turn a boolean mask into a float one of its own, saved for backward, in every layer)
-            mask = batch.mask(causal, sliding_window, query.dtype)
-        if out is None:
-            for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-                kwargs.pop(name, None)
-            view = _ModuleView(module, overrides) if overrides else module
-            out, _ = self.inner_function(module)(view, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                                 sliding_window=sliding_window, **kwargs)
+            call = self.inner_call(module, overrides, dropout, scaling, sliding_window, kwargs)
+            if self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
+                out = call(query, key, value, None)  # sdpa's own is_causal over the whole row (flash kernels on GPU)
+            else:
+                out = self.masked_attention(call, query, key, value, causal, sliding_window)
         if self.sp > 1:
             out = sequence_to_heads(out, self.sp_group, self.sp)
         return out, None
