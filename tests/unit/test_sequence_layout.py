@@ -200,6 +200,32 @@ def test_the_flex_block_mask_allows_what_the_global_indices_allow(cp, window):
         assert torch.equal(f.mask(True, window, None)[:, 0][want.any(-1)], want[want.any(-1)])
 
 
+@pytest.mark.parametrize("band", [1 << 22, 128 * 128 * 2 * 8])
+def test_the_banded_block_mask_is_torchs_create_block_mask(band, monkeypatch):
+    """Built a band of query blocks at a time (here also one block per band), the BlockMask holds the same blocks in
+    the same order as torch's create_block_mask over the whole mask at once: rows with documents and padding, a
+    window, cp rank 1 of 4 (head and tail chunks), lengths that are not multiples of the 128-token blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from xpar_zoo.styles import sequence
+
+    monkeypatch.setattr(sequence, "BLOCK_MASK_BAND_ENTRIES", band)
+    seq = 8 * 136
+    layout = token_layout(seq, 1, 4, 0, 1)
+    pos = torch.arange(seq).repeat(2, 1)
+    pos[0, 300:], pos[1, 700:] = torch.arange(seq - 300), torch.arange(seq - 700)
+    valid = torch.ones(2, seq, dtype=torch.bool)
+    valid[1, :130] = False
+    for docs, keep, window in ((None, None, None), (document_ids(pos), valid, 200)):
+        f = _Forward(layout.queries, layout.keys, docs, keep)
+        got = f.block_mask(True, window)
+        rows = None if docs is None else 2
+        want = create_block_mask(got.mask_mod, rows, None, layout.queries.numel(), seq, device="cpu")
+        assert got.shape == want.shape
+        for a, w in zip(got.as_tuple()[2:7], want.as_tuple()[2:7]):
+            assert torch.equal(a, w)
+
+
 @pytest.mark.parametrize("cp, window, packed", [(1, None, True), (2, None, False), (2, 3, True), (4, None, True)])
 def test_flash_inner_equals_sdpa_under_the_dense_mask(cp, window, packed):
     """transformers' flash forward on the reference flash kernels (xpar_zoo.testing.flash_reference), called per

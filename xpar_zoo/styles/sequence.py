@@ -247,6 +247,10 @@ def flash_inner(batch, module, query, key, value, causal: bool, dropout: float, 
     window, bottom-right aligned, is then exact in global positions)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if not causal:  # each run attends to its key prefix: causal rows only
+        owner = module._module if isinstance(module, _ModuleView) else module
+        raise PlanError(f"sp/cp: {type(owner).__name__} is not causal; flash attention under sp/cp serves causal "
+                        "attention only (use sdpa or flex_attention)")
     function = ALL_ATTENTION_FUNCTIONS[attn_implementation(module.config)]
     if batch.queries.numel() != batch.keys.numel():  # cp: the gathered keys back in row order
         order = batch.key_order()
@@ -365,13 +369,11 @@ class _Forward:
         return self.masks[key]
 
     def block_mask(self, causal: bool, window: int | None):
-        """The mask of :meth:`mask` as a flex ``BlockMask`` (torch's public ``create_block_mask`` over a
-        ``mask_mod`` that reads the global indices): per forward and window, shared by the layers. A query with no
+        """The mask of :meth:`mask` as a flex ``BlockMask`` (:func:`banded_block_mask` over a ``mask_mod`` that
+        computes the global indices): per forward and window, shared by the layers. A query with no
         key left (padding) gets no output, as in flex's own single-process masks."""
         key = ("block", causal, window)
         if key not in self.masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             docs, valid = self.docs, self.key_valid
             query_at, key_at = _positions(self.queries), _positions(self.keys)
 
@@ -387,8 +389,8 @@ class _Forward:
                 return allowed
 
             rows = next((t.shape[0] for t in (docs, valid) if t is not None), None)
-            self.masks[key] = create_block_mask(mask_mod, rows, None, self.queries.numel(), self.keys.numel(),
-                                                device=self.queries.device)
+            self.masks[key] = banded_block_mask(mask_mod, rows, self.queries.numel(), self.keys.numel(),
+                                                self.queries.device)
         return self.masks[key]
 
     def flash_segments(self, end: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -416,6 +418,41 @@ class _Forward:
             longest = [int(c.max()) if c.numel() else 0 for c in (q_counts, k_counts)]
             self.masks[key] = (q_index, k_index, cu_q, cu_k, *longest)
         return self.masks[key]
+
+
+# Mask entries a BlockMask is built from at a time (a band of query blocks against every key): bounds the transient
+# that torch's create_block_mask, uncompiled, makes at once (int64 intermediates of [rows, S/cp, S]).
+BLOCK_MASK_BAND_ENTRIES = 1 << 22
+FLEX_BLOCK = 128  # flex's default sparse block size
+
+
+def banded_block_mask(mask_mod, rows: int | None, q_len: int, kv_len: int, device: torch.device):
+    """The ``BlockMask`` torch's ``create_block_mask(mask_mod, rows, None, q_len, kv_len)`` builds (per block of
+    128 queries and 128 keys: fully allowed, partly allowed or skipped, then ``BlockMask.from_kv_blocks``), built a
+    band of query blocks at a time so that no ``[rows, q_len, kv_len]`` intermediate exists: uncompiled,
+    create_block_mask evaluates the ``mask_mod`` on every pair at once (at 8192 tokens on cp=4 more memory than
+    sdpa's dense mask), and compiling it trips torch's CPU code generation on some shapes."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    r, n = rows or 1, FLEX_BLOCK
+    blocks_q, blocks_kv = -(-q_len // n), -(-kv_len // n)
+    band = max(1, BLOCK_MASK_BAND_ENTRIES // (r * n * blocks_kv * n))
+    b, kv, head = torch.arange(r, device=device)[:, None, None], torch.arange(kv_len, device=device), torch.tensor(0)
+    partial, full = [], []
+    for first in range(0, blocks_q, band):
+        q = torch.arange(first * n, min((first + band) * n, q_len), device=device)
+        allowed = mask_mod(b, head, q[:, None], kv[None, :]).expand(r, q.numel(), kv_len)
+        allowed = nn.functional.pad(allowed, (0, blocks_kv * n - kv_len, 0, -(-q.numel() // n) * n - q.numel()))
+        counts = allowed.view(r, -1, n, blocks_kv, n).sum((2, 4), dtype=torch.int32)
+        partial.append((counts > 0) & (counts < n * n))
+        full.append(counts == n * n)
+
+    def ordered(dense):  # torch's own ordering of the blocks of each query block: allowed first, stable
+        dense = torch.cat(dense, dim=1)[:, None].to(torch.int32)
+        return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(n, n), mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
 
 
 def _positions(indices: torch.Tensor):
