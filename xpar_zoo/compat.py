@@ -200,3 +200,66 @@ def lora_swapped_in_out(layer: nn.Module) -> bool:
     """Whether PEFT's LoRA wrapper of a fused experts tensor stores it transposed (``_did_swap_in_out_features``):
     PEFT records it nowhere public."""
     return layer._did_swap_in_out_features
+
+
+# ---- transformers' attention ------------------------------------------------------------------------------------
+
+class _ConfigView:
+    """A model config as an inner attention function reads it, with its own attention implementation name."""
+
+    def __init__(self, config, implementation: str) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_attn_implementation", implementation)
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
+def config_with_attn_implementation(config, implementation: str):
+    """``config`` as seen by an attention function with ``config._attn_implementation == implementation``:
+    transformers' flash forward loads its kernels by the name it reads there, and under sp/cp the model's own
+    config names the wrapper (``xpar_seq_flash_attention_2``)."""
+    return _ConfigView(config, implementation)
+
+
+def _flash_utils():
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    return flash_utils
+
+
+def flash_kernels_loaded(implementation: str) -> bool:
+    """Whether transformers' flash path has kernels loaded for ``implementation`` (its lazily imported
+    ``_loaded_implementation``), so that it runs without importing a package; no public getter."""
+    return _flash_utils()._loaded_implementation == implementation
+
+
+def load_flash_kernels(implementation: str, flash_fn, varlen_fn) -> None:
+    """Put ``flash_fn`` / ``varlen_fn`` (``flash_attn_func`` / ``flash_attn_varlen_func`` signatures) in the slots
+    where transformers keeps the flash kernels it imported lazily for ``implementation`` (``_flash_fn``,
+    ``_flash_varlen_fn``, its kwargs filter built from the varlen signature as its own loader builds it): the seam
+    by which a test runs transformers' whole flash path on a reference kernel where ``flash_attn`` cannot be
+    installed. :func:`unload_flash_kernels` empties them."""
+    utils = _flash_utils()
+    utils._flash_fn, utils._flash_varlen_fn, utils._flash_with_kvcache_fn = flash_fn, varlen_fn, None
+    utils._pad_fn, utils._unpad_fn = utils._pad_input, utils._unpad_input
+    utils._process_flash_kwargs_fn = utils._lazy_define_process_function(varlen_fn)
+    utils._process_with_kvcache_kwargs_fn = dict
+    utils._loaded_implementation = implementation
+
+
+def unload_flash_kernels() -> None:
+    """Forget the flash kernels transformers loaded (the next flash call imports them again)."""
+    utils = _flash_utils()
+    utils._flash_fn = utils._flash_varlen_fn = utils._flash_with_kvcache_fn = None
+    utils._process_flash_kwargs_fn = utils._process_with_kvcache_kwargs_fn = None
+    utils._loaded_implementation = None
+
+
+def supports_attn_implementation(model: nn.Module, implementation: str) -> bool:
+    """Whether ``model``'s class declares support for ``implementation`` (``_supports_flash_attn``,
+    ``_supports_flex_attn``, as transformers' ``set_attn_implementation`` checks; eager and sdpa: always here):
+    a wrapper that sets the inner implementation itself must refuse what transformers would."""
+    flag = {"flex_attention": "_supports_flex_attn"}.get(
+        implementation, "_supports_flash_attn" if implementation.startswith("flash_attention") else None)
+    return flag is None or bool(getattr(model, flag, False))

@@ -82,6 +82,33 @@ BLOCKED = {
     "blocked_mixtral_window4_sp2_cp2": (("mixtral", {"sliding_window": 4}), {"sp": 2, "cp": 2}, True),
     "blocked_gpt_oss_sinks_cp2_sp2": (("gpt_oss", {}), {"cp": 2, "sp": 2}, False),
 }
+# flash_attention_2 as the inner attention, on CPU through a reference of the flash kernels' contract
+# (xpar_zoo.testing.flash_reference, pure torch: no mask, causal aligned bottom-right, window_size, softcap, sinks,
+# varlen by cu_seqlens) put where transformers keeps the kernels it imports from flash_attn: transformers' own flash
+# path (flash_attention_forward, _flash_attention_forward: unpadding, varlen kwargs, window and sink arguments, the MLA
+# value padding) runs unchanged around it. set_inner_attention(model, "flash_attention_2") after parallelize is how a
+# tiny model takes flash here (transformers would refuse to load it with flash without the package); the reference
+# is single-process transformers with the config's own attention (sdpa; eager for gpt_oss, which has no sdpa).
+# Training (one SGD step), so the gradients through the per-run and varlen calls are proved too.
+FLASH_CASES = {
+    "flash_qwen3_moe_sp2_ep2": (("qwen3_moe", SDPA), {"sp": 2, "ep": 2}, False),
+    "flash_packed_qwen3_moe_cp2_ep2": (("qwen3_moe", SDPA), {"cp": 2, "ep": 2}, True),
+    "flash_left_padded_qwen3_moe_sp2_cp2": (("qwen3_moe", SDPA), {"sp": 2, "cp": 2}, "left_padded"),
+    "flash_mixtral_window4_sp2_cp2": (("mixtral", {**SDPA, "sliding_window": 4}), {"sp": 2, "cp": 2}, True),
+    "flash_gpt_oss_sinks_cp2_sp2": (("gpt_oss", {}), {"cp": 2, "sp": 2}, False),
+    "flash_deepseek_v3_mla_cp4": (("deepseek_v3", SDPA), {"cp": 4}, True),
+}
+# flex_attention as the inner attention against single-process transformers set to flex_attention. Forward only
+# (loss, and the squared logits summed over every token): torch has no flex backward on CPU (its flex_attention
+# refuses inputs that require grad there); the backward of the sp/cp collectives around it is the one the eager and
+# sdpa cases prove. Each case compiles flex (transformers torch.compiles it) on every rank: ~20 s each on 2 cores.
+FLEX = {"attn_implementation": "flex_attention"}
+FLEX_CASES = {
+    "flex_qwen3_moe_sp2_ep2": (("qwen3_moe", FLEX), {"sp": 2, "ep": 2}, False),
+    "flex_packed_qwen3_moe_cp2_ep2": (("qwen3_moe", FLEX), {"cp": 2, "ep": 2}, True),
+    "flex_left_padded_qwen3_moe_sp2_cp2": (("qwen3_moe", FLEX), {"sp": 2, "cp": 2}, "left_padded"),
+    "flex_mixtral_window4_sp2_cp2": (("mixtral", {**FLEX, "sliding_window": 4}), {"sp": 2, "cp": 2}, True),
+}
 # Cases with more than one SGD step, or activation checkpointing: name -> (case above, train_parallel options)
 VARIANTS = {
     "qwen3_moe_sp2_cp2_checkpointing": ("packed_qwen3_moe_sp2_cp2", {"checkpointing": True}),
@@ -116,8 +143,9 @@ def packed_positions(world: int, batch: int, seq: int, seed: int = 3):
     return [out]
 
 
-def padding_masks(world: int, batch: int, seq: int):
-    """Per micro-batch ``{"attention_mask": [batch, seq]}`` with right padding of a different length per row."""
+def padding_masks(world: int, batch: int, seq: int, left: bool = False):
+    """Per micro-batch ``{"attention_mask": [batch, seq]}`` with right (or left) padding of a different length per
+    row."""
     import torch
 
     out = []
@@ -125,22 +153,35 @@ def padding_masks(world: int, batch: int, seq: int):
         mask = torch.ones(batch, seq, dtype=torch.long)
         for b in range(batch):
             mask[b, seq - 1 - 3 * ((r + b) % 4):] = 0
-        out.append({"attention_mask": mask})
+        out.append({"attention_mask": mask.flip(-1) if left else mask})
     return [out]
 
 
 def _rows(kind, world: int, steps: int):
-    if kind == "padded":
-        return padding_masks(world, 2, SEQ) * steps
+    if kind in ("padded", "left_padded"):
+        return padding_masks(world, 2, SEQ, left=kind == "left_padded") * steps
     return packed_positions(world, 2, SEQ) * steps if kind else None
 
 
+def _labels(kind, data, extra):
+    """Left-padded rows ignore the padding's targets (flash and flex give a query with no key no output, sdpa and
+    eager some: only the valid targets are the same); other rows keep parity.make_labels (None)."""
+    import torch
+
+    if kind != "left_padded":
+        return None
+    mask = torch.stack([torch.stack([e["attention_mask"] for e in step]) for step in extra])
+    return parity.make_labels(data).masked_fill(mask == 0, -100)
+
+
 def _cases(world: int) -> dict:
+    import contextlib
     import os
 
     import torch.distributed as dist
 
     from xpar_zoo.styles import sequence
+    from xpar_zoo.testing import flash_reference
 
     rank = dist.get_rank()
     refs, results = {}, {}
@@ -148,6 +189,7 @@ def _cases(world: int) -> dict:
     runs.update({name: (CASES[base], options) for name, (base, options) in VARIANTS.items()})
     runs.update({name: (case, {"cp_attention": "lower_right"}) for name, case in LOWER_RIGHT.items()})
     runs.update({name: (case, {"block_mib": BLOCK_MIB}) for name, case in BLOCKED.items()})
+    runs.update({name: (case, {"inner": "flash_attention_2"}) for name, case in FLASH_CASES.items()})
     calls = {"lower_right": 0, "blocked": 0}
     plain, blocked = sequence.lower_right_attention, sequence.blocked_attention
 
@@ -165,10 +207,12 @@ def _cases(world: int) -> dict:
         config = _config(model_type, overrides)
         data = parity.make_batches(config.vocab_size, steps, world, batch=2, seq=SEQ, seed=1)
         extra = _rows(packed, world, steps)
+        labels = _labels(packed, data, extra)
         key = (model_type, tuple(sorted(overrides.items())), packed, optimizer, steps, max_norm)
         if rank == 0 and key not in refs:
             refs[key] = (parity.train_reference(_config(model_type, overrides), data, optimizer, max_norm,
-                                                extra=extra), parity.build_model(config).state_dict())
+                                                labels=labels, extra=extra), parity.build_model(config).state_dict())
+        inner = options.get("inner")
         calls.update(lower_right=0, blocked=0)
         sequence.lower_right_attention = counting("lower_right", plain)
         sequence.blocked_attention = counting("blocked", blocked)
@@ -176,7 +220,9 @@ def _cases(world: int) -> dict:
             if value:
                 os.environ[env] = value
         try:
-            rec = parity.train_parallel(config, data, mesh, optimizer, max_norm, extra=extra, **options)
+            with flash_reference.installed(inner) if inner else contextlib.nullcontext():
+                rec = parity.train_parallel(config, data, mesh, optimizer, max_norm, labels=labels, extra=extra,
+                                            **options)
         finally:
             os.environ.pop(sequence.CP_ATTENTION_ENV, None)
             os.environ.pop(sequence.ATTENTION_BLOCK_ENV, None)
@@ -189,12 +235,29 @@ def _cases(world: int) -> dict:
     return results
 
 
+def _flex_cases(world: int) -> dict:
+    """FLEX_CASES: one forward without gradients, sp/cp on flex against single-process flex on the whole rows."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, ((model_type, overrides), mesh, kind) in FLEX_CASES.items():
+        config = _config(model_type, overrides)
+        data = parity.make_batches(config.vocab_size, 1, world, batch=2, seq=SEQ, seed=1)
+        extra = _rows(kind, world, 1)
+        labels = _labels(kind, data, extra)
+        ref = parity.forward_reference(config, data, labels=labels, extra=extra) if dist.get_rank() == 0 else None
+        ours = parity.forward_parallel(config, data, mesh, labels=labels, extra=extra)
+        out[name] = {"loss": (ours[0], ref and ref[0]), "logits": (ours[1], ref and ref[1])}
+    return out
+
+
 def _semantics(world: int) -> dict:
     """shard_sequence and data_shard on one sp=2, cp=2 model, and the refusals that need ranks."""
     import torch
     import torch.distributed as dist
 
     import xpar_zoo
+    from xpar_zoo.styles.sequence import set_inner_attention
 
     out = {}
     config = _config("qwen3_moe", {})
@@ -228,6 +291,9 @@ def _semantics(world: int) -> dict:
         "logits_to_keep": lambda: model(input_ids=ids, logits_to_keep=1),
         "part_twice": lambda: xpar_zoo.shard_sequence(part, model),
         "sp8_on_4_ranks": lambda: xpar_zoo.Mesh(sp=8),
+        "flash_without_kernels": lambda: set_inner_attention(model, "flash_attention_2"),
+        "flex_sinks_on_cpu": lambda: xpar_zoo.parallelize(parity.build_model(_config("gpt_oss", FLEX)),
+                                                          xpar_zoo.Mesh(sp=2))(input_ids=ids),
         "sp_over_heads": lambda: xpar_zoo.parallelize(parity.build_model(_config("qwen3_moe", {
             "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16})), xpar_zoo.Mesh(sp=4)),
     }.items():
@@ -309,7 +375,8 @@ def _exactness(world: int, root: str) -> dict:
 
 
 def _job(world: int, root: str) -> dict:
-    return {"cases": _cases(world), "semantics": _semantics(world), "exactness": _exactness(world, root)}
+    return {"cases": _cases(world), "flex": _flex_cases(world), "semantics": _semantics(world),
+            "exactness": _exactness(world, root)}
 
 
 def zoo_job(tmp_path_factory):
@@ -323,12 +390,22 @@ def results(zoo_proofs):
     return zoo_proofs[__name__]
 
 
-@pytest.mark.parametrize("case", [*CASES, *VARIANTS, *LOWER_RIGHT, *BLOCKED])
+@pytest.mark.parametrize("case", [*CASES, *VARIANTS, *LOWER_RIGHT, *BLOCKED, *FLASH_CASES])
 def test_training_matches_single_process_on_the_whole_rows(results, case):
     row = results["cases"][case]
     parity.assert_losses_match(*row["loss"], what=case)
     parity.assert_norms_match(*row["norm"], what=case)
     parity.assert_params_match(row["errors"], what=f"{case}, one SGD step:")
+
+
+@pytest.mark.parametrize("case", [*FLEX_CASES])
+def test_flex_attention_inner_matches_single_process_flex_on_the_whole_rows(results, case):
+    """A forward under sp/cp with flex_attention inside (its BlockMask built from the global indices) equals
+    single-process transformers on flex: the global-batch loss, and the squared logits of every token."""
+    row = results["flex"][case]
+    parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=case)
+    ours, reference = row["logits"]
+    assert abs(ours - reference) <= 1e-6 * abs(reference), (case, ours, reference)
 
 
 @pytest.mark.parametrize("case", [*LOWER_RIGHT])
@@ -390,6 +467,9 @@ def test_lora_under_sp_matches_single_process_peft(results):
     ("logits_to_keep", "BatchError: sp/cp: logits_to_keep=1 would keep the last tokens of this rank's part"),
     ("part_twice", "BatchError: shard_sequence: the batch is already this rank's part"),
     ("sp8_on_4_ranks", "MeshError: sp=8 does not divide the ranks of a replica (4: world 4 / replicate 1)"),
+    ("flash_without_kernels", "PlanError: sp=2, cp=2: flash_attention_2 is not available here (no flash_attn kernels"),
+    ("flex_sinks_on_cpu", "PlanError: sp/cp: GptOssAttention has attention sinks (s_aux), which flex_attention serves "
+                          "only on CUDA"),
     ("sp_over_heads", "PlanError: sp=4 does not divide the 2 query heads of Qwen3MoeForCausalLM; use cp (e.g. "
                       "sp=2, cp=2) for the rest"),
 ])

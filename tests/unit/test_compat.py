@@ -48,6 +48,24 @@ def _scaled_by_foreach_mul() -> bool:
     return all(torch.equal(p, torch.full_like(p, 0.5)) for p in pieces)
 
 
+def _flash_slots_load() -> bool:
+    """transformers' flash path returns the kernels :func:`compat.load_flash_kernels` put in its slots."""
+    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+    def flash(q, k, v, softmax_scale=None, causal=False):
+        return q
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False):
+        return q
+
+    compat.load_flash_kernels("flash_attention_2", flash, varlen)
+    try:
+        (got_flash, got_varlen, *_), _ = lazy_import_flash_attention("flash_attention_2")
+        return got_flash is flash and got_varlen is varlen and compat.flash_kernels_loaded("flash_attention_2")
+    finally:
+        compat.unload_flash_kernels()
+
+
 def _tiny_config():
     from transformers import AutoConfig
 
@@ -88,6 +106,12 @@ CHECKS = {
         hasattr(importlib.import_module("transformers").PreTrainedModel, f"_keys_to_ignore_on_load_{k}")
         for k in ("missing", "unexpected")),
     "transformers _is_fsdp_managed_module": _generate_sees_fsdp2,
+    "transformers flash kernel slots (_loaded_implementation, _flash_fn, ...)": lambda: _flash_slots_load(),
+    "transformers _supports_flash_attn / _supports_flex_attn": lambda: all(
+        hasattr(importlib.import_module("transformers").PreTrainedModel, n)
+        for n in ("_supports_flash_attn", "_supports_flex_attn")),
+    "transformers config view of _attn_implementation": lambda: compat.attn_implementation(
+        compat.config_with_attn_implementation(_tiny_config(), "flash_attention_2")) == "flash_attention_2",
     "accelerate _is_accelerate_prepared": lambda: _source_mentions("accelerate.accelerator", "_is_accelerate_prepared"),
     # safetensors
     "safetensors.torch._TYPES": lambda: compat.SAFETENSORS_TYPES["BF16"] is torch.bfloat16,

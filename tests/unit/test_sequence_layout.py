@@ -280,6 +280,136 @@ def test_sp_larger_than_the_query_heads_suggests_cp():
 
 def test_an_attention_implementation_the_wrapper_cannot_serve_is_one_clear_line():
     model = _meta_model("qwen3_moe")
-    model.config._attn_implementation_internal = "flex_attention"
-    with pytest.raises(PlanError, match=r"^sp=2: attention implementation 'flex_attention' is not supported"):
+    model.config._attn_implementation_internal = "paged|sdpa"
+    with pytest.raises(PlanError, match=r"^sp=2: attention implementation 'paged\|sdpa' is not supported"):
         check_sequence_parallel(model, _fake_mesh(sp=2))
+
+
+def test_flex_and_flash_are_served_as_inner_attention():
+    model = _meta_model("qwen3_moe")
+    for inner in ("flex_attention", "flash_attention_2", "flash_attention_3"):
+        model.config._attn_implementation_internal = inner
+        assert check_sequence_parallel(model, _fake_mesh(sp=2, cp=2)) == inner
+
+
+def _cp_batch(seq, cp, c, window_docs_padding):
+    """A cp rank's _Forward over rows with packed documents and left padding (or neither)."""
+    layout = token_layout(seq, 1, cp, 0, c)
+    if not window_docs_padding:
+        return _Forward(layout.queries, layout.keys, None, None)
+    pos = torch.arange(seq).repeat(2, 1)
+    pos[0, 5:], pos[1, 3:] = torch.arange(seq - 5), torch.arange(seq - 3)
+    valid = torch.ones(2, seq, dtype=torch.bool)
+    valid[1, :2] = False
+    return _Forward(layout.queries, layout.keys, document_ids(pos), valid)
+
+
+@pytest.mark.parametrize("cp, window", [(2, None), (2, 3), (4, 5)])
+def test_the_flex_block_mask_allows_what_the_global_indices_allow(cp, window):
+    """The BlockMask's mask_mod (arithmetic on the local indices: no captured index tensor) allows exactly the keys
+    before the query, inside the window, of its document and not padding, for every cp rank (a query with no key
+    left gets none: flex's own semantics; the dense mask lets it attend to all)."""
+    seq = 4 * cp
+    for c in range(cp):
+        f = _cp_batch(seq, cp, c, True)
+        block = f.flex_block_mask(True, window)
+        got = block.mask_mod(torch.arange(2)[:, None, None], torch.tensor(0), torch.arange(seq // cp)[:, None],
+                             torch.arange(seq)[None, :])
+        q, k = f.queries[None, :, None], f.keys[None, None, :]
+        want = (k <= q) & (q - k < (window or seq)) & (f.docs[:, f.queries][:, :, None] == f.docs[:, f.keys][
+            :, None, :]) & f.key_valid[:, f.keys][:, None, :]
+        assert torch.equal(got, want), c
+        assert torch.equal(f.mask(True, window, None)[:, 0][want.any(-1)], want[want.any(-1)])
+
+
+@pytest.mark.parametrize("band", [1 << 22, 128 * 128 * 2 * 8])
+def test_the_banded_block_mask_is_torchs_create_block_mask(band, monkeypatch):
+    """Built a band of query blocks at a time (here also one block per band), the BlockMask holds the same blocks in
+    the same order as torch's create_block_mask over the whole mask at once: rows with documents and padding, a
+    window, cp rank 1 of 4 (head and tail chunks), lengths that are not multiples of the 128-token blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from xpar_zoo.styles import sequence
+
+    monkeypatch.setattr(sequence, "BLOCK_MASK_BAND_ENTRIES", band)
+    seq = 8 * 136
+    layout = token_layout(seq, 1, 4, 0, 1)
+    pos = torch.arange(seq).repeat(2, 1)
+    pos[0, 300:], pos[1, 700:] = torch.arange(seq - 300), torch.arange(seq - 700)
+    valid = torch.ones(2, seq, dtype=torch.bool)
+    valid[1, :130] = False
+    for docs, keep, window in ((None, None, None), (document_ids(pos), valid, 200)):
+        f = _Forward(layout.queries, layout.keys, docs, keep)
+        got = f.flex_block_mask(True, window)
+        rows = None if docs is None else 2
+        want = create_block_mask(got.mask_mod, rows, None, layout.queries.numel(), seq, device="cpu")
+        assert got.shape == want.shape
+        for a, w in zip(got.as_tuple()[2:7], want.as_tuple()[2:7]):
+            assert torch.equal(a, w)
+
+
+@pytest.mark.parametrize("cp, window, packed", [(1, None, True), (2, None, False), (2, 3, True), (4, None, True)])
+def test_flash_inner_equals_sdpa_under_the_dense_mask(cp, window, packed):
+    """transformers' flash forward on the reference flash kernels (xpar_zoo.testing.flash_reference), called per
+    query run against the row-ordered key prefix (varlen for packed documents and padding), gives the values and
+    gradients of sdpa under the dense mask of the global indices, on every cp rank (valid queries; 4 query heads
+    over 2 key/value heads; value head dim 6)."""
+    from xpar_zoo.compat import config_with_attn_implementation
+    from xpar_zoo.styles.sequence import flash_inner
+    from xpar_zoo.testing import flash_reference
+
+    module = torch.nn.Linear(2, 2)
+    module.is_causal, module.config = True, config_with_attn_implementation(types.SimpleNamespace(), "flash_attention_2")
+    torch.manual_seed(0)
+    seq, b, d = 4 * cp if cp > 1 else 8, 2, 8
+    q_all, k_row, v_row = torch.randn(b, 4, seq, d), torch.randn(b, 2, seq, d), torch.randn(b, 2, seq, 6)
+    with flash_reference.installed("flash_attention_2"):
+        for c in range(cp):
+            f = _cp_batch(seq, cp, c, packed)
+            q = q_all[:, :, f.queries].requires_grad_()
+            k, v = k_row[:, :, f.keys].requires_grad_(), v_row[:, :, f.keys].requires_grad_()
+            got = flash_inner(f, module, q, k, v, True, 0.0, 0.3, window, {})
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=f.mask(True, window, q.dtype),
+                scale=0.3).transpose(1, 2)
+            valid = f.key_valid[:, f.queries] if f.key_valid is not None else torch.ones(b, seq // cp, dtype=bool)
+            assert got.shape == (b, seq // cp, 4, 6)
+            torch.testing.assert_close(got[valid], want[valid], atol=1e-6, rtol=1e-5)
+            assert not got[~valid].any()  # a padded query: no output, as flash's own unpadding gives
+            grad = torch.randn_like(got) * valid[..., None, None]
+            for a, w in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+                torch.testing.assert_close(a, w, atol=1e-6, rtol=1e-5)
+
+
+def test_the_reference_flash_kernel_keeps_flashs_contract():
+    """The stand-in the flash tests run on: causal aligned bottom-right when there are fewer queries than keys,
+    window_size around that diagonal, grouped key/value heads and a per-head sink in the softmax denominator, as
+    sdpa with torch's causal_lower_right and an explicit window computes them; varlen is per sequence."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from xpar_zoo.testing.flash_reference import flash_attn_func, flash_attn_varlen_func
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 4, 8), torch.randn(2, 7, 2, 8), torch.randn(2, 7, 2, 8)
+    got = flash_attn_func(q, k, v, softmax_scale=0.3, causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1),
+        attn_mask=causal_lower_right(3, 7), scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(got, want)
+    qpos, kpos = torch.arange(3)[:, None] + 4, torch.arange(7)[None]
+    windowed = flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, window_size=(2, 2))
+    mask = (kpos <= qpos) & (qpos - kpos <= 2)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1),
+        attn_mask=mask, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(windowed, want)
+    sink = torch.randn(4)
+    sunk = flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, s_aux=sink)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) * 0.3
+    scores = scores.masked_fill(~(kpos <= qpos), float("-inf"))
+    probs = torch.softmax(torch.cat([scores, sink.view(1, 4, 1, 1).expand(2, 4, 3, 1)], -1), -1)[..., :-1]
+    torch.testing.assert_close(sunk, torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(2, 2)))
+    cu_q, cu_k = torch.tensor([0, 3, 6], dtype=torch.int32), torch.tensor([0, 7, 14], dtype=torch.int32)
+    flat = flash_attn_varlen_func(q.reshape(6, 4, 8), k.reshape(14, 2, 8), v.reshape(14, 2, 8), cu_q, cu_k, 3, 7,
+                                  softmax_scale=0.3, causal=True)
+    torch.testing.assert_close(flat.view(2, 3, 4, 8), got)

@@ -177,7 +177,7 @@ def test_parameter_memory_does_not_change_with_sp_or_cp():
     (dict(world=12, sp=6), PlanError, "sp=6 does not divide the 8 query heads"),
     (dict(world=8, sp=4, seq=1001), BatchError, "sequence length 1001 does not divide by sp=4"),
     (dict(world=8, sp=2, cp=2, seq=1004), BatchError, "does not divide by 2·cp·sp = 2·2·2 = 8"),
-    (dict(world=8, cp=2, attention=FLASH), PlanError, "attention 'flash_attention_2' is not supported under sp/cp"),
+    (dict(world=8, cp=2, attention="paged|sdpa"), PlanError, "attention 'paged|sdpa' is not one of sdpa, eager"),
     (dict(world=4, sp=-1), MeshError, "sp must be a positive integer"),
 ])
 def test_impossible_sizes_are_one_clear_error(kwargs, error, message):
@@ -218,7 +218,7 @@ def test_suggest_grows_sp_up_to_the_heads_then_cp():
     cfg = _config()
     assert sizing.sequence_splits(cfg, 16, 4096) == [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2)]
     assert sizing.sequence_splits(cfg, 16, 4104) == [(1, 1), (2, 1), (4, 1), (8, 1)]  # 4104 = 8·513: not 32
-    assert sizing.sequence_splits(cfg, 16, 4096, attention=FLASH) == [(1, 1)]  # not wrapped under sp/cp yet
+    assert sizing.sequence_splits(cfg, 16, 4096, attention=FLASH) == [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2)]
 
 
 def test_suggest_ranks_long_context_meshes_first_when_only_they_fit():

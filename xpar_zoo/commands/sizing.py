@@ -118,7 +118,7 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
 # The attention implementations the sizer models (transformers' names): sdpa and the flash kernels keep no score
 # matrix; eager keeps its softmax (fp32) and, in a lower compute dtype, the copy its second matmul reads.
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-# What the sp/cp attention wraps (xpar_zoo.styles.sequence); the flash kernels are sized, not yet wrapped.
+# What the sp/cp attention wraps (xpar_zoo.styles.sequence): the sized ones and flex_attention.
 SEQUENCE_ATTENTION = INNER_IMPLEMENTATIONS
 
 

@@ -21,7 +21,10 @@ carries :data:`PART_KEY` (a :class:`SequencePart`), so the model never guesses f
 
 **Attention.** ``parallelize`` registers ``xpar_seq_<inner>`` in transformers' ``AttentionInterface`` around the
 model's implementation ``<inner>`` (``eager``: the modeling module's own ``eager_attention_forward``, so sinks and
-MLA head dims keep their code; ``sdpa``) and sets the model to it. Around the inner call: ``sp`` exchanges sequence
+MLA head dims keep their code; ``sdpa``; ``flex_attention``; ``flash_attention_2/3`` as ``xpar_seq_fa2/3``) and sets
+the model to it. flex and flash take no dense mask: :func:`flex_inner` (a ``BlockMask`` from the global indices)
+and :func:`flash_inner` (one call per run of query positions against its key prefix, bottom-right causal; varlen
+for packed documents and padding); see docs/long_context.md. Around the inner call: ``sp`` exchanges sequence
 for heads with an all-to-all (``[b, H, S/(sp·cp), d] → [b, H/sp, S/cp, d]``; key/value heads repeated first where
 fewer than ``sp`` or not dividing by it; a per-head sink ``s_aux`` / ``module.sinks`` sliced to the local heads);
 ``cp`` all-gathers keys and values over the cp group (backward: reduce-scatter) so each rank's ``S/cp`` queries see
@@ -62,7 +65,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat import attn_implementation
+from ..compat import (attn_implementation, config_with_attn_implementation, flash_kernels_loaded,
+                      supports_attn_implementation)
 from ..errors import BatchError, ModelStateError, PlanError
 from ..parallel.collectives import GatherRows, all_to_all
 from ..parallel.mesh import Mesh, PlanShard
@@ -70,13 +74,23 @@ from .sequence_mixers import (decoder_layers, dispatches_attention, install_sequ
                               unserved_mixers)
 
 ATTENTION_PREFIX = "xpar_seq_"
-INNER_IMPLEMENTATIONS = ("eager", "sdpa")
+FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
+INNER_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *FLASH_IMPLEMENTATIONS)
+# The wrapper's name of each flash implementation: none with "flash" in it, or transformers would treat the wrapper
+# as flash itself (load kernels by its name, take flash-only paths computed from the local tokens).
+WRAPPER_NAMES = {"flash_attention_2": "fa2", "flash_attention_3": "fa3"}
 # The key of a batch that :func:`shard_sequence` made: its value is a SequencePart.
 PART_KEY = "xpar_sequence_part"
 IGNORE_INDEX = -100
 
 
 # ---- the token layout -------------------------------------------------------------------------------------------
+
+def wrapper_name(inner: str) -> str:
+    """The ``AttentionInterface`` name of the sp/cp attention around ``inner`` (``xpar_seq_sdpa``,
+    ``xpar_seq_fa2`` for ``flash_attention_2``)."""
+    return ATTENTION_PREFIX + WRAPPER_NAMES.get(inner, inner)
+
 
 def check_sequence_length(seq_len: int, sp: int, cp: int) -> None:
     """Raise :class:`~xpar_zoo.errors.BatchError` when rows of ``seq_len`` tokens cannot be dealt to ``sp·cp``
@@ -276,6 +290,81 @@ def _attention_block(call, batch, causal: bool, window: int | None, start: int, 
     return call(q, key[:, :, keys], value[:, :, keys], mask)
 
 
+# ---- the inner implementations that take no dense mask: flex and flash ---------------------------------------------
+
+def flex_inner(batch, module, query, key, value, causal: bool, dropout: float, scaling, window, kwargs: dict
+               ) -> torch.Tensor:
+    """transformers' ``flex_attention`` forward with a ``BlockMask`` built from the global indices
+    (:meth:`_Forward.block_mask`): no dense ``[S/cp, S]`` mask is kept. Key/value heads stay grouped (flex's
+    ``enable_gqa``); a value head dim other than the query's (MLA) is flex's own. Sinks (``s_aux``) need flex's
+    log-sum-exp, which transformers does not request on CPU: refused there."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if kwargs.get("s_aux") is not None and query.device.type == "cpu":
+        owner = module._module if isinstance(module, _ModuleView) else module
+        raise PlanError(f"sp/cp: {type(owner).__name__} has attention sinks (s_aux), which flex_attention serves "
+                        "only on CUDA (transformers reads flex's log-sum-exp there); use eager or sdpa on CPU")
+    block = batch.flex_block_mask(causal, window)
+    out, _ = ALL_ATTENTION_FUNCTIONS["flex_attention"](module, query, key, value, block, dropout=dropout,
+                                                      scaling=scaling, sliding_window=window, **kwargs)
+    return out
+
+
+def flash_inner(batch, module, query, key, value, causal: bool, dropout: float, scaling, window, kwargs: dict
+                ) -> torch.Tensor:
+    """transformers' flash forward (``flash_attention_2`` / ``_3``) with no mask: the keys in row order, and each
+    run of consecutive query positions (the whole row under sp alone; cp's head and tail chunks) against the key
+    prefix that ends where the run ends, causal aligned bottom-right (flash's semantics when fewer queries than
+    keys). Packed documents and padding: varlen, with ``cu_seqlens`` for the queries and the keys of each run
+    separately (:meth:`_Forward.flash_segments`). Sliding window, softcap and sinks pass through to flash (whose
+    window, bottom-right aligned, is then exact in global positions)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not causal:  # each run attends to its key prefix: causal rows only
+        owner = module._module if isinstance(module, _ModuleView) else module
+        raise PlanError(f"sp/cp: {type(owner).__name__} is not causal; flash attention under sp/cp serves causal "
+                        "attention only (use sdpa or flex_attention)")
+    function = ALL_ATTENTION_FUNCTIONS[attn_implementation(module.config)]
+    if batch.queries.numel() != batch.keys.numel():  # cp: the gathered keys back in row order
+        order = batch.key_order()
+        key, value = key[:, :, order], value[:, :, order]
+    common = {**kwargs, "dropout": dropout, "scaling": scaling, "sliding_window": window, "is_causal": causal}
+    outs = []
+    for start, n, end in batch.query_runs():
+        q, k, v = query[:, :, start:start + n], key[:, :, :end], value[:, :, :end]
+        if batch.docs is None and batch.key_valid is None:
+            outs.append(function(module, q, k, v, None, **common)[0])
+        else:
+            outs.append(_flash_varlen(function, batch.flash_segments(end, n), module, q, k, v, common))
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+
+def _flash_varlen(function, segments, module, q, k, v, common: dict) -> torch.Tensor:
+    """One flash call over the segments of a query run (every row's documents in one varlen batch): ``[b, n, h,
+    dv]``, zero where a query is padding."""
+    q_index, k_index, cu_q, cu_k, max_q, max_k = segments
+    b, h, n, _ = q.shape
+    out = q.new_zeros(b * n, h, v.shape[-1])
+    if q_index.numel():
+        def flat(t, index):  # [b, heads, s, d] -> [1, heads, tokens, d]
+            return t.transpose(1, 2).reshape(-1, *t.shape[1:2], t.shape[-1])[index].transpose(0, 1)[None]
+
+        got, _ = function(module, flat(q, q_index), flat(k, k_index), flat(v, k_index), None, cu_seq_lens_q=cu_q,
+                          cu_seq_lens_k=cu_k, max_length_q=max_q, max_length_k=max_k, **common)
+        out = out.index_copy(0, q_index, got[0])
+    return out.view(b, n, h, -1)
+
+
+# The inner implementations served without the dense mask, each by its own function.
+OWN_MASK_INNER = {"flex_attention": flex_inner, "flash_attention_2": flash_inner, "flash_attention_3": flash_inner}
+# Keyword arguments transformers computes from the local tokens; the inner call must not see them.
+LOCAL_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _global_kwargs(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k not in LOCAL_KWARGS}
+
+
 class _ModuleView:
     """The attention module as the inner attention function sees it under sp: its own attributes, except the
     local head counts and per-head sinks."""
@@ -384,12 +473,114 @@ class _Forward:
         self.masks[cache] = out
         return out
 
+    def flex_block_mask(self, causal: bool, window: int | None):
+        """The mask of :meth:`mask` as a flex ``BlockMask`` (:func:`banded_block_mask` over a ``mask_mod`` that
+        computes the global indices): per forward and window, shared by the layers. A query with no
+        key left (padding) gets no output, as in flex's own single-process masks."""
+        key = ("block", causal, window)
+        if key not in self.masks:
+            docs, valid = self.docs, self.key_valid
+            query_at, key_at = _positions(self.queries), _positions(self.keys)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                q, k = query_at(q_idx), key_at(kv_idx)
+                allowed = k <= q if causal else k >= 0
+                if window is not None:
+                    allowed = allowed & (q - k < window)
+                if docs is not None:
+                    allowed = allowed & (docs[b, q] == docs[b, k])
+                if valid is not None:
+                    allowed = allowed & valid[b, k]
+                return allowed
+
+            rows = next((t.shape[0] for t in (docs, valid) if t is not None), None)
+            self.masks[key] = banded_block_mask(mask_mod, rows, self.queries.numel(), self.keys.numel(),
+                                                self.queries.device)
+        return self.masks[key]
+
+    def flash_segments(self, end: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         int, int]:
+        """The varlen layout of the query run of global positions ``[end-n, end)`` against the keys ``[0, end)`` in
+        row order, every row flattened into one: ``(query index into [b·n], key index into [b·end], cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k)``. A segment is one document of one row that has an unpadded
+        query in the run; its keys are that document's unpadded keys before ``end``, so its queries are the last of
+        its keys and flash's bottom-right causal alignment is exact. Padded queries are in no segment (no output, as
+        in flash's own unpadding). Once per forward and run (host syncs), shared by the layers."""
+        key = ("segments", end, n)
+        if key not in self.masks:
+            ref = self.docs if self.docs is not None else self.key_valid
+            rows, device = ref.shape[0], ref.device
+            docs = self.docs if self.docs is not None else torch.zeros_like(ref, dtype=torch.long)
+            valid = self.key_valid if self.key_valid is not None else torch.ones_like(ref, dtype=torch.bool)
+            segment = docs[:, :end] + (torch.arange(rows, device=device)[:, None] * (end + 1))
+            q_valid = valid[:, end - n:end]
+            q_index = q_valid.reshape(-1).nonzero().flatten()
+            q_segments, q_counts = torch.unique_consecutive(segment[:, end - n:end][q_valid], return_counts=True)
+            k_valid = valid[:, :end] & torch.isin(segment, q_segments)
+            k_index = k_valid.reshape(-1).nonzero().flatten()
+            _, k_counts = torch.unique_consecutive(segment[k_valid], return_counts=True)
+            cu_q, cu_k = (nn.functional.pad(c.cumsum(0, dtype=torch.int32), (1, 0)) for c in (q_counts, k_counts))
+            longest = [int(c.max()) if c.numel() else 0 for c in (q_counts, k_counts)]
+            self.masks[key] = (q_index, k_index, cu_q, cu_k, *longest)
+        return self.masks[key]
+
 
 def _index(indices: list[int], device: torch.device) -> slice | torch.Tensor:
     """``indices`` as a slice where they are consecutive (a view, no copy), else as an index tensor."""
     if indices == list(range(indices[0], indices[0] + len(indices))):
         return slice(indices[0], indices[0] + len(indices))
     return torch.tensor(indices, device=device)
+
+
+# Mask entries a BlockMask is built from at a time (a band of query blocks against every key): bounds the transient
+# that torch's create_block_mask, uncompiled, makes at once (int64 intermediates of [rows, S/cp, S]).
+BLOCK_MASK_BAND_ENTRIES = 1 << 22
+FLEX_BLOCK = 128  # flex's default sparse block size
+
+
+def banded_block_mask(mask_mod, rows: int | None, q_len: int, kv_len: int, device: torch.device):
+    """The ``BlockMask`` torch's ``create_block_mask(mask_mod, rows, None, q_len, kv_len)`` builds (per block of
+    128 queries and 128 keys: fully allowed, partly allowed or skipped, then ``BlockMask.from_kv_blocks``), built a
+    band of query blocks at a time so that no ``[rows, q_len, kv_len]`` intermediate exists: uncompiled,
+    create_block_mask evaluates the ``mask_mod`` on every pair at once (at 8192 tokens on cp=4 more memory than
+    sdpa's dense mask), and compiling it trips torch's CPU code generation on some shapes."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    r, n = rows or 1, FLEX_BLOCK
+    blocks_q, blocks_kv = -(-q_len // n), -(-kv_len // n)
+    band = max(1, BLOCK_MASK_BAND_ENTRIES // (r * n * blocks_kv * n))
+    b, kv, head = torch.arange(r, device=device)[:, None, None], torch.arange(kv_len, device=device), torch.tensor(0)
+    partial, full = [], []
+    for first in range(0, blocks_q, band):
+        q = torch.arange(first * n, min((first + band) * n, q_len), device=device)
+        allowed = mask_mod(b, head, q[:, None], kv[None, :]).expand(r, q.numel(), kv_len)
+        allowed = nn.functional.pad(allowed, (0, blocks_kv * n - kv_len, 0, -(-q.numel() // n) * n - q.numel()))
+        counts = allowed.view(r, -1, n, blocks_kv, n).sum((2, 4), dtype=torch.int32)
+        partial.append((counts > 0) & (counts < n * n))
+        full.append(counts == n * n)
+
+    def ordered(dense):  # torch's own ordering of the blocks of each query block: allowed first, stable
+        dense = torch.cat(dense, dim=1)[:, None].to(torch.int32)
+        return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(n, n), mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
+
+
+def _positions(indices: torch.Tensor):
+    """``idx -> indices[idx]`` as arithmetic on ``idx`` for indices made of runs of consecutive positions (a cp
+    chunk, the cp-gathered row): a flex ``mask_mod`` then reads no captured index tensor (torch's CPU flex kernel
+    fails to compile such a lookup once shapes turn dynamic)."""
+    values = indices.tolist()
+    steps = [(0, values[0])] + [(i, values[i] - i) for i in range(1, len(values)) if values[i] != values[i - 1] + 1]
+
+    def position(idx):
+        out = idx + steps[0][1]
+        for (_, before), (start, shift) in zip(steps, steps[1:]):
+            out = out + (idx >= start) * (shift - before)
+        return out
+
+    return position
 
 
 @dataclass(frozen=True)
@@ -520,6 +711,13 @@ class SequenceParallel:
             return call(query, key, value, batch.mask(causal, window, query.dtype))
         return blocked_attention(call, query, key, value, batch, causal, window, rows)
 
+    def inner_view(self, module: nn.Module, overrides: dict):
+        """The module as flex / flash see it: the sp overrides, and for flash a config that names the inner
+        implementation (transformers' flash forward loads its kernels by that name)."""
+        if self.inner in FLASH_IMPLEMENTATIONS:
+            overrides = {**overrides, "config": config_with_attn_implementation(module.config, self.inner)}
+        return _ModuleView(module, overrides) if overrides else module
+
     def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                   **kwargs):
         batch = self.current
@@ -545,6 +743,10 @@ class SequenceParallel:
             shard = self.cp_shard()
             key, value = gather_sequence(key, shard), gather_sequence(value, shard)
         causal = bool(getattr(module, "is_causal", True))
+        if self.inner in OWN_MASK_INNER:  # flex and flash: no dense mask, their own from the global indices
+            out = OWN_MASK_INNER[self.inner](batch, self.inner_view(module, overrides), query, key, value, causal,
+                                             dropout, scaling, sliding_window, _global_kwargs(kwargs))
+            return (sequence_to_heads(out, self.sp_group, self.sp) if self.sp > 1 else out), None
         if (self.cp > 1 and self.inner == "sdpa" and cp_lower_right(query.device)
                 and batch.causal_only(causal, sliding_window, key.shape[2])
                 and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None):
@@ -652,16 +854,16 @@ def _keep_wrapped(model: nn.Module, state: SequenceParallel) -> None:
     ("eager")`` would otherwise run attention on this rank's tokens alone, silently wrong); refuse one the wrapper
     cannot serve."""
     current = attn_implementation(model.config)
-    if current == ATTENTION_PREFIX + state.inner:
+    if current == wrapper_name(state.inner):
         return
     if current not in INNER_IMPLEMENTATIONS:
         raise PlanError(f"sp/cp: the model's attention implementation was set to {current!r} after parallelize; "
                         f"under sp/cp it must be one of {INNER_IMPLEMENTATIONS}")
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_PREFIX + current, _sequence_attention)
+    AttentionInterface.register(wrapper_name(current), _sequence_attention)
     state.inner = current
-    model.set_attn_implementation(ATTENTION_PREFIX + current)
+    model.set_attn_implementation(wrapper_name(current))
 
 
 def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> SequenceParallel:
@@ -670,7 +872,7 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
     split targets)."""
     from transformers import AttentionInterface
 
-    name = ATTENTION_PREFIX + inner
+    name = wrapper_name(inner)
     AttentionInterface.register(name, _sequence_attention)
     state = SequenceParallel(mesh, inner)
     _own_config(model)
@@ -724,10 +926,26 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
     return state
 
 
+def check_inner_available(model: nn.Module, inner: str, sizes: str) -> None:
+    """Raise :class:`~xpar_zoo.errors.PlanError` when ``inner`` cannot run for ``model`` here: a class that does
+    not support it (as transformers refuses it), or flash without its kernels (the ``flash_attn`` /
+    ``flash_attn_interface`` package on a GPU, transformers' hub kernels, or kernels transformers has loaded)."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    if not supports_attn_implementation(model, inner):
+        raise PlanError(f"{sizes}: {type(model).__name__} does not support attention implementation {inner!r}")
+    if inner in FLASH_IMPLEMENTATIONS and not flash_kernels_loaded(inner):
+        available = is_flash_attn_2_available if inner == "flash_attention_2" else is_flash_attn_3_available
+        if not available(kernels_fallback_ok=True):
+            raise PlanError(f"{sizes}: {inner} is not available here (no flash_attn kernels for this device); use "
+                            "sdpa, or install flash-attn on a GPU")
+
+
 def set_inner_attention(model: nn.Module, inner: str) -> None:
-    """Make ``inner`` (``eager`` or ``sdpa``) the attention that the sp/cp attention of ``model`` wraps: what
-    ``model.set_attn_implementation(inner)`` is without sp/cp. (That call on an sp/cp model would replace the sp/cp
-    attention itself, and each rank would attend to its own tokens only.) A :class:`PlanError` on another name."""
+    """Make ``inner`` (one of :data:`INNER_IMPLEMENTATIONS`) the attention that the sp/cp attention of ``model``
+    wraps: what ``model.set_attn_implementation(inner)`` is without sp/cp. (That call on an sp/cp model would replace
+    the sp/cp attention itself, and each rank would attend to its own tokens only.) A :class:`PlanError` on another
+    name, on one the model's class does not support, and on flash without its kernels."""
     from transformers import AttentionInterface
 
     state = next((m.__dict__["_xpar_seq"] for m in (model, *model.modules()) if "_xpar_seq" in m.__dict__), None)
@@ -736,7 +954,8 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
     if inner not in INNER_IMPLEMENTATIONS:
         raise PlanError(f"sp={state.sp}, cp={state.cp}: attention implementation {inner!r} is not supported under "
                         f"sp/cp; use one of {', '.join(INNER_IMPLEMENTATIONS)}")
-    name = ATTENTION_PREFIX + inner
+    check_inner_available(model, inner, f"sp={state.sp}, cp={state.cp}")
+    name = wrapper_name(inner)
     AttentionInterface.register(name, _sequence_attention)
     state.inner = inner
     model.set_attn_implementation(name)

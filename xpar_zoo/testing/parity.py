@@ -102,8 +102,10 @@ def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float 
 
 def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str, max_norm: float | None,
                    seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False,
-                   labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None) -> RunRecord:
-    """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``kernels`` for
+                   labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None,
+                   inner: str | None = None) -> RunRecord:
+    """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``inner``: the
+    attention the sp/cp attention wraps, set after parallelize by :func:`xpar_zoo.set_inner_attention`; ``kernels`` for
     :func:`xpar_zoo.styles.experts.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
     decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
     :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
@@ -115,7 +117,7 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     from ..parallel.state import full_state_dict
     from ..parallelize import parallelize
     from ..styles.experts import set_experts_kernels
-    from ..styles.sequence import data_shard
+    from ..styles.sequence import data_shard, set_inner_attention
 
     mesh = Mesh(**mesh_kwargs)
     model = build_model(config, seed)
@@ -123,6 +125,8 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
         model.activation_checkpointing_enable()
     model = parallelize(model, mesh, plan=plan)
     set_experts_kernels(model, kernels)
+    if inner:
+        set_inner_attention(model, inner)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
     rank = dist.get_rank()
     labels = make_labels(data) if labels is None else labels
@@ -144,6 +148,42 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
         norms.append(norm.item())
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if hasattr(p, "to_local")}
     return RunRecord(losses, norms, full_state_dict(model), local)
+
+
+def forward_reference(config, data: torch.Tensor, seed: int = 0, labels: torch.Tensor | None = None,
+                      extra: list[list[dict]] | None = None) -> tuple[float, float]:
+    """One forward without gradients of single-process transformers on step 0's global batch (for an attention
+    that has no backward here, e.g. flex on CPU): ``(loss, sum of the squared logits over every token)``."""
+    model = build_model(config, seed, experts_implementation="eager")
+    labels = make_labels(data) if labels is None else labels
+    with torch.no_grad():
+        out = model(input_ids=data[0].reshape(-1, data.shape[-1]), labels=labels[0].reshape(-1, data.shape[-1]),
+                    **step_inputs(extra, 0))
+    return out.loss.item(), out.logits.double().square().sum().item()
+
+
+def forward_parallel(config, data: torch.Tensor, mesh_kwargs: dict, seed: int = 0,
+                     labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None) -> tuple[float, float]:
+    """:func:`forward_reference` under xpar_zoo on ``mesh_kwargs`` (each rank its data shard, as in
+    :func:`train_parallel`): the loss is the mean of ``out.loss`` over the ranks (the global batch's), the squared
+    logits are summed over the ranks' own tokens (every token of the global batch once)."""
+    from ..parallel.mesh import Mesh
+    from ..parallelize import parallelize
+    from ..styles.sequence import data_shard
+    from ..styles.vocab import full_logits
+
+    model = parallelize(build_model(config, seed), Mesh(**mesh_kwargs))
+    labels = make_labels(data) if labels is None else labels
+    index, count = data_shard(model)
+    per = data.shape[1] // count
+    mine = range(index * per, (index + 1) * per)
+    with torch.no_grad(), full_logits(model):
+        out = model(input_ids=data[0, mine.start:mine.stop].reshape(-1, data.shape[-1]),
+                    labels=labels[0, mine.start:mine.stop].reshape(-1, data.shape[-1]), **step_inputs(extra, 0, mine))
+    # the ranks of a sequence group hold disjoint tokens of the same rows, the groups disjoint rows
+    sums = torch.stack([out.loss.double(), out.logits.double().square().sum()])
+    dist.all_reduce(sums)
+    return sums[0].item() / dist.get_world_size(), sums[1].item()
 
 
 def compare_meshes(config, world: int, meshes: dict[str, dict], adamw_meshes=(), plans: dict | None = None
