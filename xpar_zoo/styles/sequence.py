@@ -689,8 +689,7 @@ class SequenceParallel:
     def inner_call(self, module, overrides: dict, dropout: float, scaling, sliding_window, kwargs: dict):
         """``call(q, k, v, mask) -> [b, q, h, dv]``: the inner attention of ``module`` (seen with the local head
         counts and sinks of ``overrides``) with the layer's other arguments."""
-        for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-            kwargs.pop(name, None)
+        kwargs = _global_kwargs(kwargs)
         view = _ModuleView(module, overrides) if overrides else module
         inner = self.inner_function(module)
 
