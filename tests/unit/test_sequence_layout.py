@@ -329,9 +329,9 @@ def test_the_banded_block_mask_is_torchs_create_block_mask(band, monkeypatch):
     window, cp rank 1 of 4 (head and tail chunks), lengths that are not multiples of the 128-token blocks."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from xpar_zoo.styles import sequence
+    from xpar_zoo.styles import sequence_masks
 
-    monkeypatch.setattr(sequence, "BLOCK_MASK_BAND_ENTRIES", band)
+    monkeypatch.setattr(sequence_masks, "BLOCK_MASK_BAND_ENTRIES", band)
     seq = 8 * 136
     layout = token_layout(seq, 1, 4, 0, 1)
     pos = torch.arange(seq).repeat(2, 1)

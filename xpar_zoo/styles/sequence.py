@@ -2,10 +2,8 @@
 classes, through transformers' ``AttentionInterface`` and a wrapper around the model's forward (no modeling code).
 
 **Tokens.** The ``sp·cp`` ranks of a *sequence group* (:class:`~xpar_zoo.mesh.Mesh`) share one micro-batch of
-``b`` rows of ``S`` tokens. The ``S`` positions are dealt to the ``cp`` ranks head-tail (zig-zag): the row is cut
-into ``2·cp`` equal chunks and cp rank ``c`` keeps chunks ``c`` and ``2·cp-1-c`` (causal work balanced; without cp
-one chunk: the row); each cp chunk is cut into ``sp`` consecutive parts, one per sp rank. So a rank holds
-``S/(sp·cp)`` tokens outside attention (``S`` must divide by ``2·cp·sp``, or by ``sp`` without cp).
+``b`` rows of ``S`` tokens, dealt head-tail (zig-zag) over cp and in consecutive parts over sp, ``S/(sp·cp)`` tokens
+a rank outside attention (:mod:`xpar_zoo.styles.sequence_layout`: the layout and the collectives).
 
 **Data.** Every rank of a group passes the same full-length rows to ``model(...)``; :func:`install_sequence_parallel`
 wraps the model's forward to keep this rank's tokens: ``input_ids`` / ``inputs_embeds`` and ``position_ids``
@@ -22,23 +20,14 @@ carries :data:`PART_KEY` (a :class:`SequencePart`), so the model never guesses f
 **Attention.** ``parallelize`` registers ``xpar_seq_<inner>`` in transformers' ``AttentionInterface`` around the
 model's implementation ``<inner>`` (``eager``: the modeling module's own ``eager_attention_forward``, so sinks and
 MLA head dims keep their code; ``sdpa``; ``flex_attention``; ``flash_attention_2/3`` as ``xpar_seq_fa2/3``) and sets
-the model to it. flex and flash take no dense mask: :func:`flex_inner` (a ``BlockMask`` from the global indices)
-and :func:`flash_inner` (one call per run of query positions against its key prefix, bottom-right causal; varlen
-for packed documents and padding); see docs/long_context.md. Around the inner call: ``sp`` exchanges sequence
-for heads with an all-to-all (``[b, H, S/(sp·cp), d] → [b, H/sp, S/cp, d]``; key/value heads repeated first where
-fewer than ``sp`` or not dividing by it; a per-head sink ``s_aux`` / ``module.sinks`` sliced to the local heads);
-``cp`` all-gathers keys and values over the cp group (backward: reduce-scatter) so each rank's ``S/cp`` queries see
-the whole row. The mask is built here from the *global* token indices, never from the local mask transformers
-would build for a shard: causal, a ``sliding_window`` (as transformers passes it), packed documents (a new document
-starts where ``position_ids`` do not step by one, transformers' own rule, so no token attends across a boundary,
-across cp chunks too) and padding. Additive in the query dtype (for ``sdpa`` too: a boolean one would become a
-float copy per layer inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers)
-where it fits a byte budget; beyond it a block of queries at a time, each block's mask rebuilt in backward
-(:func:`blocked_attention`, :func:`attention_block_rows`). Where it would be the plain causal mask of a whole row
-(no cp, packing, padding or window) ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). With
-cp on plain causal rows, ``sdpa`` on CUDA gets none either (:func:`lower_right_attention`: each query chunk against
-the key prefix that ends where it ends, aligned lower-right; :func:`cp_lower_right` chooses). The model applies
-RoPE before attention with the local ``position_ids``, which hold global positions.
+the model to it. Around the inner call: ``sp`` exchanges sequence for heads with an all-to-all
+(``[b, H, S/(sp·cp), d] → [b, H/sp, S/cp, d]``; key/value heads repeated first where fewer than ``sp`` or not dividing
+by it; a per-head sink ``s_aux`` / ``module.sinks`` sliced to the local heads); ``cp`` all-gathers keys and values
+over the cp group (backward: reduce-scatter) so each rank's ``S/cp`` queries see the whole row. The mask is built
+from the *global* token indices (:mod:`xpar_zoo.styles.sequence_masks`: the per-forward state, its masks and the
+block budget); the inner call runs on one of the paths of :mod:`xpar_zoo.styles.sequence_inner` (lower-right,
+blocked, flex, flash). The model applies RoPE before attention with the local ``position_ids``, which hold global
+positions.
 
 **Hybrid models** (linear attention, SSM and short-convolution layers: qwen3_next's gated delta net, minimax's
 lightning attention, mamba mixers) run those layers on the whole rows of the sequence group
@@ -53,13 +42,11 @@ split. Parameters are placed exactly as without sp/cp, so checkpoints are unchan
 
 from __future__ import annotations
 
-import bisect
 import functools
 import inspect
-import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -68,10 +55,19 @@ from torch import nn
 from ..compat import (attn_implementation, config_with_attn_implementation, flash_kernels_loaded,
                       supports_attn_implementation)
 from ..errors import BatchError, ModelStateError, PlanError
-from ..parallel.collectives import GatherRows, all_to_all
 from ..parallel.mesh import Mesh, PlanShard
 from .sequence_mixers import (decoder_layers, dispatches_attention, install_sequence_mixers, sequence_mixers,
                               unserved_mixers)
+# The layout, the masks and the inner paths live in their own modules; the names other modules, tests and bench
+# scripts import from here are imported here too. SequenceParallel calls lower_right_attention and blocked_attention
+# by their names in this module (a test counts the calls by replacing them here).
+from .sequence_inner import (CP_ATTENTION_ENV, LOCAL_KWARGS, OWN_MASK_INNER, _attention_block,  # noqa: F401
+                             _global_kwargs, _ModuleView, blocked_attention, cp_lower_right, flash_inner, flex_inner,
+                             lower_right_attention)
+from .sequence_layout import (TokenLayout, check_sequence_length, cp_chunk, document_ids,  # noqa: F401
+                              gather_sequence, heads_to_sequence, kv_repeat, sequence_to_heads, token_layout)
+from .sequence_masks import (ATTENTION_BLOCK_ENV, ATTENTION_BLOCK_MIB, _Forward, attention_block_budget,  # noqa: F401
+                             attention_block_rows, attention_query_bytes, banded_block_mask)
 
 ATTENTION_PREFIX = "xpar_seq_"
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
@@ -84,503 +80,10 @@ PART_KEY = "xpar_sequence_part"
 IGNORE_INDEX = -100
 
 
-# ---- the token layout -------------------------------------------------------------------------------------------
-
 def wrapper_name(inner: str) -> str:
     """The ``AttentionInterface`` name of the sp/cp attention around ``inner`` (``xpar_seq_sdpa``,
     ``xpar_seq_fa2`` for ``flash_attention_2``)."""
     return ATTENTION_PREFIX + WRAPPER_NAMES.get(inner, inner)
-
-
-def check_sequence_length(seq_len: int, sp: int, cp: int) -> None:
-    """Raise :class:`~xpar_zoo.errors.BatchError` when rows of ``seq_len`` tokens cannot be dealt to ``sp·cp``
-    ranks (``2·cp·sp`` equal chunks with cp, ``sp`` without)."""
-    parts = 2 * cp * sp if cp > 1 else sp
-    if seq_len % parts:
-        why = (f"2·cp·sp = 2·{cp}·{sp} = {parts} (cp deals each rank a head and a tail chunk of every row, split "
-               f"again over sp)" if cp > 1 else f"sp={sp}")
-        raise BatchError(f"sequence length {seq_len} does not divide by {why}; pad the rows to a multiple of "
-                         f"{parts} (labels -100 on the padding)")
-
-
-def cp_chunk(seq_len: int, cp: int, c: int) -> torch.Tensor:
-    """The global token indices of cp rank ``c``'s chunk: head chunk ``c`` and tail chunk ``2·cp-1-c``."""
-    if cp == 1:
-        return torch.arange(seq_len)
-    n = seq_len // (2 * cp)
-    return torch.cat([torch.arange(c * n, (c + 1) * n), torch.arange((2 * cp - 1 - c) * n, (2 * cp - c) * n)])
-
-
-@dataclass(frozen=True)
-class TokenLayout:
-    """Where the tokens of a row of ``seq_len`` go: ``local`` (this rank's, ``S/(sp·cp)``), ``queries`` (its cp
-    chunk, the queries after the sp all-to-all, ``S/cp``) and ``keys`` (the row in cp-gathered order, ``S``)."""
-
-    local: torch.Tensor
-    queries: torch.Tensor
-    keys: torch.Tensor
-
-
-@functools.lru_cache(maxsize=16)
-def token_layout(seq_len: int, sp: int, cp: int, sp_rank: int, cp_rank: int) -> TokenLayout:
-    """The :class:`TokenLayout` of sp rank ``sp_rank`` and cp rank ``cp_rank`` (indices on the CPU)."""
-    check_sequence_length(seq_len, sp, cp)
-    queries = cp_chunk(seq_len, cp, cp_rank)
-    part = seq_len // (sp * cp)
-    keys = torch.cat([cp_chunk(seq_len, cp, c) for c in range(cp)])
-    return TokenLayout(queries[sp_rank * part:(sp_rank + 1) * part], queries, keys)
-
-
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """``[b, S]`` document numbers of packed rows (a document starts where ``position_ids`` do not step by one,
-    transformers' ``find_packed_sequence_indices``), or ``None`` when every row is one document."""
-    first = position_ids[:, :1] - 1
-    docs = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    return None if bool((docs[:, -1] == 0).all()) else docs
-
-
-# ---- collectives ------------------------------------------------------------------------------------------------
-
-def heads_to_sequence(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    """Ulysses' first all-to-all: ``[b, H, s, d]`` (this rank's ``s`` tokens, every head) → ``[b, H/size, size·s,
-    d]`` (the group's tokens in rank order, this rank's block of heads). Differentiable."""
-    b, heads, s, d = x.shape
-    rows = x.reshape(b, size, heads // size, s, d).permute(1, 3, 0, 2, 4).reshape(size * s, b, heads // size, d)
-    out = all_to_all(rows, [s] * size, [s] * size, group)
-    return out.permute(1, 2, 0, 3)
-
-
-def sequence_to_heads(y: torch.Tensor, group, size: int) -> torch.Tensor:
-    """The inverse for the attention output: ``[b, size·s, h, d]`` → ``[b, s, size·h, d]``. Differentiable."""
-    b, total, h, d = y.shape
-    s = total // size
-    rows = y.reshape(b, size, s, h, d).permute(1, 2, 0, 3, 4).reshape(size * s, b, h, d)
-    out = all_to_all(rows, [s] * size, [s] * size, group)
-    return out.reshape(size, s, b, h, d).permute(2, 1, 0, 3, 4).reshape(b, s, size * h, d)
-
-
-def gather_sequence(x: torch.Tensor, shard: PlanShard) -> torch.Tensor:
-    """``[b, h, s, d]`` of every cp rank, concatenated on the sequence in cp rank order (backward: the sum of the
-    gradients, scattered back). Differentiable."""
-    b, h, s, d = x.shape
-    rows = x.permute(2, 0, 1, 3).contiguous()
-    full = GatherRows.apply(rows, [s] * shard.size, shard)
-    return full.permute(1, 2, 0, 3)
-
-
-def kv_repeat(query_heads: int, kv_heads: int, sp: int) -> int:
-    """How many times each key/value head is repeated before the sp all-to-all so that the key/value heads divide
-    by ``sp`` and still divide the query heads (1: none)."""
-    for r in range(1, query_heads // kv_heads + 1):
-        if (kv_heads * r) % sp == 0 and query_heads % (kv_heads * r) == 0:
-            return r
-    raise PlanError(f"cannot spread {kv_heads} key/value heads over sp={sp} for {query_heads} query heads")
-
-
-# cp's plain causal rows on sdpa: "lower_right" (no mask: each query chunk against the key prefix that ends where it
-# ends, torch's causal_lower_right: flash/efficient kernels on CUDA) or "dense" (the shared additive mask).
-CP_ATTENTION_ENV = "XPAR_ZOO_CP_ATTENTION"
-
-
-def cp_lower_right(device: torch.device) -> bool:
-    """Whether cp's plain causal rows on sdpa run without a mask (:func:`lower_right_attention`): on CUDA by default
-    (kernels without a mask); elsewhere torch materialises a ``[chunk, prefix]`` mask per call and layer, kept for
-    backward, which costs more than the one additive mask per forward that the layers share. The environment
-    variable ``XPAR_ZOO_CP_ATTENTION`` (``lower_right`` or ``dense``) overrides the choice."""
-    mode = os.environ.get(CP_ATTENTION_ENV, "").strip().lower()
-    if mode not in ("", "lower_right", "dense"):
-        raise PlanError(f"{CP_ATTENTION_ENV}={mode!r}: expected 'lower_right' or 'dense'")
-    return mode == "lower_right" if mode else device.type == "cuda"
-
-
-def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch, dropout: float,
-                          scaling: float | None) -> torch.Tensor:
-    """Causal sdpa of the queries of a cp chunk (``[b, h, S/cp, d]``, runs of consecutive global positions: the
-    head and tail chunks) against the cp-gathered keys and values of the whole row (``[b, kv, S, d]``), with no
-    mask: the keys are put in row order once, and each run of queries attends to the prefix of the row that ends
-    where the run ends, aligned lower-right (``torch.nn.attention.bias.causal_lower_right``). Key/value heads are
-    repeated to the query heads (sdpa's ``enable_gqa`` does not reach its lower-right kernels). Returns
-    ``[b, S/cp, h, dv]`` as transformers' sdpa does."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    order = batch.key_order()
-    key, value = key[:, :, order], value[:, :, order]
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    outs = []
-    for start, n, end in batch.query_runs():
-        q = query[:, :, start:start + n]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, key[:, :, :end], value[:, :, :end], attn_mask=causal_lower_right(n, end), dropout_p=dropout,
-            scale=scaling)
-        outs.append(o.transpose(1, 2))
-    return torch.cat(outs, dim=1)
-
-
-# The blocked sp/cp attention (:func:`blocked_attention`): the bytes one block of queries may hold for its mask and,
-# for eager, its scores (MiB); where the whole mask fits, it is built once per forward and shared by the layers.
-ATTENTION_BLOCK_ENV = "XPAR_ZOO_ATTENTION_BLOCK_MIB"
-ATTENTION_BLOCK_MIB = 16.0
-
-
-def attention_block_budget() -> float:
-    """The bytes of one block of :func:`blocked_attention`: ``XPAR_ZOO_ATTENTION_BLOCK_MIB`` (MiB, a positive
-    number), else 16 MiB."""
-    raw = os.environ.get(ATTENTION_BLOCK_ENV, "").strip()
-    if not raw:
-        return ATTENTION_BLOCK_MIB * 2 ** 20
-    try:
-        mib = float(raw)
-    except ValueError:
-        mib = float("nan")
-    if not mib > 0:
-        raise PlanError(f"{ATTENTION_BLOCK_ENV}={raw!r}: expected a positive number of MiB")
-    return mib * 2 ** 20
-
-
-def attention_query_bytes(rows: int, heads: int, keys: int, dtype_bytes: int, eager: bool) -> int:
-    """What one query of the masked sp/cp attention holds while its block runs, for ``rows`` rows against ``keys``
-    keys (``heads`` per rank): per key its additive mask (``dtype_bytes``) and the boolean terms it is built from
-    (2), and for eager its scores, their softmax and gradients (``heads·(8 + 2·dtype_bytes)``); sdpa makes no
-    score matrix."""
-    return rows * keys * (dtype_bytes + 2 + (heads * (8 + 2 * dtype_bytes) if eager else 0))
-
-
-def attention_block_rows(rows: int, heads: int, queries: int, keys: int, dtype_bytes: int, eager: bool,
-                         budget: float | None = None) -> int | None:
-    """Queries per block of :func:`blocked_attention` for ``rows`` rows of ``queries`` queries against ``keys``
-    keys, or ``None`` where all of them fit the budget (:func:`attention_block_budget`; a query's bytes:
-    :func:`attention_query_bytes`): then one mask per forward, shared by the layers."""
-    per_query = attention_query_bytes(rows, heads, keys, dtype_bytes, eager)
-    budget = attention_block_budget() if budget is None else budget
-    if queries * per_query <= budget:
-        return None
-    return max(1, int(budget // per_query))
-
-
-def blocked_attention(call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch, causal: bool,
-                      window: int | None, rows: int) -> torch.Tensor:
-    """The masked attention of ``query`` (``[b, h, S/cp, d]``) against ``key`` / ``value`` (``[b, kv, S, d]``,
-    gathered order) in blocks of at most ``rows`` queries (:meth:`_Forward.blocks`), exact: a query is a row of
-    its own softmax, so the blocks need no log-sum-exp merge. Each block builds its own ``[b, 1, rows, keys]`` mask
-    from the global positions, against only the keys a causal block may see, and calls ``call(q, k, v, mask)``
-    (the inner attention, ``[b, rows, h, dv]`` out) under non-reentrant activation checkpointing: neither its
-    mask nor eager's scores are kept for backward, which rebuilds and recomputes one block at a time. So the mask
-    and score transients are one block (:func:`attention_block_rows`), not ``[b, 1, S/cp, S]`` per forward and
-    ``[b, h, S/cp, S]`` per layer, for one more forward of the attention in backward. Layer checkpointing
-    (``activation_checkpointing_enable``) nests around it."""
-    from torch.utils.checkpoint import checkpoint
-
-    outs = []
-    for start, n, keys in batch.blocks(rows, causal, window):
-        q = query[:, :, start:start + n]
-        args = (call, batch, causal, window, start, keys, q, key, value)
-        if torch.is_grad_enabled():
-            outs.append(checkpoint(_attention_block, *args, use_reentrant=False))
-        else:
-            outs.append(_attention_block(*args))
-    return torch.cat(outs, dim=1)
-
-
-def _attention_block(call, batch, causal: bool, window: int | None, start: int, keys, q: torch.Tensor,
-                     key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """One block of :func:`blocked_attention`: its keys, its mask, the inner attention."""
-    mask = batch.block_mask(batch.queries[start:start + q.shape[2]], batch.keys[keys], causal, window, q.dtype)
-    return call(q, key[:, :, keys], value[:, :, keys], mask)
-
-
-# ---- the inner implementations that take no dense mask: flex and flash ---------------------------------------------
-
-def flex_inner(batch, module, query, key, value, causal: bool, dropout: float, scaling, window, kwargs: dict
-               ) -> torch.Tensor:
-    """transformers' ``flex_attention`` forward with a ``BlockMask`` built from the global indices
-    (:meth:`_Forward.block_mask`): no dense ``[S/cp, S]`` mask is kept. Key/value heads stay grouped (flex's
-    ``enable_gqa``); a value head dim other than the query's (MLA) is flex's own. Sinks (``s_aux``) need flex's
-    log-sum-exp, which transformers does not request on CPU: refused there."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if kwargs.get("s_aux") is not None and query.device.type == "cpu":
-        owner = module._module if isinstance(module, _ModuleView) else module
-        raise PlanError(f"sp/cp: {type(owner).__name__} has attention sinks (s_aux), which flex_attention serves "
-                        "only on CUDA (transformers reads flex's log-sum-exp there); use eager or sdpa on CPU")
-    block = batch.flex_block_mask(causal, window)
-    out, _ = ALL_ATTENTION_FUNCTIONS["flex_attention"](module, query, key, value, block, dropout=dropout,
-                                                      scaling=scaling, sliding_window=window, **kwargs)
-    return out
-
-
-def flash_inner(batch, module, query, key, value, causal: bool, dropout: float, scaling, window, kwargs: dict
-                ) -> torch.Tensor:
-    """transformers' flash forward (``flash_attention_2`` / ``_3``) with no mask: the keys in row order, and each
-    run of consecutive query positions (the whole row under sp alone; cp's head and tail chunks) against the key
-    prefix that ends where the run ends, causal aligned bottom-right (flash's semantics when fewer queries than
-    keys). Packed documents and padding: varlen, with ``cu_seqlens`` for the queries and the keys of each run
-    separately (:meth:`_Forward.flash_segments`). Sliding window, softcap and sinks pass through to flash (whose
-    window, bottom-right aligned, is then exact in global positions)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if not causal:  # each run attends to its key prefix: causal rows only
-        owner = module._module if isinstance(module, _ModuleView) else module
-        raise PlanError(f"sp/cp: {type(owner).__name__} is not causal; flash attention under sp/cp serves causal "
-                        "attention only (use sdpa or flex_attention)")
-    function = ALL_ATTENTION_FUNCTIONS[attn_implementation(module.config)]
-    if batch.queries.numel() != batch.keys.numel():  # cp: the gathered keys back in row order
-        order = batch.key_order()
-        key, value = key[:, :, order], value[:, :, order]
-    common = {**kwargs, "dropout": dropout, "scaling": scaling, "sliding_window": window, "is_causal": causal}
-    outs = []
-    for start, n, end in batch.query_runs():
-        q, k, v = query[:, :, start:start + n], key[:, :, :end], value[:, :, :end]
-        if batch.docs is None and batch.key_valid is None:
-            outs.append(function(module, q, k, v, None, **common)[0])
-        else:
-            outs.append(_flash_varlen(function, batch.flash_segments(end, n), module, q, k, v, common))
-    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-
-
-def _flash_varlen(function, segments, module, q, k, v, common: dict) -> torch.Tensor:
-    """One flash call over the segments of a query run (every row's documents in one varlen batch): ``[b, n, h,
-    dv]``, zero where a query is padding."""
-    q_index, k_index, cu_q, cu_k, max_q, max_k = segments
-    b, h, n, _ = q.shape
-    out = q.new_zeros(b * n, h, v.shape[-1])
-    if q_index.numel():
-        def flat(t, index):  # [b, heads, s, d] -> [1, heads, tokens, d]
-            return t.transpose(1, 2).reshape(-1, *t.shape[1:2], t.shape[-1])[index].transpose(0, 1)[None]
-
-        got, _ = function(module, flat(q, q_index), flat(k, k_index), flat(v, k_index), None, cu_seq_lens_q=cu_q,
-                          cu_seq_lens_k=cu_k, max_length_q=max_q, max_length_k=max_k, **common)
-        out = out.index_copy(0, q_index, got[0])
-    return out.view(b, n, h, -1)
-
-
-# The inner implementations served without the dense mask, each by its own function.
-OWN_MASK_INNER = {"flex_attention": flex_inner, "flash_attention_2": flash_inner, "flash_attention_3": flash_inner}
-# Keyword arguments transformers computes from the local tokens; the inner call must not see them.
-LOCAL_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def _global_kwargs(kwargs: dict) -> dict:
-    return {k: v for k, v in kwargs.items() if k not in LOCAL_KWARGS}
-
-
-class _ModuleView:
-    """The attention module as the inner attention function sees it under sp: its own attributes, except the
-    local head counts and per-head sinks."""
-
-    def __init__(self, module: nn.Module, overrides: Mapping[str, object]) -> None:
-        object.__setattr__(self, "_module", module)
-        self.__dict__.update(overrides)
-
-    def __getattr__(self, name: str):
-        return getattr(self._module, name)
-
-
-# ---- the per-forward state --------------------------------------------------------------------------------------
-
-@dataclass
-class _Forward:
-    """What the attention of one forward needs: the global indices of the queries and keys (on the device), the
-    packed documents and the padding of the whole rows, and the masks built from them (one per window and kind)."""
-
-    queries: torch.Tensor
-    keys: torch.Tensor
-    docs: torch.Tensor | None
-    key_valid: torch.Tensor | None
-    masks: dict = field(default_factory=dict)
-
-    def causal_only(self, causal: bool, window: int | None, keys: int) -> bool:
-        """Whether the mask is plain causality by global position (no packed documents, no padding, no window
-        shorter than the row), whatever the order of the queries and keys."""
-        return causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
-
-    def plain_causal(self, causal: bool, window: int | None, keys: int) -> bool:
-        """Whether the mask is the plain causal one of queries and keys both in row order (no cp, no packed
-        documents, no padding, no window shorter than the row)."""
-        if "in_order" not in self.masks:  # one host sync per forward, not per layer
-            self.masks["in_order"] = self.queries.shape == self.keys.shape and bool((self.keys == self.queries).all())
-        return self.causal_only(causal, window, keys) and self.masks["in_order"]
-
-    def query_runs(self) -> list[tuple[int, int, int]]:
-        """The runs of consecutive global positions in the queries (cp: the head chunk and the tail chunk):
-        ``[(first local query, queries, global end)]``; a run attends causally to the row's keys before its end."""
-        if "runs" not in self.masks:  # one host sync per forward
-            q = self.queries.tolist()
-            runs, start = [], 0
-            for i in range(1, len(q) + 1):
-                if i == len(q) or q[i] != q[i - 1] + 1:
-                    runs.append((start, i - start, q[i - 1] + 1))
-                    start = i
-            self.masks["runs"] = runs
-        return self.masks["runs"]
-
-    def key_order(self) -> torch.Tensor:
-        """Indices that put the cp-gathered keys in row order (``keys[:, :, order]``)."""
-        if "order" not in self.masks:
-            self.masks["order"] = torch.argsort(self.keys)
-        return self.masks["order"]
-
-    def mask(self, causal: bool, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
-        """The ``[b, 1, S/cp, S]`` mask of the whole forward (boolean, or additive in ``additive_dtype``), built
-        once per window and kind and shared by the layers."""
-        key = (causal, window, additive_dtype)
-        if key not in self.masks:
-            self.masks[key] = self.block_mask(self.queries, self.keys, causal, window, additive_dtype)
-        return self.masks[key]
-
-    def block_mask(self, queries: torch.Tensor, keys: torch.Tensor, causal: bool, window: int | None,
-                   additive_dtype: torch.dtype | None) -> torch.Tensor:
-        """The ``[b, 1, len(queries), len(keys)]`` mask of the given global query and key positions (not kept)."""
-        q, k = queries[:, None], keys[None, :]
-        allowed = k <= q if causal else torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
-        if window is not None:
-            allowed = allowed & (k > q - window)  # q - k < window, without an int64 [q, k] difference
-        allowed = allowed[None]
-        if self.docs is not None:
-            allowed = allowed & (self.docs[:, queries, None] == self.docs[:, None, keys])
-        if self.key_valid is not None:
-            allowed = allowed & self.key_valid[:, None, keys]
-            allowed = allowed | ~allowed.any(-1, keepdim=True)  # a padded query attends to all: no NaN
-        allowed = allowed[:, None]
-        if additive_dtype is not None:
-            allowed = torch.full(allowed.shape, torch.finfo(additive_dtype).min, dtype=additive_dtype,
-                                 device=allowed.device).masked_fill_(allowed, 0)  # in place: no second copy
-        return allowed
-
-    def blocks(self, rows: int, causal: bool, window: int | None) -> list[tuple[int, int, slice | torch.Tensor]]:
-        """The query blocks of :func:`blocked_attention`: ``[(first local query, queries, keys)]``, at most
-        ``rows`` consecutive global positions each (never across a run: cp's head and tail chunks apart). ``keys``
-        indexes the gathered keys: with a causal mask and no padding only those a query of the block may see (the
-        row up to the block's last position, from its first less the window), else all. One host sync per
-        forward."""
-        cache = ("blocks", rows, causal, window)
-        if cache in self.masks:
-            return self.masks[cache]
-        trim = causal and self.key_valid is None  # padded queries attend to every key: keep them all
-        order = self.key_order().tolist() if trim else None
-        positions = self.keys[self.key_order()].tolist() if trim else None  # the keys' positions, ascending
-        out = []
-        for start, n, end in self.query_runs():
-            for s in range(start, start + n, rows):
-                m = min(rows, start + n - s)
-                keys: slice | torch.Tensor = slice(None)
-                if trim:
-                    first = end - n + (s - start)  # global position of the block's first query
-                    lo = 0 if window is None else bisect.bisect_left(positions, first - window + 1)
-                    keys = _index(order[lo:bisect.bisect_right(positions, first + m - 1)], self.keys.device)
-                out.append((s, m, keys))
-        self.masks[cache] = out
-        return out
-
-    def flex_block_mask(self, causal: bool, window: int | None):
-        """The mask of :meth:`mask` as a flex ``BlockMask`` (:func:`banded_block_mask` over a ``mask_mod`` that
-        computes the global indices): per forward and window, shared by the layers. A query with no
-        key left (padding) gets no output, as in flex's own single-process masks."""
-        key = ("block", causal, window)
-        if key not in self.masks:
-            docs, valid = self.docs, self.key_valid
-            query_at, key_at = _positions(self.queries), _positions(self.keys)
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                q, k = query_at(q_idx), key_at(kv_idx)
-                allowed = k <= q if causal else k >= 0
-                if window is not None:
-                    allowed = allowed & (q - k < window)
-                if docs is not None:
-                    allowed = allowed & (docs[b, q] == docs[b, k])
-                if valid is not None:
-                    allowed = allowed & valid[b, k]
-                return allowed
-
-            rows = next((t.shape[0] for t in (docs, valid) if t is not None), None)
-            self.masks[key] = banded_block_mask(mask_mod, rows, self.queries.numel(), self.keys.numel(),
-                                                self.queries.device)
-        return self.masks[key]
-
-    def flash_segments(self, end: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                         int, int]:
-        """The varlen layout of the query run of global positions ``[end-n, end)`` against the keys ``[0, end)`` in
-        row order, every row flattened into one: ``(query index into [b·n], key index into [b·end], cu_seqlens_q,
-        cu_seqlens_k, max_seqlen_q, max_seqlen_k)``. A segment is one document of one row that has an unpadded
-        query in the run; its keys are that document's unpadded keys before ``end``, so its queries are the last of
-        its keys and flash's bottom-right causal alignment is exact. Padded queries are in no segment (no output, as
-        in flash's own unpadding). Once per forward and run (host syncs), shared by the layers."""
-        key = ("segments", end, n)
-        if key not in self.masks:
-            ref = self.docs if self.docs is not None else self.key_valid
-            rows, device = ref.shape[0], ref.device
-            docs = self.docs if self.docs is not None else torch.zeros_like(ref, dtype=torch.long)
-            valid = self.key_valid if self.key_valid is not None else torch.ones_like(ref, dtype=torch.bool)
-            segment = docs[:, :end] + (torch.arange(rows, device=device)[:, None] * (end + 1))
-            q_valid = valid[:, end - n:end]
-            q_index = q_valid.reshape(-1).nonzero().flatten()
-            q_segments, q_counts = torch.unique_consecutive(segment[:, end - n:end][q_valid], return_counts=True)
-            k_valid = valid[:, :end] & torch.isin(segment, q_segments)
-            k_index = k_valid.reshape(-1).nonzero().flatten()
-            _, k_counts = torch.unique_consecutive(segment[k_valid], return_counts=True)
-            cu_q, cu_k = (nn.functional.pad(c.cumsum(0, dtype=torch.int32), (1, 0)) for c in (q_counts, k_counts))
-            longest = [int(c.max()) if c.numel() else 0 for c in (q_counts, k_counts)]
-            self.masks[key] = (q_index, k_index, cu_q, cu_k, *longest)
-        return self.masks[key]
-
-
-def _index(indices: list[int], device: torch.device) -> slice | torch.Tensor:
-    """``indices`` as a slice where they are consecutive (a view, no copy), else as an index tensor."""
-    if indices == list(range(indices[0], indices[0] + len(indices))):
-        return slice(indices[0], indices[0] + len(indices))
-    return torch.tensor(indices, device=device)
-
-
-# Mask entries a BlockMask is built from at a time (a band of query blocks against every key): bounds the transient
-# that torch's create_block_mask, uncompiled, makes at once (int64 intermediates of [rows, S/cp, S]).
-BLOCK_MASK_BAND_ENTRIES = 1 << 22
-FLEX_BLOCK = 128  # flex's default sparse block size
-
-
-def banded_block_mask(mask_mod, rows: int | None, q_len: int, kv_len: int, device: torch.device):
-    """The ``BlockMask`` torch's ``create_block_mask(mask_mod, rows, None, q_len, kv_len)`` builds (per block of
-    128 queries and 128 keys: fully allowed, partly allowed or skipped, then ``BlockMask.from_kv_blocks``), built a
-    band of query blocks at a time so that no ``[rows, q_len, kv_len]`` intermediate exists: uncompiled,
-    create_block_mask evaluates the ``mask_mod`` on every pair at once (at 8192 tokens on cp=4 more memory than
-    sdpa's dense mask), and compiling it trips torch's CPU code generation on some shapes."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    r, n = rows or 1, FLEX_BLOCK
-    blocks_q, blocks_kv = -(-q_len // n), -(-kv_len // n)
-    band = max(1, BLOCK_MASK_BAND_ENTRIES // (r * n * blocks_kv * n))
-    b, kv, head = torch.arange(r, device=device)[:, None, None], torch.arange(kv_len, device=device), torch.tensor(0)
-    partial, full = [], []
-    for first in range(0, blocks_q, band):
-        q = torch.arange(first * n, min((first + band) * n, q_len), device=device)
-        allowed = mask_mod(b, head, q[:, None], kv[None, :]).expand(r, q.numel(), kv_len)
-        allowed = nn.functional.pad(allowed, (0, blocks_kv * n - kv_len, 0, -(-q.numel() // n) * n - q.numel()))
-        counts = allowed.view(r, -1, n, blocks_kv, n).sum((2, 4), dtype=torch.int32)
-        partial.append((counts > 0) & (counts < n * n))
-        full.append(counts == n * n)
-
-    def ordered(dense):  # torch's own ordering of the blocks of each query block: allowed first, stable
-        dense = torch.cat(dense, dim=1)[:, None].to(torch.int32)
-        return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
-
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(n, n), mask_mod=mask_mod,
-                                    seq_lengths=(q_len, kv_len))
-
-
-def _positions(indices: torch.Tensor):
-    """``idx -> indices[idx]`` as arithmetic on ``idx`` for indices made of runs of consecutive positions (a cp
-    chunk, the cp-gathered row): a flex ``mask_mod`` then reads no captured index tensor (torch's CPU flex kernel
-    fails to compile such a lookup once shapes turn dynamic)."""
-    values = indices.tolist()
-    steps = [(0, values[0])] + [(i, values[i] - i) for i in range(1, len(values)) if values[i] != values[i - 1] + 1]
-
-    def position(idx):
-        out = idx + steps[0][1]
-        for (_, before), (start, shift) in zip(steps, steps[1:]):
-            out = out + (idx >= start) * (shift - before)
-        return out
-
-    return position
 
 
 @dataclass(frozen=True)

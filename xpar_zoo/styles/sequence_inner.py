@@ -1,0 +1,185 @@
+"""The inner attention paths of the sp/cp attention (:mod:`xpar_zoo.styles.sequence`), each called on the
+queries of a cp chunk against the gathered keys and values: cp's plain causal rows on sdpa without a mask
+(:func:`lower_right_attention`, chosen by :func:`cp_lower_right`), the masked attention a block of queries at a time
+(:func:`blocked_attention`), and the inner implementations that take no dense mask (:data:`OWN_MASK_INNER`):
+:func:`flex_inner` (a ``BlockMask`` from the global indices) and :func:`flash_inner` (one call per run of query
+positions against its key prefix, bottom-right causal; varlen for packed documents and padding); see
+docs/long_context.md. Where it would be the plain causal mask of a whole row (no cp, packing, padding or window)
+``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). With cp on plain causal rows, ``sdpa`` on
+CUDA gets none either (:func:`lower_right_attention`: each query chunk against the key prefix that ends where it
+ends, aligned lower-right; :func:`cp_lower_right` chooses).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..compat import attn_implementation
+from ..errors import PlanError
+
+
+# ---- sdpa without a mask: cp's plain causal rows ----------------------------------------------------------------
+
+# cp's plain causal rows on sdpa: "lower_right" (no mask: each query chunk against the key prefix that ends where it
+# ends, torch's causal_lower_right: flash/efficient kernels on CUDA) or "dense" (the shared additive mask).
+CP_ATTENTION_ENV = "XPAR_ZOO_CP_ATTENTION"
+
+
+def cp_lower_right(device: torch.device) -> bool:
+    """Whether cp's plain causal rows on sdpa run without a mask (:func:`lower_right_attention`): on CUDA by default
+    (kernels without a mask); elsewhere torch materialises a ``[chunk, prefix]`` mask per call and layer, kept for
+    backward, which costs more than the one additive mask per forward that the layers share. The environment
+    variable ``XPAR_ZOO_CP_ATTENTION`` (``lower_right`` or ``dense``) overrides the choice."""
+    mode = os.environ.get(CP_ATTENTION_ENV, "").strip().lower()
+    if mode not in ("", "lower_right", "dense"):
+        raise PlanError(f"{CP_ATTENTION_ENV}={mode!r}: expected 'lower_right' or 'dense'")
+    return mode == "lower_right" if mode else device.type == "cuda"
+
+
+def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch, dropout: float,
+                          scaling: float | None) -> torch.Tensor:
+    """Causal sdpa of the queries of a cp chunk (``[b, h, S/cp, d]``, runs of consecutive global positions: the
+    head and tail chunks) against the cp-gathered keys and values of the whole row (``[b, kv, S, d]``), with no
+    mask: the keys are put in row order once, and each run of queries attends to the prefix of the row that ends
+    where the run ends, aligned lower-right (``torch.nn.attention.bias.causal_lower_right``). Key/value heads are
+    repeated to the query heads (sdpa's ``enable_gqa`` does not reach its lower-right kernels). Returns
+    ``[b, S/cp, h, dv]`` as transformers' sdpa does."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    order = batch.key_order()
+    key, value = key[:, :, order], value[:, :, order]
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    outs = []
+    for start, n, end in batch.query_runs():
+        q = query[:, :, start:start + n]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, key[:, :, :end], value[:, :, :end], attn_mask=causal_lower_right(n, end), dropout_p=dropout,
+            scale=scaling)
+        outs.append(o.transpose(1, 2))
+    return torch.cat(outs, dim=1)
+
+
+# ---- the masked attention, a block of queries at a time ---------------------------------------------------------
+
+def blocked_attention(call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch, causal: bool,
+                      window: int | None, rows: int) -> torch.Tensor:
+    """The masked attention of ``query`` (``[b, h, S/cp, d]``) against ``key`` / ``value`` (``[b, kv, S, d]``,
+    gathered order) in blocks of at most ``rows`` queries (:meth:`_Forward.blocks`), exact: a query is a row of
+    its own softmax, so the blocks need no log-sum-exp merge. Each block builds its own ``[b, 1, rows, keys]`` mask
+    from the global positions, against only the keys a causal block may see, and calls ``call(q, k, v, mask)``
+    (the inner attention, ``[b, rows, h, dv]`` out) under non-reentrant activation checkpointing: neither its
+    mask nor eager's scores are kept for backward, which rebuilds and recomputes one block at a time. So the mask
+    and score transients are one block (:func:`attention_block_rows`), not ``[b, 1, S/cp, S]`` per forward and
+    ``[b, h, S/cp, S]`` per layer, for one more forward of the attention in backward. Layer checkpointing
+    (``activation_checkpointing_enable``) nests around it."""
+    from torch.utils.checkpoint import checkpoint
+
+    outs = []
+    for start, n, keys in batch.blocks(rows, causal, window):
+        q = query[:, :, start:start + n]
+        args = (call, batch, causal, window, start, keys, q, key, value)
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_attention_block, *args, use_reentrant=False))
+        else:
+            outs.append(_attention_block(*args))
+    return torch.cat(outs, dim=1)
+
+
+def _attention_block(call, batch, causal: bool, window: int | None, start: int, keys, q: torch.Tensor,
+                     key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """One block of :func:`blocked_attention`: its keys, its mask, the inner attention."""
+    mask = batch.block_mask(batch.queries[start:start + q.shape[2]], batch.keys[keys], causal, window, q.dtype)
+    return call(q, key[:, :, keys], value[:, :, keys], mask)
+
+
+# ---- the inner implementations that take no dense mask: flex and flash ---------------------------------------------
+
+def flex_inner(batch, module, query, key, value, causal: bool, dropout: float, scaling, window, kwargs: dict
+               ) -> torch.Tensor:
+    """transformers' ``flex_attention`` forward with a ``BlockMask`` built from the global indices
+    (:meth:`_Forward.block_mask`): no dense ``[S/cp, S]`` mask is kept. Key/value heads stay grouped (flex's
+    ``enable_gqa``); a value head dim other than the query's (MLA) is flex's own. Sinks (``s_aux``) need flex's
+    log-sum-exp, which transformers does not request on CPU: refused there."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if kwargs.get("s_aux") is not None and query.device.type == "cpu":
+        owner = module._module if isinstance(module, _ModuleView) else module
+        raise PlanError(f"sp/cp: {type(owner).__name__} has attention sinks (s_aux), which flex_attention serves "
+                        "only on CUDA (transformers reads flex's log-sum-exp there); use eager or sdpa on CPU")
+    block = batch.flex_block_mask(causal, window)
+    out, _ = ALL_ATTENTION_FUNCTIONS["flex_attention"](module, query, key, value, block, dropout=dropout,
+                                                      scaling=scaling, sliding_window=window, **kwargs)
+    return out
+
+
+def flash_inner(batch, module, query, key, value, causal: bool, dropout: float, scaling, window, kwargs: dict
+                ) -> torch.Tensor:
+    """transformers' flash forward (``flash_attention_2`` / ``_3``) with no mask: the keys in row order, and each
+    run of consecutive query positions (the whole row under sp alone; cp's head and tail chunks) against the key
+    prefix that ends where the run ends, causal aligned bottom-right (flash's semantics when fewer queries than
+    keys). Packed documents and padding: varlen, with ``cu_seqlens`` for the queries and the keys of each run
+    separately (:meth:`_Forward.flash_segments`). Sliding window, softcap and sinks pass through to flash (whose
+    window, bottom-right aligned, is then exact in global positions)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not causal:  # each run attends to its key prefix: causal rows only
+        owner = module._module if isinstance(module, _ModuleView) else module
+        raise PlanError(f"sp/cp: {type(owner).__name__} is not causal; flash attention under sp/cp serves causal "
+                        "attention only (use sdpa or flex_attention)")
+    function = ALL_ATTENTION_FUNCTIONS[attn_implementation(module.config)]
+    if batch.queries.numel() != batch.keys.numel():  # cp: the gathered keys back in row order
+        order = batch.key_order()
+        key, value = key[:, :, order], value[:, :, order]
+    common = {**kwargs, "dropout": dropout, "scaling": scaling, "sliding_window": window, "is_causal": causal}
+    outs = []
+    for start, n, end in batch.query_runs():
+        q, k, v = query[:, :, start:start + n], key[:, :, :end], value[:, :, :end]
+        if batch.docs is None and batch.key_valid is None:
+            outs.append(function(module, q, k, v, None, **common)[0])
+        else:
+            outs.append(_flash_varlen(function, batch.flash_segments(end, n), module, q, k, v, common))
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+
+def _flash_varlen(function, segments, module, q, k, v, common: dict) -> torch.Tensor:
+    """One flash call over the segments of a query run (every row's documents in one varlen batch): ``[b, n, h,
+    dv]``, zero where a query is padding."""
+    q_index, k_index, cu_q, cu_k, max_q, max_k = segments
+    b, h, n, _ = q.shape
+    out = q.new_zeros(b * n, h, v.shape[-1])
+    if q_index.numel():
+        def flat(t, index):  # [b, heads, s, d] -> [1, heads, tokens, d]
+            return t.transpose(1, 2).reshape(-1, *t.shape[1:2], t.shape[-1])[index].transpose(0, 1)[None]
+
+        got, _ = function(module, flat(q, q_index), flat(k, k_index), flat(v, k_index), None, cu_seq_lens_q=cu_q,
+                          cu_seq_lens_k=cu_k, max_length_q=max_q, max_length_k=max_k, **common)
+        out = out.index_copy(0, q_index, got[0])
+    return out.view(b, n, h, -1)
+
+
+# The inner implementations served without the dense mask, each by its own function.
+OWN_MASK_INNER = {"flex_attention": flex_inner, "flash_attention_2": flash_inner, "flash_attention_3": flash_inner}
+# Keyword arguments transformers computes from the local tokens; the inner call must not see them.
+LOCAL_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _global_kwargs(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k not in LOCAL_KWARGS}
+
+
+class _ModuleView:
+    """The attention module as the inner attention function sees it under sp: its own attributes, except the
+    local head counts and per-head sinks."""
+
+    def __init__(self, module: nn.Module, overrides: Mapping[str, object]) -> None:
+        object.__setattr__(self, "_module", module)
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)

@@ -1,0 +1,273 @@
+"""The per-forward state of the sp/cp attention (:mod:`xpar_zoo.styles.sequence`): :class:`_Forward` holds the
+global indices of one forward's queries and keys, its packed documents and padding, and the masks built from them
+(dense, per block, flex's ``BlockMask`` through :func:`banded_block_mask`, flash's varlen segments); and the block
+budget that decides between one mask per forward and a block of queries at a time (:func:`attention_block_rows`).
+
+The mask is built from the *global* token indices, never from the local mask transformers would build for a shard:
+causal, a ``sliding_window`` (as transformers passes it), packed documents (a new document starts where
+``position_ids`` do not step by one, transformers' own rule, so no token attends across a boundary, across cp chunks
+too) and padding. Additive in the query dtype (for ``sdpa`` too: a boolean one would become a float copy per layer
+inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers) where it fits a byte
+budget; beyond it a block of queries at a time, each block's mask rebuilt in backward
+(:func:`~xpar_zoo.styles.sequence_inner.blocked_attention`, :func:`attention_block_rows`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import PlanError
+
+
+# ---- the block budget -------------------------------------------------------------------------------------------
+
+# The blocked sp/cp attention (:func:`blocked_attention`): the bytes one block of queries may hold for its mask and,
+# for eager, its scores (MiB); where the whole mask fits, it is built once per forward and shared by the layers.
+ATTENTION_BLOCK_ENV = "XPAR_ZOO_ATTENTION_BLOCK_MIB"
+ATTENTION_BLOCK_MIB = 16.0
+
+
+def attention_block_budget() -> float:
+    """The bytes of one block of :func:`blocked_attention`: ``XPAR_ZOO_ATTENTION_BLOCK_MIB`` (MiB, a positive
+    number), else 16 MiB."""
+    raw = os.environ.get(ATTENTION_BLOCK_ENV, "").strip()
+    if not raw:
+        return ATTENTION_BLOCK_MIB * 2 ** 20
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = float("nan")
+    if not mib > 0:
+        raise PlanError(f"{ATTENTION_BLOCK_ENV}={raw!r}: expected a positive number of MiB")
+    return mib * 2 ** 20
+
+
+def attention_query_bytes(rows: int, heads: int, keys: int, dtype_bytes: int, eager: bool) -> int:
+    """What one query of the masked sp/cp attention holds while its block runs, for ``rows`` rows against ``keys``
+    keys (``heads`` per rank): per key its additive mask (``dtype_bytes``) and the boolean terms it is built from
+    (2), and for eager its scores, their softmax and gradients (``heads·(8 + 2·dtype_bytes)``); sdpa makes no
+    score matrix."""
+    return rows * keys * (dtype_bytes + 2 + (heads * (8 + 2 * dtype_bytes) if eager else 0))
+
+
+def attention_block_rows(rows: int, heads: int, queries: int, keys: int, dtype_bytes: int, eager: bool,
+                         budget: float | None = None) -> int | None:
+    """Queries per block of :func:`blocked_attention` for ``rows`` rows of ``queries`` queries against ``keys``
+    keys, or ``None`` where all of them fit the budget (:func:`attention_block_budget`; a query's bytes:
+    :func:`attention_query_bytes`): then one mask per forward, shared by the layers."""
+    per_query = attention_query_bytes(rows, heads, keys, dtype_bytes, eager)
+    budget = attention_block_budget() if budget is None else budget
+    if queries * per_query <= budget:
+        return None
+    return max(1, int(budget // per_query))
+
+
+# ---- the per-forward state --------------------------------------------------------------------------------------
+
+@dataclass
+class _Forward:
+    """What the attention of one forward needs: the global indices of the queries and keys (on the device), the
+    packed documents and the padding of the whole rows, and the masks built from them (one per window and kind)."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    docs: torch.Tensor | None
+    key_valid: torch.Tensor | None
+    masks: dict = field(default_factory=dict)
+
+    def causal_only(self, causal: bool, window: int | None, keys: int) -> bool:
+        """Whether the mask is plain causality by global position (no packed documents, no padding, no window
+        shorter than the row), whatever the order of the queries and keys."""
+        return causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
+
+    def plain_causal(self, causal: bool, window: int | None, keys: int) -> bool:
+        """Whether the mask is the plain causal one of queries and keys both in row order (no cp, no packed
+        documents, no padding, no window shorter than the row)."""
+        if "in_order" not in self.masks:  # one host sync per forward, not per layer
+            self.masks["in_order"] = self.queries.shape == self.keys.shape and bool((self.keys == self.queries).all())
+        return self.causal_only(causal, window, keys) and self.masks["in_order"]
+
+    def query_runs(self) -> list[tuple[int, int, int]]:
+        """The runs of consecutive global positions in the queries (cp: the head chunk and the tail chunk):
+        ``[(first local query, queries, global end)]``; a run attends causally to the row's keys before its end."""
+        if "runs" not in self.masks:  # one host sync per forward
+            q = self.queries.tolist()
+            runs, start = [], 0
+            for i in range(1, len(q) + 1):
+                if i == len(q) or q[i] != q[i - 1] + 1:
+                    runs.append((start, i - start, q[i - 1] + 1))
+                    start = i
+            self.masks["runs"] = runs
+        return self.masks["runs"]
+
+    def key_order(self) -> torch.Tensor:
+        """Indices that put the cp-gathered keys in row order (``keys[:, :, order]``)."""
+        if "order" not in self.masks:
+            self.masks["order"] = torch.argsort(self.keys)
+        return self.masks["order"]
+
+    def mask(self, causal: bool, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
+        """The ``[b, 1, S/cp, S]`` mask of the whole forward (boolean, or additive in ``additive_dtype``), built
+        once per window and kind and shared by the layers."""
+        key = (causal, window, additive_dtype)
+        if key not in self.masks:
+            self.masks[key] = self.block_mask(self.queries, self.keys, causal, window, additive_dtype)
+        return self.masks[key]
+
+    def block_mask(self, queries: torch.Tensor, keys: torch.Tensor, causal: bool, window: int | None,
+                   additive_dtype: torch.dtype | None) -> torch.Tensor:
+        """The ``[b, 1, len(queries), len(keys)]`` mask of the given global query and key positions (not kept)."""
+        q, k = queries[:, None], keys[None, :]
+        allowed = k <= q if causal else torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
+        if window is not None:
+            allowed = allowed & (k > q - window)  # q - k < window, without an int64 [q, k] difference
+        allowed = allowed[None]
+        if self.docs is not None:
+            allowed = allowed & (self.docs[:, queries, None] == self.docs[:, None, keys])
+        if self.key_valid is not None:
+            allowed = allowed & self.key_valid[:, None, keys]
+            allowed = allowed | ~allowed.any(-1, keepdim=True)  # a padded query attends to all: no NaN
+        allowed = allowed[:, None]
+        if additive_dtype is not None:
+            allowed = torch.full(allowed.shape, torch.finfo(additive_dtype).min, dtype=additive_dtype,
+                                 device=allowed.device).masked_fill_(allowed, 0)  # in place: no second copy
+        return allowed
+
+    def blocks(self, rows: int, causal: bool, window: int | None) -> list[tuple[int, int, slice | torch.Tensor]]:
+        """The query blocks of :func:`blocked_attention`: ``[(first local query, queries, keys)]``, at most
+        ``rows`` consecutive global positions each (never across a run: cp's head and tail chunks apart). ``keys``
+        indexes the gathered keys: with a causal mask and no padding only those a query of the block may see (the
+        row up to the block's last position, from its first less the window), else all. One host sync per
+        forward."""
+        cache = ("blocks", rows, causal, window)
+        if cache in self.masks:
+            return self.masks[cache]
+        trim = causal and self.key_valid is None  # padded queries attend to every key: keep them all
+        order = self.key_order().tolist() if trim else None
+        positions = self.keys[self.key_order()].tolist() if trim else None  # the keys' positions, ascending
+        out = []
+        for start, n, end in self.query_runs():
+            for s in range(start, start + n, rows):
+                m = min(rows, start + n - s)
+                keys: slice | torch.Tensor = slice(None)
+                if trim:
+                    first = end - n + (s - start)  # global position of the block's first query
+                    lo = 0 if window is None else bisect.bisect_left(positions, first - window + 1)
+                    keys = _index(order[lo:bisect.bisect_right(positions, first + m - 1)], self.keys.device)
+                out.append((s, m, keys))
+        self.masks[cache] = out
+        return out
+
+    def flex_block_mask(self, causal: bool, window: int | None):
+        """The mask of :meth:`mask` as a flex ``BlockMask`` (:func:`banded_block_mask` over a ``mask_mod`` that
+        computes the global indices): per forward and window, shared by the layers. A query with no
+        key left (padding) gets no output, as in flex's own single-process masks."""
+        key = ("block", causal, window)
+        if key not in self.masks:
+            docs, valid = self.docs, self.key_valid
+            query_at, key_at = _positions(self.queries), _positions(self.keys)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                q, k = query_at(q_idx), key_at(kv_idx)
+                allowed = k <= q if causal else k >= 0
+                if window is not None:
+                    allowed = allowed & (q - k < window)
+                if docs is not None:
+                    allowed = allowed & (docs[b, q] == docs[b, k])
+                if valid is not None:
+                    allowed = allowed & valid[b, k]
+                return allowed
+
+            rows = next((t.shape[0] for t in (docs, valid) if t is not None), None)
+            self.masks[key] = banded_block_mask(mask_mod, rows, self.queries.numel(), self.keys.numel(),
+                                                self.queries.device)
+        return self.masks[key]
+
+    def flash_segments(self, end: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         int, int]:
+        """The varlen layout of the query run of global positions ``[end-n, end)`` against the keys ``[0, end)`` in
+        row order, every row flattened into one: ``(query index into [b·n], key index into [b·end], cu_seqlens_q,
+        cu_seqlens_k, max_seqlen_q, max_seqlen_k)``. A segment is one document of one row that has an unpadded
+        query in the run; its keys are that document's unpadded keys before ``end``, so its queries are the last of
+        its keys and flash's bottom-right causal alignment is exact. Padded queries are in no segment (no output, as
+        in flash's own unpadding). Once per forward and run (host syncs), shared by the layers."""
+        key = ("segments", end, n)
+        if key not in self.masks:
+            ref = self.docs if self.docs is not None else self.key_valid
+            rows, device = ref.shape[0], ref.device
+            docs = self.docs if self.docs is not None else torch.zeros_like(ref, dtype=torch.long)
+            valid = self.key_valid if self.key_valid is not None else torch.ones_like(ref, dtype=torch.bool)
+            segment = docs[:, :end] + (torch.arange(rows, device=device)[:, None] * (end + 1))
+            q_valid = valid[:, end - n:end]
+            q_index = q_valid.reshape(-1).nonzero().flatten()
+            q_segments, q_counts = torch.unique_consecutive(segment[:, end - n:end][q_valid], return_counts=True)
+            k_valid = valid[:, :end] & torch.isin(segment, q_segments)
+            k_index = k_valid.reshape(-1).nonzero().flatten()
+            _, k_counts = torch.unique_consecutive(segment[k_valid], return_counts=True)
+            cu_q, cu_k = (nn.functional.pad(c.cumsum(0, dtype=torch.int32), (1, 0)) for c in (q_counts, k_counts))
+            longest = [int(c.max()) if c.numel() else 0 for c in (q_counts, k_counts)]
+            self.masks[key] = (q_index, k_index, cu_q, cu_k, *longest)
+        return self.masks[key]
+
+
+def _index(indices: list[int], device: torch.device) -> slice | torch.Tensor:
+    """``indices`` as a slice where they are consecutive (a view, no copy), else as an index tensor."""
+    if indices == list(range(indices[0], indices[0] + len(indices))):
+        return slice(indices[0], indices[0] + len(indices))
+    return torch.tensor(indices, device=device)
+
+
+# Mask entries a BlockMask is built from at a time (a band of query blocks against every key): bounds the transient
+# that torch's create_block_mask, uncompiled, makes at once (int64 intermediates of [rows, S/cp, S]).
+BLOCK_MASK_BAND_ENTRIES = 1 << 22
+FLEX_BLOCK = 128  # flex's default sparse block size
+
+
+def banded_block_mask(mask_mod, rows: int | None, q_len: int, kv_len: int, device: torch.device):
+    """The ``BlockMask`` torch's ``create_block_mask(mask_mod, rows, None, q_len, kv_len)`` builds (per block of
+    128 queries and 128 keys: fully allowed, partly allowed or skipped, then ``BlockMask.from_kv_blocks``), built a
+    band of query blocks at a time so that no ``[rows, q_len, kv_len]`` intermediate exists: uncompiled,
+    create_block_mask evaluates the ``mask_mod`` on every pair at once (at 8192 tokens on cp=4 more memory than
+    sdpa's dense mask), and compiling it trips torch's CPU code generation on some shapes."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    r, n = rows or 1, FLEX_BLOCK
+    blocks_q, blocks_kv = -(-q_len // n), -(-kv_len // n)
+    band = max(1, BLOCK_MASK_BAND_ENTRIES // (r * n * blocks_kv * n))
+    b, kv, head = torch.arange(r, device=device)[:, None, None], torch.arange(kv_len, device=device), torch.tensor(0)
+    partial, full = [], []
+    for first in range(0, blocks_q, band):
+        q = torch.arange(first * n, min((first + band) * n, q_len), device=device)
+        allowed = mask_mod(b, head, q[:, None], kv[None, :]).expand(r, q.numel(), kv_len)
+        allowed = nn.functional.pad(allowed, (0, blocks_kv * n - kv_len, 0, -(-q.numel() // n) * n - q.numel()))
+        counts = allowed.view(r, -1, n, blocks_kv, n).sum((2, 4), dtype=torch.int32)
+        partial.append((counts > 0) & (counts < n * n))
+        full.append(counts == n * n)
+
+    def ordered(dense):  # torch's own ordering of the blocks of each query block: allowed first, stable
+        dense = torch.cat(dense, dim=1)[:, None].to(torch.int32)
+        return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(n, n), mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
+
+
+def _positions(indices: torch.Tensor):
+    """``idx -> indices[idx]`` as arithmetic on ``idx`` for indices made of runs of consecutive positions (a cp
+    chunk, the cp-gathered row): a flex ``mask_mod`` then reads no captured index tensor (torch's CPU flex kernel
+    fails to compile such a lookup once shapes turn dynamic)."""
+    values = indices.tolist()
+    steps = [(0, values[0])] + [(i, values[i] - i) for i in range(1, len(values)) if values[i] != values[i - 1] + 1]
+
+    def position(idx):
+        out = idx + steps[0][1]
+        for (_, before), (start, shift) in zip(steps, steps[1:]):
+            out = out + (idx >= start) * (shift - before)
+        return out
+
+    return position
