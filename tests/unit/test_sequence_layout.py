@@ -230,11 +230,15 @@ def test_blocked_attention_nests_in_layer_checkpointing_and_keeps_no_mask_for_ba
 def test_the_block_size_comes_from_a_byte_budget_the_environment_can_set(monkeypatch):
     monkeypatch.delenv(ATTENTION_BLOCK_ENV, raising=False)
     assert attention_block_budget() == 16 * 2 ** 20
+    assert attention_block_budget(torch.device("cpu")) == 16 * 2 ** 20
+    # on an accelerator a block is a kernel launch and a host step (twice, with the recompute): fewer, larger blocks
+    assert attention_block_budget(torch.device("cuda", 0)) == 256 * 2 ** 20
     # sdpa: a query costs its additive mask (4) and boolean terms (2) per key; the whole 2048 x 8192 mask is 96 MiB
     assert attention_block_rows(1, 4, 2048, 8192, 4, False) == 16 * 2 ** 20 // (8192 * 6)
     assert attention_block_rows(1, 4, 512, 4096, 4, False) is None  # 12 MiB: the whole mask, once per forward
     assert attention_block_rows(1, 4, 512, 4096, 4, True) == 16 * 2 ** 20 // (4096 * (6 + 4 * 16))  # eager's scores
     monkeypatch.setenv(ATTENTION_BLOCK_ENV, "0.5")
+    assert attention_block_budget(torch.device("cuda")) == 2 ** 19  # the variable rules on every device
     assert attention_block_rows(1, 4, 2048, 8192, 4, False) == 2 ** 19 // (8192 * 6)
     monkeypatch.setenv(ATTENTION_BLOCK_ENV, "0")
     with pytest.raises(PlanError, match="XPAR_ZOO_ATTENTION_BLOCK_MIB='0': expected a positive number of MiB"):

@@ -291,7 +291,7 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     projection. ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
     a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp eager gets an additive mask of
     ``rows·(seq/cp)·seq`` shared by the layers where that mask and one layer's scores fit the block budget
-    (:func:`~xpar_zoo.styles.sequence.attention_block_rows`, 16 MiB unless ``XPAR_ZOO_ATTENTION_BLOCK_MIB``);
+    (:func:`~xpar_zoo.styles.sequence.attention_block_rows`, the CPU's 16 MiB unless ``XPAR_ZOO_ATTENTION_BLOCK_MIB``);
     beyond it eager runs a block of queries at a time, checkpointed: no mask or scores kept, the key/value heads
     kept as gathered, and one block's mask and scores (``"attention block"``) while it runs. sdpa gets none
     (plain rows assumed, no packing, padding or short window): its own causal kernel under sp alone, and under cp

@@ -208,7 +208,7 @@ class SequenceParallel:
         layer); otherwise :func:`blocked_attention`, a block of queries at a time."""
         batch = self.current
         rows = attention_block_rows(query.shape[0], query.shape[1], query.shape[2], key.shape[2],
-                                    query.element_size(), self.inner == "eager")
+                                    query.element_size(), self.inner == "eager", attention_block_budget(query.device))
         if rows is None:
             return call(query, key, value, batch.mask(causal, window, query.dtype))
         return blocked_attention(call, query, key, value, batch, causal, window, rows)

@@ -27,17 +27,22 @@ from ..errors import PlanError
 # ---- the block budget -------------------------------------------------------------------------------------------
 
 # The blocked sp/cp attention (:func:`blocked_attention`): the bytes one block of queries may hold for its mask and,
-# for eager, its scores (MiB); where the whole mask fits, it is built once per forward and shared by the layers.
+# for eager, its scores (MiB); where the whole mask fits, it is built once per forward and shared by the layers. On
+# a GPU the budget is larger: every block is a kernel launch and a host step (forward, and again in the recompute of
+# backward), which cost more there than a few hundred MiB of a GPU's memory; on the CPU, memory is what binds.
 ATTENTION_BLOCK_ENV = "XPAR_ZOO_ATTENTION_BLOCK_MIB"
 ATTENTION_BLOCK_MIB = 16.0
+ATTENTION_BLOCK_MIB_ACCELERATOR = 256.0
 
 
-def attention_block_budget() -> float:
+def attention_block_budget(device: torch.device | None = None) -> float:
     """The bytes of one block of :func:`blocked_attention`: ``XPAR_ZOO_ATTENTION_BLOCK_MIB`` (MiB, a positive
-    number), else 16 MiB."""
+    number), else 256 MiB on an accelerator ``device`` (CUDA, XPU, …) and 16 MiB on the CPU (and where ``device`` is
+    not given: the sizer's figure)."""
     raw = os.environ.get(ATTENTION_BLOCK_ENV, "").strip()
     if not raw:
-        return ATTENTION_BLOCK_MIB * 2 ** 20
+        accelerator = device is not None and torch.device(device).type not in ("cpu", "meta")
+        return (ATTENTION_BLOCK_MIB_ACCELERATOR if accelerator else ATTENTION_BLOCK_MIB) * 2 ** 20
     try:
         mib = float(raw)
     except ValueError:
