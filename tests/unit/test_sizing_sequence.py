@@ -196,9 +196,11 @@ def test_sequence_mixing_sp_cp_cannot_gather_is_refused_with_the_reason():
     assert sizing.sequence_splits(cfg, 4, 4096) == [(1, 1)]
 
 
-def test_hybrid_mixer_layers_hold_whole_rows_of_activations_under_sp_cp():
-    """qwen3_next's gated delta net layers run on the group's whole rows: their activations are not divided by
-    sp·cp (the attention and MoE layers' are)."""
+def test_hybrid_mixer_layers_hold_whole_rows_of_activations_under_sp_cp(monkeypatch):
+    """qwen3_next's gated delta net layers run on the group's whole rows: kept for backward
+    (``XPAR_ZOO_MIXER_RECOMPUTE=0``) their activations are not divided by sp·cp (the attention and MoE layers'
+    are)."""
+    monkeypatch.setenv("XPAR_ZOO_MIXER_RECOMPUTE", "0")
     cfg = parity.tiny_config("qwen3_next", hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                              head_dim=16, num_hidden_layers=4,
                              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
@@ -210,6 +212,20 @@ def test_hybrid_mixer_layers_hold_whole_rows_of_activations_under_sp_cp():
     assert all_attention < split < plain
     # the two mixer layers keep whole rows: [4096, 2H + 2q + 2kv] each, against [1024, …] of an attention layer
     assert split - all_attention > 2 * 3072 * 2 * 128 * 4
+
+
+def test_recomputed_hybrid_mixer_layers_keep_their_local_values_and_one_whole_row_transient(monkeypatch):
+    """By default a mixer's whole-row forward is recomputed in backward: the mixer layers keep what an attention
+    layer's MLP keeps, and one mixer's whole rows are a transient, not one per mixer layer."""
+    cfg = parity.tiny_config("qwen3_next", hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                             head_dim=16, num_hidden_layers=6, layer_types=["linear_attention"] * 4 + [
+                                 "full_attention"] * 2)
+    monkeypatch.setenv("XPAR_ZOO_MIXER_RECOMPUTE", "0")
+    kept = _terms(cfg, 4096, sp=4)["activations"]
+    monkeypatch.delenv("XPAR_ZOO_MIXER_RECOMPUTE")
+    recomputed = _terms(cfg, 4096, sp=4)["activations"]
+    whole = 4096 * (2 * 128 + 2 * 128 + 2 * 32) * 4  # one mixer's whole rows: [S, 2H + 2q + 2kv] fp32
+    assert kept - recomputed == pytest.approx(3 * whole)  # four mixer layers' whole rows -> one
 
 
 def test_suggest_grows_sp_up_to_the_heads_then_cp():

@@ -25,7 +25,7 @@ from ..loss.fused import CE_CHUNK_ELEMENTS
 from ..styles.planned import check_plan_names, match_plan, whole_vocab_head_fusable
 from ..styles.sequence import (INNER_IMPLEMENTATIONS, attention_block_rows, attention_query_bytes,
                                check_sequence_length, kv_repeat, recurrent_layers)
-from ..styles.sequence_mixers import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
+from ..styles.sequence_mixers import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES, mixer_recompute
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
 
@@ -248,15 +248,18 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     attn, scores, mask = _attention_bytes(config, rows, seq, dtype_bytes, sp, cp, attention)
     layer = local * (4 * h + outside + mlp) * dtype_bytes + attn  # bytes one layer keeps (scores apart)
     # a sequence mixer on the group's whole rows (sp/cp): its gathered input, its input and projections as wide as
-    # the attention's (a proxy) for every token of the rows
+    # the attention's (a proxy) for every token of the rows; recomputed in backward by default (mixer_recompute),
+    # so a mixer layer keeps its local values and one mixer's whole rows are a transient
     mixers = whole_row_layers(config) if sp * cp > 1 else 0
-    mixer = local * (4 * h + mlp) * dtype_bytes + tokens * (2 * h + 2 * q_width + 2 * kv_width) * dtype_bytes
+    whole = tokens * (2 * h + 2 * q_width + 2 * kv_width) * dtype_bytes
+    mixer = local * (4 * h + mlp) * dtype_bytes + whole
     layers = config.num_hidden_layers
     if recompute:  # the other layers' inputs, and one layer's values (its input among them) while it is recomputed
         values = max(layers - 1, 0) * local * h * dtype_bytes + (max(layer, mixer if mixers else 0) if layers else 0)
         scores_kept = scores if layers > mixers else 0
     else:
-        values = (layers - mixers) * layer + mixers * mixer
+        kept = mixer - whole if mixer_recompute() else mixer
+        values = (layers - mixers) * layer + mixers * kept + (whole if mixers and mixer_recompute() else 0)
         scores_kept = (layers - mixers) * scores
     values += local * 2 * h * dtype_bytes  # the final norm
     s = fused_head

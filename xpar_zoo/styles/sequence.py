@@ -387,7 +387,6 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
     original = model.forward
     signature = inspect.signature(original)
     var_kw = next(p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
-    params = signature.parameters
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
@@ -411,8 +410,9 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> Seque
                                  f"tokens per row here, the batch has {None if ref is None else ref.shape[1]}")
             if named.get("attention_mask") is not None:
                 raise BatchError("sp/cp: pass no attention_mask with a shard_sequence part (it carries the padding)")
-        if "use_cache" in params:
-            named["use_cache"] = False
+        # no KV / recurrent cache: a cache the model would make from config.use_cache (through **kwargs to its
+        # inner model) holds this rank's part, and a hybrid mixer's recompute in backward would find it filled
+        named["use_cache"] = False
         _keep_wrapped(model, state)
         ref = named.get("input_ids") if named.get("input_ids") is not None else named.get("inputs_embeds")
         state.begin(part, ref.device)

@@ -19,10 +19,13 @@ for every per-token parameter) is the single-process gradient. Packing kwargs (`
 dropped, as the sp/cp attention drops them: the mixer sees what single-process transformers gives it on rows packed
 by ``position_ids`` alone.
 
-**The cost, plainly.** The compute of those layers is repeated on every rank of the group and their activation
-memory is *not* divided by ``sp·cp`` (every rank holds the whole ``[b, S, ·]`` activations of each such layer). A
-true Ulysses (each rank the whole sequence for ``1/sp`` of the heads) would need head-sliced projection weights and
-convolutions inside the modules, i.e. copied modeling code; we do not copy modeling code, so the mixers run whole.
+**The cost, plainly.** The compute of those layers is repeated on every rank of the group, and while a mixer runs
+the rank holds its whole ``[b, S, ·]`` activations. What is kept for backward is this rank's input only: the
+whole-row forward runs under non-reentrant activation checkpointing (:func:`mixer_recompute`; not inside a decoder
+layer that is checkpointed already), so one mixer's whole rows are live at a time, for one more forward of those
+layers. A true Ulysses (each rank the whole sequence for ``1/sp`` of the heads) would need head-sliced projection
+weights and convolutions inside the modules, i.e. copied modeling code; we do not copy modeling code, so the
+mixers run whole.
 
 **Refused** (:func:`unserved_mixers` names them, with the reason): sequence mixing that is not such a module,
 e.g. a short convolution inside the attention module on the key projections (inkling), indexed / compressed sparse
@@ -34,12 +37,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 
 import torch
 from torch import nn
 
 from ..compat import no_split_modules
-from ..errors import ModelStateError
+from ..errors import ModelStateError, PlanError
 from ..parallel.collectives import GatherRows
 from ..parallel.mesh import PlanShard
 
@@ -53,6 +57,9 @@ RECURRENT_MIXERS = ("GatedDeltaNet", "LightningAttention", "LinearAttention", "M
 SEQUENCE_KWARGS = ("position_ids", "position_embeddings")
 # Packing kwargs of flash-attention collators: dropped (the documents come from position_ids, as for attention).
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# "0" keeps the whole rows' activations of every mixer for backward instead of recomputing them (see
+# :func:`mixer_recompute`).
+MIXER_RECOMPUTE_ENV = "XPAR_ZOO_MIXER_RECOMPUTE"
 # Why a kind of layer type cannot run on gathered rows, by a fragment of its name.
 LAYER_TYPE_REASONS = {
     "index": "sparse attention whose indexer picks keys over the whole sequence inside the attention module",
@@ -130,7 +137,7 @@ def unserved_mixers(model: nn.Module, config) -> list[str]:
 
 # ---- the wrapper ------------------------------------------------------------------------------------------------
 
-def gather_rows_in_order(x: torch.Tensor, state) -> torch.Tensor:
+def gather_rows_in_order(x: torch.Tensor, state, batch=None) -> torch.Tensor:
     """``[b, s, …]`` (this rank's tokens) → ``[b, S, …]`` (the group's whole rows in row order): all-gathered over
     sp, then over cp, then reordered. Differentiable (backward: the group's sum for this rank's tokens)."""
     rows = x.transpose(0, 1).contiguous()
@@ -138,7 +145,7 @@ def gather_rows_in_order(x: torch.Tensor, state) -> torch.Tensor:
         if size > 1:
             rows = GatherRows.apply(rows, [rows.shape[0]] * size, PlanShard(group, size, rank, 0))
     if state.cp > 1:  # the cp chunks in cp rank order, as the attention's gathered keys: put in row order
-        rows = rows[state.current.key_order()]
+        rows = rows[(batch or state.current).key_order()]
     return rows.transpose(0, 1)
 
 
@@ -159,7 +166,27 @@ def _keep_local(out, index: torch.Tensor, seq_len: int):
                           "states first")
 
 
-def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.Signature):
+def mixer_recompute() -> bool:
+    """Whether a sequence mixer's whole-row forward runs under non-reentrant activation checkpointing (the default):
+    only this rank's ``[b, S/(sp·cp), H]`` input is kept for backward, which gathers the rows again and recomputes
+    the mixer, one layer at a time; without it every such layer keeps its whole rows' activations (``[b, S, ·]``, not
+    divided by the group) until its backward. ``XPAR_ZOO_MIXER_RECOMPUTE=0`` keeps them (one forward less). Not
+    inside a decoder layer that activation checkpointing recomputes already (its recompute keeps none of them)."""
+    raw = os.environ.get(MIXER_RECOMPUTE_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise PlanError(f"{MIXER_RECOMPUTE_ENV}={raw!r}: expected 0 or 1")
+    return raw != "0"
+
+
+def _on_whole_rows(original, state, batch, hidden: torch.Tensor, seq_len: int, named: dict):
+    """The mixer's own forward on the group's whole rows (of the forward ``batch``: the recompute in backward
+    reads the same one), and this rank's tokens of its output."""
+    out = original(gather_rows_in_order(hidden, state, batch), **named)
+    return _keep_local(out, batch.masks["mixer_local"], seq_len)
+
+
+def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.Signature,
+                        layer: nn.Module | None = None):
     @functools.wraps(original)
     def forward(*args, **kwargs):
         batch = state.current
@@ -181,10 +208,15 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
                 named[name] = _gather_kwarg(named[name], state, local)
         # the whole rows' padding, as the integer 0/1 mask transformers passes its mixers (None: no padding)
         named["attention_mask"] = None if batch.key_valid is None else batch.key_valid.long()
-        out = original(gather_rows_in_order(hidden, state), **named)
         if "mixer_local" not in batch.masks:  # this rank's tokens on the device, once per forward
             batch.masks["mixer_local"] = state.layout(seq_len).local.to(hidden.device)
-        return _keep_local(out, batch.masks["mixer_local"], seq_len)
+        # not inside a checkpointed decoder layer: its own recompute already keeps nothing of the mixer's rows
+        layer_recomputes = layer is not None and layer.training and getattr(layer, "gradient_checkpointing", False)
+        if torch.is_grad_enabled() and mixer_recompute() and not layer_recomputes:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(_on_whole_rows, original, state, batch, hidden, seq_len, named, use_reentrant=False)
+        return _on_whole_rows(original, state, batch, hidden, seq_len, named)
 
     return forward
 
@@ -196,7 +228,9 @@ def install_sequence_mixers(model: nn.Module, state) -> list[str]:
     missed = unserved_mixers(model, model.config.get_text_config())
     if missed:  # checked before parallelize; found again here, or the model would run them on its shard alone
         raise ModelStateError(f"sp/cp: sequence mixing not wrapped after parallelize: {'; '.join(missed)}")
-    for module in mixers.values():
+    modules = dict(model.named_modules())
+    for name, module in mixers.items():
         original = module.forward
-        module.forward = _whole_rows_forward(module, state, original, inspect.signature(original))
+        layer = modules.get(name.rpartition(".")[0])  # the decoder layer that holds the mixer
+        module.forward = _whole_rows_forward(module, state, original, inspect.signature(original), layer)
     return list(mixers)
