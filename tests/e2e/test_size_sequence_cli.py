@@ -14,15 +14,21 @@ def _run(capsys, *argv):
     return rc, out.out, out.err
 
 
-def test_size_reports_tokens_per_rank_and_the_eager_scores(capsys):
-    rc, out, _ = _run(capsys, "--world", "8", "--sp", "2", "--cp", "2", "--ep", "2", "--seq", "32768",
-                      "--attention", "eager")
+def test_size_reports_tokens_per_rank_and_the_eager_scores(capsys, monkeypatch):
+    """eager keeps its ``seq²`` scores where they fit the block budget (raised here), and none beyond it, where
+    the sp/cp attention runs a block of queries at a time (the default budget at this length)."""
+    argv = ("--world", "8", "--sp", "2", "--cp", "2", "--ep", "2", "--seq", "32768", "--attention", "eager")
+    monkeypatch.setenv("XPAR_ZOO_ATTENTION_BLOCK_MIB", "1000000")
+    rc, out, _ = _run(capsys, *argv)
     assert rc == 0
     assert "mesh {'world': 8, 'replicate': 1, 'ep': 2, 'sp': 2, 'cp': 2}" in out
     assert "8192 tokens per rank outside attention" in out
     for row in ("activations (estimate)", "attention scores (eager, seq²)", "all_to_all (sp: sequence <-> heads)",
                 "all_to_all (cp: keys/values gathered)"):
         assert row in out, row
+    monkeypatch.delenv("XPAR_ZOO_ATTENTION_BLOCK_MIB")
+    rc, blocked, _ = _run(capsys, *argv)
+    assert rc == 0 and "attention scores (eager, seq²)" not in blocked and "activations (estimate)" in blocked
 
 
 def test_size_json_has_the_tokens_per_rank(capsys):
@@ -38,7 +44,6 @@ def test_size_json_has_the_tokens_per_rank(capsys):
     (["--world", "64", "--sp", "64"], "sp=64 does not divide the 32 query heads of qwen3_moe; use sp=32, cp=2"),
     (["--world", "8", "--sp", "3"], "sp=3 does not divide the ranks of a replica (8"),
     (["--world", "8", "--sp", "4", "--cp", "2", "--seq", "1000"], "sequence length 1000 does not divide by 2·cp·sp"),
-    (["--world", "8", "--cp", "2", "--attention", "flash_attention_2"], "not supported under sp/cp"),
 ])
 def test_impossible_sizes_are_one_line(capsys, argv, message):
     rc, out, err = _run(capsys, *argv)
