@@ -9,7 +9,8 @@ and on packed rows (position_ids restart per document: no token attends across a
 chunks) and right-padded rows, with eager and sdpa inner attention; a dense model (qwen3) on sp=4 and cp=4;
 mixtral and gemma4_text with a sliding window; gpt_oss (attention sinks, sliding and full layers); deepseek_v2/v3
 (MLA: q/k head dim 16, v head dim 8); hybrid qwen3_next (gated delta net layers on the group's whole rows) on sp+ep,
-cp, sp+cp, packed, right-padded and checkpointed, and minimax (lightning attention) right-padded; activation
+cp, sp+cp, packed, right-padded and checkpointed, and minimax (lightning attention), jamba and granitemoehybrid
+(mamba), lfm2_moe (short convolution) and kimi_linear (delta attention) right-padded; activation
 checkpointing; the blocked masked attention under a tiny block budget (sdpa and eager, cp and sp+cp, packed,
 padded, windows, sinks, with checkpointing); three clipped AdamW steps. The
 same launched run checks ``shard_sequence``, ``data_shard`` and the refusals that need ranks. One 4-rank run for
@@ -61,6 +62,12 @@ CASES = {
     "padded_qwen3_next_gdn_sp2_cp2": (QWEN3_NEXT, {"sp": 2, "cp": 2}, "padded"),
     "padded_qwen3_next_gdn_cp2_ep2": (QWEN3_NEXT, {"cp": 2, "ep": 2}, "padded"),
     "padded_minimax_lightning_sp2_cp2": (("minimax", {}), {"sp": 2, "cp": 2}, "padded"),
+    # the other kinds of mixer on right-padded rows (the whole rows' padding mask reaches each): mamba (jamba,
+    # granitemoehybrid), a short convolution (lfm2_moe), delta attention (kimi_linear)
+    "padded_jamba_mamba_sp2_cp2": (("jamba", {}), {"sp": 2, "cp": 2}, "padded"),
+    "padded_granitemoehybrid_mamba_cp2_ep2": (("granitemoehybrid", {}), {"cp": 2, "ep": 2}, "padded"),
+    "padded_lfm2_moe_conv_sp2_cp2": (("lfm2_moe", {}), {"sp": 2, "cp": 2}, "padded"),
+    "padded_kimi_linear_delta_sp2_cp2": (("kimi_linear", {}), {"sp": 2, "cp": 2}, "padded"),
 }
 # cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
 # that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES
