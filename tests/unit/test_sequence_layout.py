@@ -417,3 +417,13 @@ def test_the_reference_flash_kernel_keeps_flashs_contract():
     flat = flash_attn_varlen_func(q.reshape(6, 4, 8), k.reshape(14, 2, 8), v.reshape(14, 2, 8), cu_q, cu_k, 3, 7,
                                   softmax_scale=0.3, causal=True)
     torch.testing.assert_close(flat.view(2, 3, 4, 8), got)
+
+
+@pytest.mark.parametrize("variable, value", [("XPAR_ZOO_ATTENTION_BLOCK_MIB", "lots"), ("XPAR_ZOO_CP_ATTENTION", "ring"),
+                                             ("XPAR_ZOO_MIXER_RECOMPUTE", "yes")])
+def test_a_bad_sequence_switch_is_one_line_before_any_forward(monkeypatch, variable, value):
+    """The sp/cp environment switches are read when the model is checked (parallelize, and the sizer on the meta
+    model), not first in a forward."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(PlanError, match=rf"^{variable}='{value}': expected "):
+        check_sequence_parallel(_meta_model("qwen3_moe"), types.SimpleNamespace(sp=2, cp=1))

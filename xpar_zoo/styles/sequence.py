@@ -56,8 +56,8 @@ from ..compat import (attn_implementation, config_with_attn_implementation, flas
                       supports_attn_implementation)
 from ..errors import BatchError, ModelStateError, PlanError
 from ..parallel.mesh import Mesh, PlanShard
-from .sequence_mixers import (decoder_layers, dispatches_attention, install_sequence_mixers, sequence_mixers,
-                              unserved_mixers)
+from .sequence_mixers import (decoder_layers, dispatches_attention, install_sequence_mixers, mixer_recompute,
+                              sequence_mixers, unserved_mixers)
 # The layout, the masks and the inner paths live in their own modules; the names other modules, tests and bench
 # scripts import from here are imported here too. SequenceParallel calls lower_right_attention and blocked_attention
 # by their names in this module (a test counts the calls by replacing them here).
@@ -300,10 +300,19 @@ def attention_outside_interface(model: nn.Module) -> str | None:
     return None
 
 
+def check_sequence_settings() -> None:
+    """The sp/cp environment switches, read now so that a bad value is one line before any work, not an error in
+    the first forward: ``XPAR_ZOO_ATTENTION_BLOCK_MIB``, ``XPAR_ZOO_CP_ATTENTION``, ``XPAR_ZOO_MIXER_RECOMPUTE``."""
+    attention_block_budget()
+    cp_lower_right(torch.device("cpu"))
+    mixer_recompute()
+
+
 def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
     """Raise :class:`~xpar_zoo.errors.PlanError` (one line, naming the numbers) when ``model`` cannot run on
     ``mesh``'s sp/cp; return the inner attention implementation. Before any tensor is touched."""
     sizes = ", ".join(f"{d}={n}" for d, n in (("sp", mesh.sp), ("cp", mesh.cp)) if n > 1)
+    check_sequence_settings()
     config = model.config
     if any(getattr(config, k, None) is not None for k in getattr(config, "sub_configs", {}) if k != "text_config"):
         raise PlanError(f"{sizes}: {type(model).__name__} is multimodal; long context supports text-only causal LMs")
