@@ -166,3 +166,21 @@ def test_direct_config_is_validated_the_same(tmp_path):
         validate(TrainConfig(model="m", data="d", output="o", steps=1, max_grad_norm=float("nan")))
     with pytest.raises(TrainConfigError, match="size of 'ep' must be a whole number"):
         validate(TrainConfig(model="m", data="d", output="o", steps=1, mesh={"ep": 2.0}))
+
+
+@pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_3"])
+def test_flash_without_kernels_is_one_line_before_the_model_loads(monkeypatch, attn):
+    """Parsing takes flash (a dry run may plan a GPU run here); each rank refuses it before loading any weight when
+    its machine has no flash kernels (this CPU machine has none)."""
+    from xpar_zoo.hub import loader
+    from xpar_zoo.train import loop
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(loader, "from_pretrained", loaded)
+    cfg = TrainConfig(model="m", data="d", output="o", steps=1, attn_implementation=attn)
+    validate(cfg)
+    with pytest.raises(TrainConfigError, match=rf"^--attn-implementation {attn}: no flash-attn kernels on this machine"):
+        loop._load_model(cfg, mesh=None, rank=0)
+    loop.check_attention_here("sdpa")  # the others are not checked here

@@ -305,11 +305,26 @@ class _Run:
     counts_once: bool = True  # the first rank of its sequence group: counts its group's rows, tokens, targets
 
 
+def check_attention_here(name: str | None) -> None:
+    """Raise :class:`TrainConfigError` (one line) when ``--attn-implementation`` names flash attention and this
+    machine has no kernels for it: on each rank before the model loads (not at parse time: a dry run may plan a GPU
+    run on a machine without them)."""
+    if name not in ("flash_attention_2", "flash_attention_3"):
+        return
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    available = is_flash_attn_2_available if name == "flash_attention_2" else is_flash_attn_3_available
+    if not available(kernels_fallback_ok=True):
+        raise TrainConfigError(f"--attn-implementation {name}: no flash-attn kernels on this machine (a GPU with the "
+                               "flash-attn package, or transformers' hub kernels); use sdpa or flex_attention")
+
+
 def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
     """The model from ``cfg.model`` on ``mesh`` (``peft``: ``from_pretrained``'s LoRA arguments), in training mode
     with the run's attention and recompute settings."""
     from ..hub.loader import from_pretrained
 
+    check_attention_here(cfg.attn_implementation)
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
                             mixed_precision=cfg.mixed_precision,
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
