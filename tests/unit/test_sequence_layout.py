@@ -202,6 +202,20 @@ def test_a_causal_block_sees_only_the_keys_before_its_last_query_and_never_cross
     assert all(k == slice(None) for _, _, k in padded.blocks(3, True, None))  # a padded query attends to all
 
 
+def test_a_causal_block_on_packed_rows_sees_no_key_before_its_documents():
+    """Packed rows: a block's keys start where its first query's document starts (the earliest over the rows),
+    so a block deep in a row of several documents skips the keys of the documents before it."""
+    pos = torch.arange(16).repeat(2, 1)
+    pos[0, 6:], pos[1, 9:] = torch.arange(10), torch.arange(7)  # row 0: documents at 0 and 6; row 1: at 0 and 9
+    pos[0, 12:] = torch.arange(4)  # row 0: a third document at 12
+    layout = token_layout(16, 1, 1, 0, 0)
+    batch = _Forward(layout.queries, layout.keys, document_ids(pos), None)
+    seen = [(s, sorted(layout.keys[k].tolist())) for s, _, k in batch.blocks(3, True, None)]
+    # queries 9..11: row 0's document from 6, row 1's from 9 -> keys from 6; queries 12..14: from 9 (row 1)
+    assert seen[3] == (9, list(range(6, 12))) and seen[4] == (12, list(range(9, 15)))
+    assert seen[0] == (0, [0, 1, 2]) and seen[2] == (6, list(range(9)))  # 6..8: row 1's document from 0
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_blocked_attention_nests_in_layer_checkpointing_and_keeps_no_mask_for_backward(reentrant):
     """Under the layer's activation checkpointing (transformers' non-reentrant default, and reentrant) the

@@ -147,14 +147,15 @@ class _Forward:
         """The query blocks of :func:`blocked_attention`: ``[(first local query, queries, keys)]``, at most
         ``rows`` consecutive global positions each (never across a run: cp's head and tail chunks apart). ``keys``
         indexes the gathered keys: with a causal mask and no padding only those a query of the block may see (the
-        row up to the block's last position, from its first less the window), else all. One host sync per
-        forward."""
+        row up to the block's last position, from its first less the window, and on packed rows from the start of
+        its first query's document, the earliest over the rows), else all. One host sync per forward."""
         cache = ("blocks", rows, causal, window)
         if cache in self.masks:
             return self.masks[cache]
         trim = causal and self.key_valid is None  # padded queries attend to every key: keep them all
         order = self.key_order().tolist() if trim else None
         positions = self.keys[self.key_order()].tolist() if trim else None  # the keys' positions, ascending
+        floor = self.document_starts() if trim and self.docs is not None else None
         out = []
         for start, n, end in self.query_runs():
             for s in range(start, start + n, rows):
@@ -162,11 +163,19 @@ class _Forward:
                 keys: slice | torch.Tensor = slice(None)
                 if trim:
                     first = end - n + (s - start)  # global position of the block's first query
-                    lo = 0 if window is None else bisect.bisect_left(positions, first - window + 1)
+                    earliest = max(0 if window is None else first - window + 1, 0 if floor is None else floor[first])
+                    lo = bisect.bisect_left(positions, earliest)
                     keys = _index(order[lo:bisect.bisect_right(positions, first + m - 1)], self.keys.device)
                 out.append((s, m, keys))
         self.masks[cache] = out
         return out
+
+    def document_starts(self) -> list[int]:
+        """Per global position, the first position of its packed document, the earliest over the rows (a causal
+        query sees no key before it): ``docs`` numbers each row's documents in order, so a document starts where
+        its number first appears."""
+        starts = torch.searchsorted(self.docs.contiguous(), self.docs.contiguous())  # [b, S], left: the first index
+        return starts.min(0).values.tolist()
 
     def flex_block_mask(self, causal: bool, window: int | None):
         """The mask of :meth:`mask` as a flex ``BlockMask`` (:func:`banded_block_mask` over a ``mask_mod`` that
