@@ -253,3 +253,19 @@ def test_suggest_ranks_long_context_meshes_first_when_only_they_fit():
     assert any(e.mesh.get("sp", 1) > 1 for e in fitting)
     closest = sizing.suggest(cfg, 8, memory_budget=1.0, top=3, **common)  # nothing fits: least memory first
     assert [e.memory_total for e in closest] == sorted(e.memory_total for e in everything)[:3]
+
+
+@pytest.mark.parametrize("sp,cp", [(1, 1), (4, 1), (1, 4), (2, 2)])
+def test_flex_is_sized_as_flash_no_mask_and_grouped_key_value_heads(sp, cp):
+    """flex_attention (a BlockMask of block indices, enable_gqa) keeps what flash keeps; the size command takes it."""
+    cfg = _config()
+    assert _terms(cfg, 4096, sp=sp, cp=cp, attention="flex_attention") == _terms(cfg, 4096, sp=sp, cp=cp,
+                                                                                  attention=FLASH)
+
+
+@pytest.mark.parametrize("attention", sizing.ATTENTION_IMPLEMENTATIONS)
+def test_the_size_command_offers_every_attention_the_sizer_models(attention):
+    from xpar_zoo.commands import cli
+
+    args = cli.build_parser().parse_args(["size", "qwen3_moe", "--world", "4", "--attention", attention])
+    assert args.attention == attention

@@ -285,7 +285,8 @@ def _add_size(sub) -> None:
     p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per rank per step")
     p.add_argument("--seq", type=_positive_int, default=4096,
                    help="sequence length (of each row; split over the sp x cp ranks; --suggest sizes sp/cp for it)")
-    p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager", "flash_attention_2", "flash_attention_3"],
+    p.add_argument("--attention", default="sdpa",
+                   choices=["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"],
                    help="the model's attention implementation (eager keeps the seq x seq scores; default sdpa)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="compute dtype")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])

@@ -115,9 +115,10 @@ def fsdp_units(model: nn.Module, plan: Plan, world: int, sizes: dict[str, int], 
     return units
 
 
-# The attention implementations the sizer models (transformers' names): sdpa and the flash kernels keep no score
-# matrix; eager keeps its softmax (fp32) and, in a lower compute dtype, the copy its second matmul reads.
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+# The attention implementations the sizer models (transformers' names): sdpa, flex and the flash kernels keep no
+# score matrix (flex and flash: the key/value heads grouped, no mask; flex's BlockMask holds block indices only);
+# eager keeps its softmax (fp32) and, in a lower compute dtype, the copy its second matmul reads.
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 # What the sp/cp attention wraps (xpar_zoo.styles.sequence): the sized ones and flex_attention.
 SEQUENCE_ATTENTION = INNER_IMPLEMENTATIONS
 
@@ -194,7 +195,8 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     masked = sp * cp > 1 and attention == "eager"
     block = _eager_block(config, rows, seq, dtype_bytes, sp, cp, attention)
     # blocked (the sp/cp mask over its budget): the blocks' checkpoints keep the key/value heads as gathered
-    native_gqa = attention.startswith("flash") or (attention == "sdpa" and cp == 1) or block is not None
+    native_gqa = (attention.startswith("flash") or attention == "flex_attention" or (attention == "sdpa" and cp == 1)
+                  or block is not None)
     kv_kernel = kv_heads if native_gqa else heads  # otherwise transformers repeats the key/value heads to the queries'
     values = 2 * queries * heads * d + 2 * keys * kv_kernel * d  # q and the output, k and v
     if attention != "eager" and sp > 1:  # Ulysses' output all-to-all: a new o_proj input beside the kernel's output
