@@ -3,6 +3,8 @@ line and exit 2 at parse time (nothing is read, no rank started, no model loaded
 YAML mapping ``mesh: {sp: 2, ep: 2}`` is read as the flag ``--mesh sp=2,ep=2``; the step reads
 ``world/(sp·cp)`` data parts. The launched runs: ``tests/distributed/test_long_context_training.py``."""
 
+import re
+
 import pytest
 
 from xpar_zoo.commands import cli
@@ -69,8 +71,9 @@ def test_sequence_sizes_are_checked_with_the_sizers_rules_before_the_model_loads
         check_mesh(cfg({"sp": 2}), config, 3)
     with pytest.raises(MeshError, match="needs several ranks, and this is one process"):
         check_mesh(cfg({"sp": 2}), config, 1)
-    with pytest.raises(PlanError, match="flex_attention"):
-        check_mesh(cfg({"sp": 2}, attn_implementation="flex_attention"), config, 2)
+    check_mesh(cfg({"sp": 2}, attn_implementation="flex_attention"), config, 2)  # served under sp/cp, sized
+    with pytest.raises(PlanError, match=re.escape("attention 'paged|sdpa' is not one of")):
+        check_mesh(cfg({"sp": 2}, attn_implementation="paged|sdpa"), config, 2)
 
 
 def test_dry_run_reads_one_data_part_per_sequence_group(tmp_path, capsys, monkeypatch):
