@@ -150,6 +150,10 @@ def _rows_of(kind: str, b: int, seq: int) -> tuple:
         valid = torch.ones(b, seq, dtype=torch.bool)
         valid[0, -5:] = False
         return None, valid
+    if kind == "left_padded":  # queries with no key: they attend to every key, in blocks as in the whole mask
+        valid = torch.ones(b, seq, dtype=torch.bool)
+        valid[1, :6] = False
+        return None, valid
     return None, None
 
 
@@ -165,7 +169,7 @@ def _inner(inner: str):
 
 
 @pytest.mark.parametrize("inner", ["sdpa", "eager"])
-@pytest.mark.parametrize("kind", ["plain", "packed", "padded"])
+@pytest.mark.parametrize("kind", ["plain", "packed", "padded", "left_padded"])
 @pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, None)])
 @pytest.mark.parametrize("cp", [1, 4])
 def test_blocked_attention_equals_the_whole_mask_in_values_and_gradients(inner, kind, causal, window, cp):
@@ -198,8 +202,14 @@ def test_a_causal_block_sees_only_the_keys_before_its_last_query_and_never_cross
     assert blocks[0][2] == slice(0, 3)  # consecutive in the gathered order: a view, no copy
     windowed = [sorted(layout.keys[k].tolist()) for _, _, k in plain.blocks(3, True, 4)]
     assert windowed[2] == list(range(9, 15))  # queries 12..14 with a window of 4: keys 9..14
-    padded = _Forward(layout.queries, layout.keys, None, torch.ones(1, 16, dtype=torch.bool))
-    assert all(k == slice(None) for _, _, k in padded.blocks(3, True, None))  # a padded query attends to all
+    left = torch.ones(1, 16, dtype=torch.bool)
+    left[0, :2] = False  # queries 0 and 1 have no key: they attend to all, so no block is trimmed
+    assert all(k == slice(None) for _, _, k in _Forward(layout.queries, layout.keys, None, left).blocks(3, True, None))
+    right = torch.ones(1, 16, dtype=torch.bool)
+    right[0, -3:] = False  # every query sees token 0: trimmed as without padding
+    trimmed = [sorted(layout.keys[k].tolist()) for *_, k in _Forward(layout.queries, layout.keys, None,
+                                                                       right).blocks(3, True, None)]
+    assert trimmed == seen
 
 
 def test_a_causal_block_on_packed_rows_sees_no_key_before_its_documents():

@@ -152,7 +152,8 @@ class _Forward:
         cache = ("blocks", rows, causal, window)
         if cache in self.masks:
             return self.masks[cache]
-        trim = causal and self.key_valid is None  # padded queries attend to every key: keep them all
+        # a query no key is allowed to (left padding) attends to every key: keep them all where one may exist
+        trim = causal and (self.key_valid is None or (window is None and self.every_query_sees_a_key()))
         order = self.key_order().tolist() if trim else None
         positions = self.keys[self.key_order()].tolist() if trim else None  # the keys' positions, ascending
         floor = self.document_starts() if trim and self.docs is not None else None
@@ -169,6 +170,18 @@ class _Forward:
                 out.append((s, m, keys))
         self.masks[cache] = out
         return out
+
+    def every_query_sees_a_key(self) -> bool:
+        """Whether, under the causal mask without a window, every query of the rows has an allowed key: each row's
+        first token and the first token of each of its packed documents is not padding (right-padded rows are;
+        then no query falls back to attending to every key, and a block's keys may be trimmed). One host sync."""
+        if "sees_a_key" not in self.masks:
+            first = torch.zeros_like(self.key_valid)
+            first[:, 0] = True
+            if self.docs is not None:
+                first[:, 1:] |= self.docs[:, 1:] != self.docs[:, :-1]
+            self.masks["sees_a_key"] = bool((self.key_valid | ~first).all())
+        return self.masks["sees_a_key"]
 
     def document_starts(self) -> list[int]:
         """Per global position, the first position of its packed document, the earliest over the rows (a causal
