@@ -184,3 +184,11 @@ def test_flash_without_kernels_is_one_line_before_the_model_loads(monkeypatch, a
     with pytest.raises(TrainConfigError, match=rf"^--attn-implementation {attn}: no flash-attn kernels on this machine"):
         loop._load_model(cfg, mesh=None, rank=0)
     loop.check_attention_here("sdpa")  # the others are not checked here
+
+
+def test_flex_cannot_train_on_the_cpu_one_line_before_the_model_loads():
+    from xpar_zoo.train import loop
+
+    with pytest.raises(TrainConfigError, match=r"^--attn-implementation flex_attention cannot train on the CPU"):
+        loop.check_attention_here("flex_attention", "cpu")
+    loop.check_attention_here("flex_attention", "cuda")

@@ -305,10 +305,13 @@ class _Run:
     counts_once: bool = True  # the first rank of its sequence group: counts its group's rows, tokens, targets
 
 
-def check_attention_here(name: str | None) -> None:
-    """Raise :class:`TrainConfigError` (one line) when ``--attn-implementation`` names flash attention and this
-    machine has no kernels for it: on each rank before the model loads (not at parse time: a dry run may plan a GPU
-    run on a machine without them)."""
+def check_attention_here(name: str | None, device_type: str = "cuda") -> None:
+    """Raise :class:`TrainConfigError` (one line) when ``--attn-implementation`` cannot train here: flash attention
+    on a machine without its kernels, flex_attention on the CPU (torch has no flex backward there). On each rank
+    before the model loads (not at parse time: a dry run may plan a GPU run on a machine without them)."""
+    if name == "flex_attention" and device_type == "cpu":
+        raise TrainConfigError("--attn-implementation flex_attention cannot train on the CPU (torch has no flex "
+                               "backward there); use sdpa or eager, or train on a GPU")
     if name not in ("flash_attention_2", "flash_attention_3"):
         return
     from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
@@ -324,7 +327,7 @@ def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
     with the run's attention and recompute settings."""
     from ..hub.loader import from_pretrained
 
-    check_attention_here(cfg.attn_implementation)
+    check_attention_here(cfg.attn_implementation, getattr(mesh, "device_type", "cuda"))
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
                             mixed_precision=cfg.mixed_precision,
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
