@@ -150,10 +150,16 @@ def gather_rows_in_order(x: torch.Tensor, state, batch=None) -> torch.Tensor:
 
 
 def _gather_kwarg(value, state, local: int):
+    """``value`` (a per-token tensor of this rank's tokens, or a tuple of them) for the whole rows. The model hands
+    every layer the same ``position_ids`` / ``position_embeddings`` objects: each is gathered once per forward."""
     if isinstance(value, (tuple, list)):
         return type(value)(_gather_kwarg(v, state, local) for v in value)
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local:
-        return gather_rows_in_order(value, state)
+        cache = state.current.masks.setdefault("mixer_kwargs", {})
+        kept = cache.get(id(value))
+        if kept is None or kept[0] is not value:
+            kept = cache[id(value)] = (value, gather_rows_in_order(value, state))
+        return kept[1]
     return value
 
 
@@ -207,7 +213,9 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
             if named.get(name) is not None:
                 named[name] = _gather_kwarg(named[name], state, local)
         # the whole rows' padding, as the integer 0/1 mask transformers passes its mixers (None: no padding)
-        named["attention_mask"] = None if batch.key_valid is None else batch.key_valid.long()
+        if "mixer_mask" not in batch.masks:  # once per forward, shared by the mixer layers
+            batch.masks["mixer_mask"] = None if batch.key_valid is None else batch.key_valid.long()
+        named["attention_mask"] = batch.masks["mixer_mask"]
         if "mixer_local" not in batch.masks:  # this rank's tokens on the device, once per forward
             batch.masks["mixer_local"] = state.layout(seq_len).local.to(hidden.device)
         # not inside a checkpointed decoder layer: its own recompute already keeps nothing of the mixer's rows
