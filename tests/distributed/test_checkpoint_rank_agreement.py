@@ -17,20 +17,11 @@ import torch
 import xpar_zoo
 
 from xpar_zoo.checkpoint import write_complete_marker
-from xpar_zoo.testing import launch, parity
+from xpar_zoo.testing import launch
+
+from support.integrity_checkpoints import _model, _train_step
 
 EXPERTS = "model.layers.0.mlp.experts"
-
-
-def _model(seed: int = 0):
-    return parity.build_model(parity.tiny_config("qwen3_moe"), seed=seed)
-
-
-def _train_step(model, opt) -> None:
-    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
 
 
 
