@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -31,7 +30,6 @@ def cpu_model() -> str:
 
 
 def _make_checkpoint(root: str) -> None:
-    import torch
 
     import xpar_zoo
     from xpar_zoo.testing import parity
@@ -60,8 +58,9 @@ def main() -> None:
     ap.add_argument("--shard", default="200MB")
     ap.add_argument("--keep", help="work directory to keep (default: a temporary one)")
     args = ap.parse_args()
-    from xpar_zoo.testing import launch
     from xpar_zoo.converters.export import parse_size
+
+    from xpar_zoo.testing import launch
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="xpar-export-bench-"))
     ckpt = work / "ckpt"

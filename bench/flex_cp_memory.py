@@ -28,9 +28,9 @@ MB = 1024 * 1024
 def _rank(seqs: list[int], trace_dir: str) -> dict:
     import torch
     import torch.distributed as dist
+    from long_context import CONFIG
 
     import xpar_zoo
-    from long_context import CONFIG
     from xpar_zoo.testing import parity
 
     rank, out = dist.get_rank(), {}

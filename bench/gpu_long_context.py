@@ -26,7 +26,14 @@ import types
 import torch
 
 from xpar_zoo.compat import config_with_attn_implementation
-from xpar_zoo.styles.sequence import _Forward, document_ids, flash_inner, flex_inner, lower_right_attention, token_layout
+from xpar_zoo.styles.sequence import (
+    _Forward,
+    document_ids,
+    flash_inner,
+    flex_inner,
+    lower_right_attention,
+    token_layout,
+)
 
 RESULTS: dict = {}
 

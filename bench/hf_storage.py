@@ -45,9 +45,9 @@ def imports() -> None:
     """What every variant imports before it is measured."""
     import torch.distributed.checkpoint  # noqa: F401
     import transformers.core_model_loading  # noqa: F401
+    from xpar_zoo.converters import export, to_dcp  # noqa: F401
 
     import xpar_zoo.checkpoint  # noqa: F401
-    from xpar_zoo.converters import export, to_dcp  # noqa: F401
     from xpar_zoo.hub import loader, writer  # noqa: F401
 
 
@@ -61,11 +61,15 @@ def torch_export(ckpt: str, out: str, shard: str) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-    from xpar_zoo.checkpoint import (iter_model_tensors, model_tensor_specs, read_checkpoint_metadata,
-                                     resolve_checkpoint)
-    from xpar_zoo.checkpoint.dcp_io import quiet_single_process
     from xpar_zoo.converters.export import _config_from
+
+    from xpar_zoo.checkpoint import (
+        iter_model_tensors,
+        model_tensor_specs,
+        read_checkpoint_metadata,
+        resolve_checkpoint,
+    )
+    from xpar_zoo.checkpoint.dcp_io import quiet_single_process
     from xpar_zoo.hub.loader import build_meta
     from xpar_zoo.hub.writer import HubWriter, parse_size, revert_to_hub
 
@@ -98,11 +102,17 @@ def lazy_to_dcp(hub: str, out: str, max_bytes: int = 1 << 30) -> None:
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.planner import WriteItemType
+    from xpar_zoo.converters import to_dcp
 
-    from xpar_zoo.checkpoint import EXTRA_FILE, META_FILE, MODEL_KEY, checkpoint_name, write_complete_marker
+    from xpar_zoo.checkpoint import (
+        EXTRA_FILE,
+        META_FILE,
+        MODEL_KEY,
+        checkpoint_name,
+        write_complete_marker,
+    )
     from xpar_zoo.checkpoint.dcp_io import quiet_single_process
     from xpar_zoo.checkpoint.state import metadata_record
-    from xpar_zoo.converters import to_dcp
     from xpar_zoo.errors import ConvertError
     from xpar_zoo.hub.loader import open_hub_checkpoint
     from xpar_zoo.hub.safetensors_files import SAFETENSORS_DTYPES
@@ -186,7 +196,11 @@ def _hub_tensors_equal(a: Path, b: Path) -> list[str]:
 def _dcp_tensors_equal(a: Path, b: Path) -> list[str]:
     import torch
 
-    from xpar_zoo.checkpoint import iter_model_tensors, model_tensor_specs, resolve_checkpoint
+    from xpar_zoo.checkpoint import (
+        iter_model_tensors,
+        model_tensor_specs,
+        resolve_checkpoint,
+    )
 
     sa, sb = resolve_checkpoint(a), resolve_checkpoint(b)
     if set(model_tensor_specs(sa)) != set(model_tensor_specs(sb)):

@@ -41,9 +41,9 @@ LABELS = {"fsdp": "FSDP alone `Mesh()`", "sp4": "`Mesh(sp=4)`, mixers recomputed
 def _runs(seq: int, trace_dir: str) -> dict:
     import torch
     import torch.distributed as dist
+    from transformers.utils import logging
 
     import xpar_zoo
-    from transformers.utils import logging
     from xpar_zoo.testing import parity
 
     logging.set_verbosity_error()
@@ -103,12 +103,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         res = launch.run(_runs, WORLD, args.seq, tmp, timeout_s=1800)
     base = res["fsdp"]["peak"]
-    lines = [f"## Long context on a hybrid model: qwen3_next's mixers on whole rows, recomputed or kept (issue 30)", "",
+    lines = ["## Long context on a hybrid model: qwen3_next's mixers on whole rows, recomputed or kept (issue 30)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} cores (a shared VM), load {load:.1f} before / {os.getloadavg()[0]:.1f} after; torch "
              f"{torch.__version__}, transformers {transformers.__version__}; `python bench/hybrid_long_context.py "
              f"--seq {args.seq}` ({(time.time() - t0) / 60:.1f} min)",
-             f"- model: qwen3_next fp32, 4 layers (3 gated delta net, 1 full attention), hidden 256, 16 experts of 256 "
+             "- model: qwen3_next fp32, 4 layers (3 gated delta net, 1 full attention), hidden 256, 16 experts of 256 "
              "(top-2) + a shared expert, attention 4 query / 2 key-value heads of 32, linear attention 4 key / 8 value "
              "heads of 32; sdpa; 4 gloo ranks; one row per micro-batch; worst rank's live peak of one forward+backward",
              "", f"| mesh | peak at {args.seq} tokens (MiB) | × FSDP alone | step (s) |", "|---|---|---|---|"]

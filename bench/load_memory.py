@@ -73,11 +73,9 @@ def _load(which: str, directory: str):
 def measure(which: str, directory: str) -> dict:
     """On every rank: RSS growth and time of one load; rank 0 gets every rank's numbers."""
     import torch.distributed as dist
-
     import transformers
-    from transformers.utils import logging
-
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401 — both loaders start with these imported
+    from transformers.utils import logging
 
     logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -13,8 +13,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from xpar_zoo.checkpoint import (DCP_METADATA, META_FILE, MODEL_KEY, STEP_PREFIX, TMP_PREFIX, SafeReader,
-                                 incomplete_reason, read_dcp_metadata, scan_root, step_of, verify_checkpoint)
+from xpar_zoo.checkpoint import (
+    DCP_METADATA,
+    META_FILE,
+    MODEL_KEY,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    SafeReader,
+    incomplete_reason,
+    read_dcp_metadata,
+    scan_root,
+    step_of,
+    verify_checkpoint,
+)
 from xpar_zoo.checkpoint.layout import run_checkpoint_root
 from xpar_zoo.errors import ConvertError, XparError
 
@@ -33,10 +44,10 @@ def _dtype_name(dtype) -> str:
 def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
     """``(format, note)``: per-expert when transformers' conversion rules fuse any key, from a meta-device model."""
     try:
+        import torch
+
         from xpar_zoo.hub.layout import map_hub_layout
         from xpar_zoo.zoo.registry import build_meta
-
-        import torch
 
         layout = map_hub_layout(build_meta(config, torch.float32), tensors)
         fused = any(t.rule != "key" for t in layout.targets.values())
@@ -47,7 +58,11 @@ def _hub_format(directory: Path, config, tensors) -> tuple[str, str | None]:
 
 
 def _inspect_hub(directory: Path) -> dict[str, Any]:
-    from xpar_zoo.hub.safetensors_files import DTYPE_SIZES, SAFETENSORS_DTYPES, read_checkpoint_headers
+    from xpar_zoo.hub.safetensors_files import (
+        DTYPE_SIZES,
+        SAFETENSORS_DTYPES,
+        read_checkpoint_headers,
+    )
 
     def _dtype_name(code: str) -> str:  # torch's names, so that hub and DCP reports read alike
         return str(SAFETENSORS_DTYPES[code]).removeprefix("torch.") if code in SAFETENSORS_DTYPES else code

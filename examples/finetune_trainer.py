@@ -17,7 +17,11 @@ import json
 import os
 
 import torch
-from transformers import AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
+from transformers import (
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    TrainingArguments,
+)
 
 import xpar_zoo
 from xpar_zoo.integrations.trainer import XparTrainer, XparTrainerMixin

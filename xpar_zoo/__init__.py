@@ -1,11 +1,41 @@
 """xpar_zoo: train Hugging Face transformers models with extra parallelism (EP, vocab, any named plan) + FSDP2."""
 
-from .checkpoint import (CheckpointFuture, latest_checkpoint, load_checkpoint, read_checkpoint_metadata,
-                         save_checkpoint, verify_checkpoint)
-from .errors import (AdapterError, BatchError, CheckpointError, CheckpointMismatchError, CheckpointWarning,
-                     ConvertError, DataError, HubResolutionError, IntegrationError, KernelError, LeftoverWarning,
-                     LoadError, MeshError, ModelStateError, NonFiniteError, PlanError, PublishError,
-                     RefusedArchitectureError, TrainConfigError, UnknownArchitectureError, XparError)
+# The documented module paths ``xpar_zoo.moe``, ``xpar_zoo.registry`` and ``xpar_zoo.vocab`` (e.g.
+# ``xpar_zoo.moe.set_experts_kernels``) name the modules where the code lives, the same module objects, so that
+# ``import xpar_zoo.moe`` works and patching one reaches the code.
+import sys as _sys  # noqa: E402
+
+from .checkpoint import (
+    CheckpointFuture,
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint_metadata,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from .errors import (
+    AdapterError,
+    BatchError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWarning,
+    ConvertError,
+    DataError,
+    HubResolutionError,
+    IntegrationError,
+    KernelError,
+    LeftoverWarning,
+    LoadError,
+    MeshError,
+    ModelStateError,
+    NonFiniteError,
+    PlanError,
+    PublishError,
+    RefusedArchitectureError,
+    TrainConfigError,
+    UnknownArchitectureError,
+    XparError,
+)
 from .hub.loader import from_pretrained
 from .integrations.peft_files import save_adapter
 from .parallel.clip import clip_grad_norm_
@@ -13,19 +43,14 @@ from .parallel.materialize import materialize
 from .parallel.mesh import Mesh
 from .parallel.state import full_state_dict
 from .parallelize import parallelize
+from .styles import experts as moe  # noqa: E402
+from .styles import vocab
 from .styles.sequence import data_shard, shard_sequence
 from .styles.vocab import full_logits
 from .version import __version__
+from .zoo import registry  # noqa: E402
 from .zoo.plan import ExtraPlan, Plan
 from .zoo.registry import get_plan, supported_architectures
-
-# The documented module paths ``xpar_zoo.moe``, ``xpar_zoo.registry`` and ``xpar_zoo.vocab`` (e.g.
-# ``xpar_zoo.moe.set_experts_kernels``) name the modules where the code lives, the same module objects, so that
-# ``import xpar_zoo.moe`` works and patching one reaches the code.
-import sys as _sys  # noqa: E402
-
-from .styles import experts as moe, vocab  # noqa: E402
-from .zoo import registry  # noqa: E402
 
 for _name, _module in {"moe": moe, "registry": registry, "vocab": vocab}.items():
     _sys.modules[f"{__name__}.{_name}"] = _module

@@ -27,7 +27,9 @@ import logging
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import _TYPES as _SAFETENSORS_TYPES  # the dtype table of safetensors' own torch reader
+from safetensors.torch import (
+    _TYPES as _SAFETENSORS_TYPES,  # the dtype table of safetensors' own torch reader
+)
 from torch import nn
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard

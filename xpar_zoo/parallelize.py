@@ -30,7 +30,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .compat import can_set_experts_implementation, fsdp_managed_tensors, mark_fsdp_managed
+from .compat import (
+    can_set_experts_implementation,
+    fsdp_managed_tensors,
+    mark_fsdp_managed,
+)
 from .errors import ModelStateError, PlanError
 from .hub.save_pretrained import install_save_pretrained
 from .integrations.peft import base_of, prepare, uses_peft
@@ -43,7 +47,11 @@ from .styles.experts import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .styles.gathered import install_gathered
 from .styles.planned import match_plan, whole_vocab_head_fusable
 from .styles.sequence import check_sequence_parallel, install_sequence_parallel
-from .styles.vocab import install_fused_loss, install_vocab_embedding, install_vocab_lm_head
+from .styles.vocab import (
+    install_fused_loss,
+    install_vocab_embedding,
+    install_vocab_lm_head,
+)
 from .zoo.plan import Plan
 from .zoo.registry import plan_for
 

@@ -3,7 +3,6 @@ without plans, and resumes training exactly; saves are atomic under SIGKILL; wro
 
 import json
 import os
-
 import shutil
 import signal
 import warnings
@@ -77,7 +76,10 @@ def _unpack(path: str):
 
 
 def _full_optim(model, opt) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"state": {k: {n: v.clone() for n, v in s.items()} for k, s in osd.get("state", {}).items()},

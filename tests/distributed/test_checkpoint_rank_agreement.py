@@ -6,20 +6,16 @@ save removes what interrupted ones left; ranks that call alone or disagree get t
 bounded time, and the job can go on."""
 
 import os
-
 import time
-
 from pathlib import Path
 
 import pytest
 import torch
+from support.integrity_checkpoints import _model, _train_step
 
 import xpar_zoo
-
 from xpar_zoo.checkpoint import write_complete_marker
 from xpar_zoo.testing import launch
-
-from support.integrity_checkpoints import _model, _train_step
 
 EXPERTS = "model.layers.0.mlp.experts"
 

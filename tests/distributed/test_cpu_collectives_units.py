@@ -12,8 +12,9 @@ from xpar_zoo.testing import launch, parity
 
 def _units_given_in_place(how: str) -> tuple[int, int, bool]:
     """(FSDP units, units given the in-place collectives, whether gloo_comms was imported before parallelize)."""
-    import xpar_zoo
     from torch.distributed.fsdp import FSDPModule
+
+    import xpar_zoo
 
     imported_before = "xpar_zoo.parallel.gloo_comms" in sys.modules
     kwargs = {}

@@ -11,18 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
-import xpar_zoo
-from xpar_zoo import ExtraPlan, get_plan
-from xpar_zoo.checkpoint import checkpoint_name
-
-from xpar_zoo.testing import launch, parity
-
 from support.placement_models import (  # noqa: F401
-    WORLD, DIM1, EXPERTS, EMB, HEAD, O_PROJ, RANK, LowRankLinear, with_low_rank, LOW_RANK_PLAN
+    DIM1,
+    EMB,
+    EXPERTS,
+    HEAD,
+    LOW_RANK_PLAN,
+    O_PROJ,
+    RANK,
+    WORLD,
+    LowRankLinear,
+    with_low_rank,
 )
 
+import xpar_zoo
+from xpar_zoo.checkpoint import checkpoint_name
+from xpar_zoo.testing import launch, parity
 
 
 # ---- training on dim 1 and on both (4 ranks) ---------------------------------------------------------------------
@@ -228,7 +232,10 @@ def _train(model, opt, data: torch.Tensor, steps: range) -> list[float]:
 
 
 def _state(model, opt) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"params": xpar_zoo.full_state_dict(model),

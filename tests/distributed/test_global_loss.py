@@ -195,8 +195,9 @@ def _generate(prompts) -> dict:
 def _save_pretrained(cfg, data, root: str) -> dict:
     """One SGD step on Mesh(ep=2, emb=2, head=2), then ``model.save_pretrained`` (all ranks) twice into the same
     directory, the second time over a stale shard: what plain transformers loads back, against the live model."""
-    import torch.distributed as dist
     from pathlib import Path
+
+    import torch.distributed as dist
 
     import xpar_zoo
 

@@ -6,7 +6,11 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo.parallel.gloo_comms import InPlaceAllGather, InPlaceReduceScatter, runs_on_gloo
+from xpar_zoo.parallel.gloo_comms import (
+    InPlaceAllGather,
+    InPlaceReduceScatter,
+    runs_on_gloo,
+)
 from xpar_zoo.testing import launch, parity
 
 DTYPES = (torch.float32, torch.bfloat16, torch.uint8)  # FSDP2 gathers mixed-dtype units as uint8

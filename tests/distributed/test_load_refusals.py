@@ -1,30 +1,48 @@
 """Bad load input on launched ranks: every kind of broken hub folder is one clear error on every rank before any tensor
 is read, and a rank failing during a load ends the job with a clear error."""
 
-import json
 import os
 import re
-import shutil
-import struct
-
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from xpar_zoo.errors import XparError
 from xpar_zoo.testing import launch, parity
 
 WORLD = 2
 from support.load_refusal_cases import (  # noqa: F401
-    INDEX, _index, _edit_file, _rewrite_header, _two_of_a_size, _config_absent, _config_invalid_json,
-    _config_no_model_type, _config_unknown_model_type, _config_no_plan, _other_architecture,
-    _shard_absent, _header_truncated, _data_truncated, _header_corrupt, _quantization_config,
-    _mxfp4_blocks, _int8_weights, _index_not_json, _index_no_weight_map, _unknown_dtype,
-    _offsets_overlap, _offsets_wrong_size, _pickle_only, BREAKERS, _make_bad, LOAD_CASES, FILE_CASES
+    BREAKERS,
+    FILE_CASES,
+    INDEX,
+    LOAD_CASES,
+    _config_absent,
+    _config_invalid_json,
+    _config_no_model_type,
+    _config_no_plan,
+    _config_unknown_model_type,
+    _data_truncated,
+    _edit_file,
+    _header_corrupt,
+    _header_truncated,
+    _index,
+    _index_no_weight_map,
+    _index_not_json,
+    _int8_weights,
+    _make_bad,
+    _mxfp4_blocks,
+    _offsets_overlap,
+    _offsets_wrong_size,
+    _other_architecture,
+    _pickle_only,
+    _quantization_config,
+    _rewrite_header,
+    _shard_absent,
+    _two_of_a_size,
+    _unknown_dtype,
 )
+
 BEFORE_PARALLELIZE = [*FILE_CASES, "path_does_not_exist"]  # found from the files alone: parallelize never runs
 PATH_BOUND_S = 10  # hub retries took 27 s
 

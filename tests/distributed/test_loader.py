@@ -3,7 +3,6 @@ single-process transformers, each rank reading only its own slices; the hub is r
 bad checkpoints fail loudly, naming the key and the file, before any tensor data is read."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from xpar_zoo.testing import launch, parity
+from xpar_zoo.testing import launch
 
 WORLD = 4
 REPO = "org/tiny-qwen3-moe"
@@ -40,7 +39,15 @@ LOADS = [
     ("tied_hub_ep2", "tied", {"ep": 2}, None, None),
 ]
 from support.loader_checkpoints import (  # noqa: F401
-    REPO, COMMIT, EXPERT, ARCHS, BAD, _rewrite, _bad_checkpoint, _file_of, checkpoints
+    ARCHS,
+    BAD,
+    COMMIT,
+    EXPERT,
+    REPO,
+    _bad_checkpoint,
+    _file_of,
+    _rewrite,
+    checkpoints,
 )
 
 

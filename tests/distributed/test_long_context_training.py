@@ -13,7 +13,6 @@ import json
 import random
 
 import pytest
-import torch
 
 from xpar_zoo.testing import launch, parity
 

@@ -13,12 +13,11 @@ import torch.distributed as dist
 
 import xpar_zoo
 from xpar_zoo.commands import sizing
-
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.testing.comm_bytes import count_sent_bytes
 
 peft = pytest.importorskip("peft")  # an optional extra: requirements-test.txt installs it
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft import PeftModel, get_peft_model  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
 from xpar_zoo.integrations.peft_files import adapter_state

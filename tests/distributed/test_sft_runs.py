@@ -11,7 +11,6 @@
 import contextlib
 import io
 import json
-import shutil
 from pathlib import Path
 
 import pytest

@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from xpar_zoo.commands import cli
-from xpar_zoo.testing import launch, parity
 from xpar_zoo.loss.global_batch import IGNORE_INDEX
+from xpar_zoo.testing import launch, parity
 from xpar_zoo.train import TrainConfig
-
 from xpar_zoo.train.data import PackedCorpus, read_documents, tokenize
 from xpar_zoo.train.metrics import read_metrics
 

@@ -17,7 +17,6 @@ PROVED = proved_architectures()
 
 def _arch_job(arch: str) -> dict:
     import torch.distributed as dist
-
     from transformers.utils import logging
 
     logging.set_verbosity_error()

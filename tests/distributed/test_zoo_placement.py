@@ -7,7 +7,12 @@ the one of tests/distributed/test_zoo.py (``zoo_proofs`` in tests/conftest.py)."
 import pytest
 
 from xpar_zoo.testing import modality, parity
-from xpar_zoo.zoo.proofs import AUTO_PROVED, PROOF_WORLD, dim1_proof, proved_architectures
+from xpar_zoo.zoo.proofs import (
+    AUTO_PROVED,
+    PROOF_WORLD,
+    dim1_proof,
+    proved_architectures,
+)
 
 ARCHS = proved_architectures()
 

@@ -4,30 +4,27 @@ exported; a write past the file size limit or onto a full disk is said as such a
 
 import json
 import os
-
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import textwrap
-
 from pathlib import Path
 
 import pytest
-import torch
+from support.integrity_checkpoints import (  # noqa: F401
+    _model,
+    _payload,
+    _recommit,
+    _snapshot,
+    _train_step,
+    _unchanged,
+    saved,
+)
 
 import xpar_zoo
 from xpar_zoo.commands import cli
-from xpar_zoo.checkpoint import write_complete_marker
 from xpar_zoo.errors import CheckpointError
-from xpar_zoo.testing import parity
-
-
-from support.integrity_checkpoints import (  # noqa: F401
-    _model, _train_step, _snapshot, _unchanged, _recommit, saved, _payload
-)
-
 
 
 @pytest.mark.parametrize("via", ["load_checkpoint", "convert inspect", "convert to-hf"])

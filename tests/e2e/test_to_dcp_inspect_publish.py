@@ -17,9 +17,13 @@ import torch
 import yaml
 
 import xpar_zoo
+from xpar_zoo.checkpoint import (
+    iter_model_tensors,
+    latest_checkpoint,
+    read_checkpoint_metadata,
+)
 from xpar_zoo.commands import cli
 from xpar_zoo.testing import launch, parity
-from xpar_zoo.checkpoint import iter_model_tensors, latest_checkpoint, read_checkpoint_metadata
 
 INDEX = "model.safetensors.index.json"
 

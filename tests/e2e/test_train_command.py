@@ -2,13 +2,11 @@
 config and Slurm script run."""
 
 import os
-
 import subprocess
 
 import pytest
 
 from xpar_zoo.commands import cli
-
 from xpar_zoo.train import TrainConfig, read_config_file
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from xpar_zoo.commands import cli
 from xpar_zoo.checkpoint import iter_model_tensors
+from xpar_zoo.commands import cli
 from xpar_zoo.testing import parity
 from xpar_zoo.zoo.proofs import proved_architectures
 

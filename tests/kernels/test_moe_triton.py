@@ -9,11 +9,15 @@ pytest.importorskip("triton")  # conftest.py sets TRITON_INTERPRET=1: the kernel
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 from xpar_zoo.errors import KernelError
-from xpar_zoo.testing import parity
-from xpar_zoo.styles.experts import (
-    EXPERTS_IMPLEMENTATION, standard_swiglu, triton_module_for, grouped_linear, set_experts_kernels,
-)
 from xpar_zoo.kernels import moe_triton
+from xpar_zoo.styles.experts import (
+    EXPERTS_IMPLEMENTATION,
+    grouped_linear,
+    set_experts_kernels,
+    standard_swiglu,
+    triton_module_for,
+)
+from xpar_zoo.testing import parity
 
 # (tokens, hidden, intermediate, experts, top-k, dead experts): groups spanning several 16-row tiles, sizes that are
 # not multiples of a tile, experts that receive nothing, a single token.

@@ -1,20 +1,13 @@
 """The small checkpoints the integrity tests damage, shared by the unit and the CLI integrity tests."""
 
-import json
-import os
-import re
-import shutil
 import struct
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
+
 import pytest
 import torch
+
 import xpar_zoo
-from xpar_zoo.commands import cli
 from xpar_zoo.checkpoint import write_complete_marker
-from xpar_zoo.errors import CheckpointError
 from xpar_zoo.testing import parity
 
 

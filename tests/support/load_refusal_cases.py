@@ -3,17 +3,12 @@ and the convert refusals (e2e)."""
 
 import json
 import os
-import re
 import shutil
 import struct
-import time
 from pathlib import Path
-import pytest
+
 import torch
 from safetensors.torch import load_file, save_file
-from xpar_zoo.errors import XparError
-from xpar_zoo.testing import launch, parity
-
 
 INDEX = "model.safetensors.index.json"
 

@@ -3,12 +3,12 @@
 import json
 import shutil
 from pathlib import Path
+
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from xpar_zoo.testing import launch, parity
 
+from xpar_zoo.testing import parity
 
 REPO = "org/tiny-qwen3-moe"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -1,15 +1,9 @@
 """The models and plans of the FSDP placement tests, shared by the unit rule tests and the launched placements."""
 
-import logging
-from pathlib import Path
-import pytest
 import torch
 from torch import nn
-import xpar_zoo
-from xpar_zoo import ExtraPlan, get_plan
-from xpar_zoo.checkpoint import checkpoint_name
-from xpar_zoo.testing import launch, parity
 
+from xpar_zoo import ExtraPlan, get_plan
 
 WORLD = 4
 DIM1 = dict(num_experts=6, vocab_size=126)  # slices of 3 experts / 63 rows: odd over 2 FSDP ranks

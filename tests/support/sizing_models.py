@@ -3,11 +3,10 @@
 import pytest
 import torch
 import torch.distributed as dist
+
 import xpar_zoo
-from xpar_zoo.commands import sizing
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.testing.comm_bytes import count_sent_bytes
-
 
 WORLD, BATCH, SEQ = 4, 4, 64
 VOCAB = 1024

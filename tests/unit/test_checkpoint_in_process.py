@@ -5,7 +5,6 @@ with, and DCP metadata unpickled only into DCP's own classes."""
 import os
 import re
 import shutil
-
 import warnings
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 
 import xpar_zoo
 from xpar_zoo import checkpoint
-
 from xpar_zoo.testing import parity
 
 EXPERTS = "model.layers.0.mlp.experts"

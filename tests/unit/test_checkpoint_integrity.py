@@ -7,25 +7,26 @@ import os
 import pickle
 import re
 import shutil
-import struct
-
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import xpar_zoo
-
-from xpar_zoo.checkpoint import CheckpointWarning, write_complete_marker
+from xpar_zoo.checkpoint import CheckpointWarning
 from xpar_zoo.errors import CheckpointError, NonFiniteError
-from xpar_zoo.testing import parity
 
 EXPERTS = "model.layers.0.mlp.experts"
 
 
 from support.integrity_checkpoints import (  # noqa: F401
-    _model, _train_step, _snapshot, _unchanged, _recommit, saved, _payload
+    _model,
+    _payload,
+    _recommit,
+    _snapshot,
+    _train_step,
+    _unchanged,
+    saved,
 )
 
 

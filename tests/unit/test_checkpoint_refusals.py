@@ -4,7 +4,6 @@ size before any work, an incomplete DCP directory by load and export."""
 import os
 import re
 import shutil
-
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,8 @@ import torch
 
 import xpar_zoo
 from xpar_zoo.checkpoint import write_complete_marker
-
 from xpar_zoo.testing import parity
+
 
 # ---- outputs: never overwritten, never half-written ------------------------------------------------------------------
 def _tiny_checkpoint(root: Path) -> Path:
@@ -37,8 +36,9 @@ def test_save_checkpoint_under_a_regular_file_is_a_clear_error(tmp_path):
 
 
 def test_export_dtype_int3_and_bad_shard_size_are_refused_before_work(dcp_checkpoint, tmp_path):
-    from xpar_zoo import ConvertError
     from xpar_zoo.converters.export import export_to_hf
+
+    from xpar_zoo import ConvertError
 
     with pytest.raises(ConvertError, match="unknown dtype 'int3'; use one of bf16, "):
         export_to_hf(dcp_checkpoint, tmp_path / "out", dtype="int3")

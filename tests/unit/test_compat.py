@@ -24,7 +24,11 @@ def _source_mentions(module: str, name: str) -> bool:
 
 def _fsdp_param_group_state() -> bool:
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
+    from torch.distributed.fsdp._fully_shard import (
+        _fsdp_param,
+        _fsdp_param_group,
+        _fsdp_state,
+    )
 
     return (hasattr(FSDPModule, "_get_fsdp_state") and "_fsdp_param_group" in inspect.getsource(_fsdp_state.FSDPState)
             and "fsdp_params" in inspect.getsource(_fsdp_param_group.FSDPParamGroup)

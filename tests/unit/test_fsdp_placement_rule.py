@@ -2,20 +2,25 @@
 ranks, else dim 1 (which must divide only where it is used); one module may hold tensors on both dims."""
 
 import pytest
-import torch
-from torch import nn
+from support.placement_models import (  # noqa: F401
+    DIM1,
+    EMB,
+    EXPERTS,
+    HEAD,
+    LOW_RANK_PLAN,
+    O_PROJ,
+    RANK,
+    WORLD,
+    LowRankLinear,
+    with_low_rank,
+)
 
 import xpar_zoo
-from xpar_zoo import ExtraPlan, get_plan
+from xpar_zoo import get_plan
 from xpar_zoo.commands import sizing
-
 from xpar_zoo.parallel.fsdp_layout import fsdp_layout, planned_shard_dim
 from xpar_zoo.styles.planned import match_plan
 from xpar_zoo.testing import parity
-
-from support.placement_models import (  # noqa: F401
-    WORLD, DIM1, EXPERTS, EMB, HEAD, O_PROJ, RANK, LowRankLinear, with_low_rank, LOW_RANK_PLAN
-)
 
 
 def _layout(cfg, sizes: dict, shard_size: int, plan=None, model=None) -> dict:

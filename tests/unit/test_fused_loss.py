@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 import xpar_zoo
-from xpar_zoo.errors import BatchError, KernelError
-from xpar_zoo.testing import parity
-from xpar_zoo.errors import PlanError
+from xpar_zoo.errors import BatchError, KernelError, PlanError
 from xpar_zoo.styles.vocab import install_fused_loss
+from xpar_zoo.testing import parity
 
 BATCH, SEQ = 3, 11
 

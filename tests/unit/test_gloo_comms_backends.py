@@ -4,7 +4,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from xpar_zoo.parallel.gloo_comms import InPlaceAllGather, InPlaceReduceScatter, runs_on_gloo
+from xpar_zoo.parallel.gloo_comms import (
+    InPlaceAllGather,
+    InPlaceReduceScatter,
+    runs_on_gloo,
+)
 
 
 def test_other_backends_keep_torchs_collectives(monkeypatch):

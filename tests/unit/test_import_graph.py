@@ -9,9 +9,10 @@ upward edge, a cycle (also one through a function-level import) and an import of
 from __future__ import annotations
 
 import ast
-import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 

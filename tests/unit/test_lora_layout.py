@@ -13,13 +13,11 @@ from xpar_zoo.errors import AdapterError, KernelError
 from xpar_zoo.testing import parity
 
 peft = pytest.importorskip("peft")  # an optional extra: requirements-test.txt installs it
-from peft import LoraConfig, get_peft_model
+from peft import get_peft_model
+from support.lora_setup import ATTENTION, EXPERTS, _config, lora_config  # noqa: E402,F401
 
 from xpar_zoo.integrations.peft import prepare, to_expert_major, to_peft_layout  # noqa: E402
 from xpar_zoo.integrations.peft_files import attach_adapter
-
-from support.lora_setup import ATTENTION, EXPERTS, _config, lora_config  # noqa: E402,F401
-
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,14 @@ family of the pinned transformers is either proved or refused (a transformers up
 import pytest
 
 from xpar_zoo.commands.model_cards import family_status, render
+from xpar_zoo.zoo.proofs import (
+    AUTO_PROVED,
+    describe_mesh,
+    proof_meshes,
+    proved_architectures,
+    transformers_moe_families,
+)
 from xpar_zoo.zoo.registry import refused_architectures
-from xpar_zoo.zoo.proofs import (AUTO_PROVED, describe_mesh, proof_meshes, proved_architectures,
-                                     transformers_moe_families)
 
 
 @pytest.fixture(scope="module")

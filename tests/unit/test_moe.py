@@ -5,9 +5,15 @@ import pytest
 import torch
 
 from xpar_zoo.styles import experts as moe
+from xpar_zoo.styles.experts import (
+    EXPERTS_IMPLEMENTATION,
+    GatedDown,
+    SiluGate,
+    grouped_linear,
+    grouped_mm_loop,
+    grouped_mm_supported,
+)
 from xpar_zoo.testing import parity
-from xpar_zoo.styles.experts import (EXPERTS_IMPLEMENTATION, GatedDown, SiluGate, grouped_linear, grouped_mm_loop,
-                          grouped_mm_supported)
 
 
 @pytest.mark.parametrize("counts", [[0, 10, 0, 6], [0, 0, 0, 0], [3, 0, 13, 0], [4, 4, 4, 4]])

@@ -2,7 +2,6 @@
 that sees the allowed uses)."""
 
 import re
-
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -10,11 +10,23 @@ import torch
 
 from xpar_zoo.errors import BatchError, MeshError, PlanError
 from xpar_zoo.parallel.mesh import sequence_rank_layout, validate_sequence_sizes
+from xpar_zoo.styles.sequence import (
+    ATTENTION_BLOCK_ENV,
+    CP_ATTENTION_ENV,
+    _Forward,
+    attention_block_budget,
+    attention_block_rows,
+    blocked_attention,
+    check_sequence_length,
+    check_sequence_parallel,
+    cp_chunk,
+    cp_lower_right,
+    document_ids,
+    kv_repeat,
+    lower_right_attention,
+    token_layout,
+)
 from xpar_zoo.styles.sequence_mixers import sequence_mixers
-from xpar_zoo.styles.sequence import (ATTENTION_BLOCK_ENV, CP_ATTENTION_ENV, _Forward, attention_block_budget,
-                                      attention_block_rows, blocked_attention, check_sequence_length,
-                                      check_sequence_parallel, cp_chunk, cp_lower_right, document_ids, kv_repeat,
-                                      lower_right_attention, token_layout)
 from xpar_zoo.testing import parity
 
 

@@ -10,7 +10,11 @@ import torch
 from xpar_zoo.errors import PlanError
 from xpar_zoo.styles.sequence_layout import token_layout
 from xpar_zoo.styles.sequence_masks import _Forward
-from xpar_zoo.styles.sequence_mixers import MIXER_RECOMPUTE_ENV, _whole_rows_forward, mixer_recompute
+from xpar_zoo.styles.sequence_mixers import (
+    MIXER_RECOMPUTE_ENV,
+    _whole_rows_forward,
+    mixer_recompute,
+)
 from xpar_zoo.testing import parity
 
 SEQ = 64

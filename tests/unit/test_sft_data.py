@@ -3,7 +3,6 @@ markers equal those from rendering turn prefixes and transformers' own mask; `--
 records; bad records and over-long conversations named in one line; `--truncate` counted; best-fit packing keeps
 conversations whole; `--epochs`; the new settings refused at parse time (exit 2); `--dry-run`; the console line."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +12,20 @@ import torch
 from xpar_zoo.commands import cli
 from xpar_zoo.errors import DataError
 from xpar_zoo.loss.global_batch import IGNORE_INDEX
-from xpar_zoo.train.chat import Example, load_examples, read_examples, render, render_all, to_example
-from xpar_zoo.train.packing import ConversationCorpus, EpochLimit, best_fit, steps_for_epochs
+from xpar_zoo.train.chat import (
+    Example,
+    load_examples,
+    read_examples,
+    render,
+    render_all,
+    to_example,
+)
+from xpar_zoo.train.packing import (
+    ConversationCorpus,
+    EpochLimit,
+    best_fit,
+    steps_for_epochs,
+)
 from xpar_zoo.train.reporting import step_line
 from xpar_zoo.train.tiny import tiny_tokenizer
 

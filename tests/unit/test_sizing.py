@@ -4,17 +4,21 @@ is exact."""
 
 import pytest
 import torch
-import torch.distributed as dist
-
-import xpar_zoo
-from xpar_zoo.commands import sizing
-from xpar_zoo.testing import launch, parity
-from xpar_zoo.testing.comm_bytes import count_sent_bytes
-
 from support.sizing_models import (  # noqa: F401
-    WORLD, BATCH, SEQ, VOCAB, MESHES, CONFIGS, _config, _distinct_ids, _job, measured
+    BATCH,
+    CONFIGS,
+    MESHES,
+    SEQ,
+    VOCAB,
+    WORLD,
+    _config,
+    _distinct_ids,
+    _job,
+    measured,
 )
 
+from xpar_zoo.commands import sizing
+from xpar_zoo.testing import parity
 
 
 @pytest.mark.parametrize("overrides,dim", [({}, 0), (dict(num_experts=6, vocab_size=126), 1)])

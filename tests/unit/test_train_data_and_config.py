@@ -7,12 +7,18 @@ import itertools
 import pytest
 import torch
 
-from xpar_zoo.testing import parity
-from xpar_zoo.loss.global_batch import IGNORE_INDEX
-from xpar_zoo.train import config_from_args, read_config_file
 from xpar_zoo.loss.balance import global_router_aux_loss
+from xpar_zoo.loss.global_batch import IGNORE_INDEX
+from xpar_zoo.testing import parity
+from xpar_zoo.train import config_from_args, read_config_file
 from xpar_zoo.train.config import add_arguments, parse_mesh
-from xpar_zoo.train.data import PackedCorpus, flatten_rows, micro_batches, read_documents
+from xpar_zoo.train.data import (
+    PackedCorpus,
+    flatten_rows,
+    micro_batches,
+    read_documents,
+)
+
 
 # ---- data and packing -------------------------------------------------------------------------------------------
 def test_packing_restarts_positions_per_document_and_masks_their_first_targets():
@@ -69,7 +75,9 @@ def test_packed_documents_do_not_attend_across_boundaries(attn):
 
 
 def test_router_aux_loss_of_one_rank_is_transformers_own():
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        load_balancing_loss_func,
+    )
 
     logits = tuple(torch.randn(12, 8, requires_grad=True) for _ in range(3))
     share, local = global_router_aux_loss(logits, 8, 2)

@@ -4,7 +4,6 @@ with their ranks, the progress bar shows the step just finished, no terminal con
 terminal, a plain line every --log-every steps, and docs/training.md lists every flag of `xpar-zoo train`."""
 
 import argparse
-import math
 import re
 from pathlib import Path
 

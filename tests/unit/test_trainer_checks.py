@@ -21,7 +21,9 @@ def _config(**overrides):
 
 def test_router_aux_loss_over_padded_rows_equals_transformers():
     """The global router auxiliary loss weighs rows by the attention mask as transformers does (padding excluded)."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        load_balancing_loss_func,
+    )
 
     from xpar_zoo.loss.balance import global_router_aux_loss
 

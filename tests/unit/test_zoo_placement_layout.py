@@ -5,9 +5,14 @@ import pytest
 
 from xpar_zoo.parallel.fsdp_layout import fsdp_layout
 from xpar_zoo.styles.planned import match_plan
-from xpar_zoo.zoo.registry import plan_for
 from xpar_zoo.testing import parity
-from xpar_zoo.zoo.proofs import PROOF_WORLD, dim1_proof, proof_meshes, proved_architectures
+from xpar_zoo.zoo.proofs import (
+    PROOF_WORLD,
+    dim1_proof,
+    proof_meshes,
+    proved_architectures,
+)
+from xpar_zoo.zoo.registry import plan_for
 
 ARCHS = proved_architectures()
 

@@ -14,10 +14,32 @@ protocol, the checksums and the safe unpickler: ``docs/design.md``, "Checkpoints
 """
 
 from ..errors import CheckpointWarning
-from .dcp_io import MODEL_KEY, OPTIM_KEY, SafeReader, iter_model_tensors, model_tensor_specs, read_dcp_metadata
-from .layout import (COMPLETE_FILE, DCP_METADATA, EXTRA_FILE, FORMAT, META_FILE, STEP_PREFIX, TMP_PREFIX,
-                     checkpoint_name, complete_record, incomplete_reason, latest_checkpoint, read_checkpoint_metadata,
-                     resolve_checkpoint, scan_root, step_of, write_complete_marker)
+from .dcp_io import (
+                     MODEL_KEY,
+                     OPTIM_KEY,
+                     SafeReader,
+                     iter_model_tensors,
+                     model_tensor_specs,
+                     read_dcp_metadata,
+)
+from .layout import (
+                     COMPLETE_FILE,
+                     DCP_METADATA,
+                     EXTRA_FILE,
+                     FORMAT,
+                     META_FILE,
+                     STEP_PREFIX,
+                     TMP_PREFIX,
+                     checkpoint_name,
+                     complete_record,
+                     incomplete_reason,
+                     latest_checkpoint,
+                     read_checkpoint_metadata,
+                     resolve_checkpoint,
+                     scan_root,
+                     step_of,
+                     write_complete_marker,
+)
 from .load import load_checkpoint, verify_checkpoint
 from .save import CheckpointFuture, save_checkpoint
 

@@ -24,7 +24,14 @@ from .json_state import from_json
 from .layout import EXTRA_FILE, FORMAT, META_FILE, complete_record, resolve_checkpoint
 from .rng import apply_rng, read_rng
 from .save import DEFAULT_RENDEZVOUS_TIMEOUT, control, wait_pending
-from .state import check_compatible, dcp_state, expected_shapes, nonfinite_message, state_dicts, state_options
+from .state import (
+    check_compatible,
+    dcp_state,
+    expected_shapes,
+    nonfinite_message,
+    state_dicts,
+    state_options,
+)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

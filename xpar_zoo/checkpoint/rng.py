@@ -14,6 +14,7 @@ from ..errors import CheckpointError
 from ..io.atomic_dir import durable_write
 from .layout import RNG_DIR
 
+
 def rng_file(ckpt: Path, rank: int) -> Path:
     """Where ``rank``'s RNG state lives in checkpoint directory ``ckpt``."""
     return ckpt / RNG_DIR / f"rank-{rank:05d}.safetensors"

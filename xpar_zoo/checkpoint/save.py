@@ -25,10 +25,26 @@ from ..parallel import distributed
 from ..parallel.rendezvous import meet
 from .dcp_io import RecordingFileSystem, dcp_writer, quiet_single_process
 from .json_state import to_json
-from .layout import (DCP_METADATA, EXTRA_FILE, META_FILE, TMP_PREFIX, checkpoint_name, choose_step, clear_leftovers,
-                     commit, incomplete_reason, remove)
+from .layout import (
+    DCP_METADATA,
+    EXTRA_FILE,
+    META_FILE,
+    TMP_PREFIX,
+    checkpoint_name,
+    choose_step,
+    clear_leftovers,
+    commit,
+    incomplete_reason,
+    remove,
+)
 from .rng import rng_file, save_rng
-from .state import dcp_state, metadata_record, nonfinite_message, split_optimizer, state_dicts
+from .state import (
+    dcp_state,
+    metadata_record,
+    nonfinite_message,
+    split_optimizer,
+    state_dicts,
+)
 
 DEFAULT_RENDEZVOUS_TIMEOUT = 600.0
 

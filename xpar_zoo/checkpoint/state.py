@@ -11,14 +11,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+)
 
 from ..errors import CheckpointError
 from ..io.integrity import nonfinite_names
 from ..parallel import distributed
-from .dcp_io import NAMES_SHOWN, MODEL_KEY, OPTIM_KEY, listing, plain_name
+from .dcp_io import MODEL_KEY, NAMES_SHOWN, OPTIM_KEY, listing, plain_name
 from .json_state import from_json, to_json
 from .layout import FORMAT
+
 
 def state_options(trainable_only: bool = False) -> StateDictOptions:
     """torch's state-dict options of a checkpoint: every tensor, or (``trainable_only``) the trainable parameters and

@@ -36,9 +36,8 @@ def load_model_config(name: str):
     """A model_type (transformers' default config of that architecture), or a local dir / hub id with config.json."""
     from transformers import AutoConfig
 
-    from ..zoo.registry import supported_architectures
-
     from ..hub.resolve import resolve_config
+    from ..zoo.registry import supported_architectures
 
     if name in supported_architectures():
         return AutoConfig.for_model(name)
@@ -129,7 +128,11 @@ def _cmd_to_dcp(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from xpar_zoo.converters.inspect_checkpoint import damage, format_report, inspect_checkpoint
+    from xpar_zoo.converters.inspect_checkpoint import (
+        damage,
+        format_report,
+        inspect_checkpoint,
+    )
 
     from ..hub.resolve import HubResolutionError, resolve
 

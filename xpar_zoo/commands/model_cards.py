@@ -10,9 +10,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import PlanError
-from ..zoo.proofs import (AUTO_PROVED, PROOF_WORLD, describe_mesh, family_of, long_context_meshes, proof_meshes,
-                          proved_architectures)
-from ..zoo.proofs import build_model, tiny_config, transformers_moe_families
+from ..zoo.proofs import (
+    AUTO_PROVED,
+    PROOF_WORLD,
+    build_model,
+    describe_mesh,
+    family_of,
+    long_context_meshes,
+    proof_meshes,
+    proved_architectures,
+    tiny_config,
+    transformers_moe_families,
+)
 from ..zoo.registry import get_plan, refused_architectures, supported_architectures
 
 HEADER = """# xpar_zoo model cards

@@ -19,13 +19,23 @@ import torch
 from torch import nn
 
 from ..errors import BatchError, PlanError
-from ..parallel.mesh import validate_sequence_sizes, validate_sizes
-from ..parallel.fsdp_layout import fsdp_layout
 from ..loss.fused import CE_CHUNK_ELEMENTS
+from ..parallel.fsdp_layout import fsdp_layout
+from ..parallel.mesh import validate_sequence_sizes, validate_sizes
 from ..styles.planned import check_plan_names, match_plan, whole_vocab_head_fusable
-from ..styles.sequence import (INNER_IMPLEMENTATIONS, attention_block_rows, attention_query_bytes,
-                               check_sequence_length, kv_repeat, recurrent_layers)
-from ..styles.sequence_mixers import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES, mixer_recompute
+from ..styles.sequence import (
+    INNER_IMPLEMENTATIONS,
+    attention_block_rows,
+    attention_query_bytes,
+    check_sequence_length,
+    kv_repeat,
+    recurrent_layers,
+)
+from ..styles.sequence_mixers import (
+    ATTENTION_LAYER_TYPES,
+    CHANNEL_LAYER_TYPES,
+    mixer_recompute,
+)
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
 

@@ -25,7 +25,13 @@ from torch import nn
 from ..compat import keys_to_ignore_on_load
 from ..errors import CheckpointMismatchError
 from ..parallel.state import Box
-from .safetensors_files import DTYPE_SIZES, LIST_LIMIT, SAFETENSORS_DTYPES, TensorInfo, listing
+from .safetensors_files import (
+    DTYPE_SIZES,
+    LIST_LIMIT,
+    SAFETENSORS_DTYPES,
+    TensorInfo,
+    listing,
+)
 
 # ---- layout -------------------------------------------------------------------------------------------------------
 
@@ -299,7 +305,11 @@ def _sort_keys(model: nn.Module, tensors: Mapping[str, TensorInfo], state: Mappi
     """Each checkpoint key renamed by transformers' rules: ``(direct, groups, unexpected, ignored)`` — the keys that
     are a model tensor as they are, those a converter combines (by model tensor), and those with no place in the
     model (reported, or ignored as the model's own ``_keys_to_ignore_on_load_unexpected`` says)."""
-    from transformers.core_model_loading import apply_renamings, dot_natural_key, rename_source_key
+    from transformers.core_model_loading import (
+        apply_renamings,
+        dot_natural_key,
+        rename_source_key,
+    )
 
     renamings, converters = _conversion_rules(model)
     pattern_to_converter = {p: c for c in converters for p in c.source_patterns}

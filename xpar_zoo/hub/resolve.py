@@ -166,7 +166,11 @@ def _search_mode() -> tuple[bool, str]:
 
 def _resolve_hub(repo_id: str, revision: str | None, cache_dir, token, weights: bool = True) -> ResolvedModel:
     from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+    )
 
     where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
     local_only, mode = _search_mode()

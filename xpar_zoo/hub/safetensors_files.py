@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from ..compat import SAFETENSORS_TYPES
 from ..errors import CheckpointMismatchError
 

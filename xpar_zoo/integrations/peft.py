@@ -24,7 +24,7 @@ from torch import nn
 from ..compat import can_set_experts_implementation
 from ..errors import AdapterError, ModelStateError
 from ..parallel.collectives import to_local
-from ..zoo.plan import ExtraPlan, Plan, WRAPPED_ATTR, match_parameters, matches
+from ..zoo.plan import WRAPPED_ATTR, ExtraPlan, Plan, match_parameters, matches
 
 # Initialisations that need no base weights (PEFT's own reset_lora_parameters); the others read the base.
 FRESH_INITS = (True, False, "gaussian")

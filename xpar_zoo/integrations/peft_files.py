@@ -23,8 +23,20 @@ from ..parallel.distributed import broadcast, exact_gathers, rank
 from ..parallel.state import local_region
 from ..zoo.plan import WRAPPED_ATTR
 from ..zoo.registry import build_meta
-from .peft import (FRESH_INITS, adapter_names, base_of, check_supported, is_expert_major, param_wrappers, relayout,
-                   require_peft, to_expert_major, to_peft_layout, unwrapped_name, uses_peft)
+from .peft import (
+    FRESH_INITS,
+    adapter_names,
+    base_of,
+    check_supported,
+    is_expert_major,
+    param_wrappers,
+    relayout,
+    require_peft,
+    to_expert_major,
+    to_peft_layout,
+    unwrapped_name,
+    uses_peft,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn

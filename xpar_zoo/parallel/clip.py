@@ -13,8 +13,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import get_total_norm
 from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.utils import get_total_norm
 
 from ..compat import foreach_mul_
 from ..errors import NonFiniteError

@@ -28,8 +28,8 @@ from ..kernels import triton_runs_on
 from ..parallel.collectives import all_to_all, all_to_all_counts, to_local
 
 if TYPE_CHECKING:  # the experts path imports nothing of FSDP's (the GPU bench runs it on an older torch)
-    from ..parallel.mesh import PlanShard
     from ..kernels.moe_triton import Tiles
+    from ..parallel.mesh import PlanShard
 
 EXPERTS_IMPLEMENTATION = "xpar_zoo"
 KERNELS = ("torch", "triton")

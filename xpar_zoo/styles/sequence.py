@@ -52,22 +52,59 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat import (attn_implementation, config_with_attn_implementation, flash_kernels_loaded,
-                      supports_attn_implementation)
+from ..compat import (
+    attn_implementation,
+    config_with_attn_implementation,
+    flash_kernels_loaded,
+    supports_attn_implementation,
+)
 from ..errors import BatchError, ModelStateError, PlanError
 from ..parallel.mesh import Mesh, PlanShard
-from .sequence_mixers import (decoder_layers, dispatches_attention, install_sequence_mixers, mixer_recompute,
-                              sequence_mixers, unserved_mixers)
+
 # The layout, the masks and the inner paths live in their own modules; the names other modules, tests and bench
 # scripts import from here are imported here too. SequenceParallel calls lower_right_attention and blocked_attention
 # by their names in this module (a test counts the calls by replacing them here).
-from .sequence_inner import (CP_ATTENTION_ENV, LOCAL_KWARGS, OWN_MASK_INNER, _attention_block,  # noqa: F401
-                             _global_kwargs, _ModuleView, blocked_attention, cp_lower_right, flash_inner, flex_inner,
-                             lower_right_attention)
-from .sequence_layout import (TokenLayout, check_sequence_length, cp_chunk, document_ids,  # noqa: F401
-                              gather_sequence, heads_to_sequence, kv_repeat, sequence_to_heads, token_layout)
-from .sequence_masks import (ATTENTION_BLOCK_ENV, ATTENTION_BLOCK_MIB, _Forward, attention_block_budget,  # noqa: F401
-                             attention_block_rows, attention_query_bytes, banded_block_mask)
+from .sequence_inner import (  # noqa: F401
+    CP_ATTENTION_ENV,
+    LOCAL_KWARGS,
+    OWN_MASK_INNER,
+    _attention_block,
+    _global_kwargs,
+    _ModuleView,
+    blocked_attention,
+    cp_lower_right,
+    flash_inner,
+    flex_inner,
+    lower_right_attention,
+)
+from .sequence_layout import (  # noqa: F401
+    TokenLayout,
+    check_sequence_length,
+    cp_chunk,
+    document_ids,
+    gather_sequence,
+    heads_to_sequence,
+    kv_repeat,
+    sequence_to_heads,
+    token_layout,
+)
+from .sequence_masks import (  # noqa: F401
+    ATTENTION_BLOCK_ENV,
+    ATTENTION_BLOCK_MIB,
+    _Forward,
+    attention_block_budget,
+    attention_block_rows,
+    attention_query_bytes,
+    banded_block_mask,
+)
+from .sequence_mixers import (
+    decoder_layers,
+    dispatches_attention,
+    install_sequence_mixers,
+    mixer_recompute,
+    sequence_mixers,
+    unserved_mixers,
+)
 
 ATTENTION_PREFIX = "xpar_seq_"
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")

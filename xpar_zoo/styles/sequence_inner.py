@@ -21,7 +21,6 @@ from torch import nn
 from ..compat import attn_implementation
 from ..errors import PlanError
 
-
 # ---- sdpa without a mask: cp's plain causal rows ----------------------------------------------------------------
 
 # cp's plain causal rows on sdpa: "lower_right" (no mask: each query chunk against the key prefix that ends where it

@@ -20,7 +20,6 @@ from ..errors import BatchError, PlanError
 from ..parallel.collectives import GatherRows, all_to_all
 from ..parallel.mesh import PlanShard
 
-
 # ---- the token layout -------------------------------------------------------------------------------------------
 
 def check_sequence_length(seq_len: int, sp: int, cp: int) -> None:

@@ -23,7 +23,6 @@ from torch import nn
 
 from ..errors import PlanError
 
-
 # ---- the block budget -------------------------------------------------------------------------------------------
 
 # The blocked sp/cp attention (:func:`blocked_attention`): the bytes one block of queries may hold for its mask and,

@@ -29,10 +29,15 @@ from transformers.utils import ModelOutput
 from ..errors import BatchError, PlanError
 from ..loss.fused import check_kernel_name, fused_cross_entropy, whole_vocab
 from ..loss.global_batch import wrap_forward
-from ..parallel.collectives import GatherRows, all_to_all, all_to_all_counts, group_row_counts, to_local
+from ..parallel.collectives import (
+    GatherRows,
+    all_to_all,
+    all_to_all_counts,
+    group_row_counts,
+    to_local,
+)
 from ..parallel.mesh import PlanShard
 from ..zoo.forward_source import embedding_weight_read, forward_source
-
 
 # ---- embedding ------------------------------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..parallel.distributed import all_gather, is_distributed
 from ..errors import TrainConfigError
+from ..parallel.distributed import all_gather, is_distributed
 from .config import LAUNCHER_FLAGS, TrainConfig
 
 # A resumed run may not change these: the checkpoint's data position would not mean the same rows.

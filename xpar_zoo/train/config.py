@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..hub.writer import DTYPES
 from ..errors import TrainConfigError
+from ..hub.writer import DTYPES
 from . import sft_config
 
 SCHEDULES = ("cosine", "linear", "constant")

@@ -17,8 +17,8 @@ def _model_config(cfg: TrainConfig):
 
     if cfg.model == TINY_MODEL:
         return tiny_config(len(tiny_tokenizer()))
-    from ..hub.resolve import resolve_config
     from ..hub.loader import load_config
+    from ..hub.resolve import resolve_config
 
     return load_config(resolve_config(cfg.model).parent)
 

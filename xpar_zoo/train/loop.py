@@ -34,30 +34,41 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat import attn_implementation
 from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..compat import attn_implementation
 from ..errors import DataError, TrainConfigError
-from ..loss.balance import ExpertLoad, correction_biases, global_router_aux_loss, load_summary, update_correction_biases
+from ..loss.balance import (
+    ExpertLoad,
+    correction_biases,
+    global_router_aux_loss,
+    load_summary,
+    update_correction_biases,
+)
 from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
 from ..styles.sequence import data_shard, set_inner_attention
-from .agreement import check_same_settings, resume_changes
-from .config import DTYPES, TrainConfig
 from . import sft_config
-from .config import validate
+from .agreement import check_same_settings, resume_changes
 from .chat import conversation_corpus, load_examples, pad_token_id
+from .config import DTYPES, TrainConfig, validate
+from .data import (
+    PackedCorpus,
+    flatten_rows,
+    load_tokenizer,
+    micro_batches,
+    read_documents,
+    rows_per_step,
+    tokenize,
+)
 from .evaluate import Evaluator
 from .lora import export_adapter, export_merged, from_pretrained_kwargs, is_lora
-from .metrics import read_metrics
+from .metrics import MetricsLog, peak_memory_bytes, read_metrics
+from .outputs import CHECKPOINTS, ExportTarget, check_outputs
 from .packing import EpochLimit, steps_for_epochs
 from .reporting import Reporter
-from .tiny import resolve_model
-from .data import (PackedCorpus, flatten_rows, load_tokenizer, micro_batches, read_documents, rows_per_step,
-                   tokenize)
-from .metrics import MetricsLog, peak_memory_bytes
-from .outputs import CHECKPOINTS, ExportTarget, check_outputs
 from .stop import StopOnSignal, Stopped
+from .tiny import resolve_model
 
 CHECKPOINTS = "checkpoints"
 BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
@@ -169,8 +180,8 @@ def best_eval_loss(output: Path, step: int) -> float:
 
 
 def _model_config(name: str):
-    from ..hub.resolve import resolve_config
     from ..hub.loader import load_config
+    from ..hub.resolve import resolve_config
 
     return load_config(resolve_config(name).parent)
 
@@ -444,8 +455,8 @@ def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
     """Before the model loads: the mesh's plan names are the model's plans, and its sizes fit the world (on one
     process, said as such: start ranks, or train without the mesh); with ``sp``/``cp``, the model, its attention
     and ``--seq-len`` can be split (:func:`xpar_zoo.commands.sizing.check_long_context`)."""
-    from ..errors import MeshError
     from ..commands.sizing import check_long_context
+    from ..errors import MeshError
     from ..parallel.mesh import validate_sequence_sizes, validate_sizes
     from ..styles.planned import check_plan_names
     from ..zoo.registry import get_plan

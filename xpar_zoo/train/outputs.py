@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..errors import TrainConfigError
 from ..io.atomic_dir import StagingDir, clear_leftovers
 from ..parallel.distributed import broadcast, rank
-from ..errors import TrainConfigError
 from .config import TrainConfig
 from .metrics import METRICS_FILE
 

@@ -103,8 +103,8 @@ def _static_plan(model_type: str) -> Plan | None:
     """The automatic plan of a text-only causal LM from its classes alone (the config class's
     ``base_model_ep_plan`` under the causal LM's ``base_model_prefix``): for types whose default config transformers
     cannot build."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(config_class, None)
