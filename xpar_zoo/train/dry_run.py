@@ -30,7 +30,7 @@ def _read_data(cfg: TrainConfig, config, world: int):
     import dataclasses
     import tempfile
 
-    from .loop import load_corpus, resolve_epochs
+    from .loop import load_corpus, resolve_epochs, text_vocab_size
     from .tiny import TINY_MODEL, tiny_tokenizer
 
     held = None
@@ -39,9 +39,9 @@ def _read_data(cfg: TrainConfig, config, world: int):
         if cfg.model == TINY_MODEL and not cfg.tokenizer:  # its tokenizer, built in memory too
             tiny_tokenizer().save_pretrained(tmp)
             data_cfg = dataclasses.replace(cfg, tokenizer=tmp)
-        corpus, tokenizer = load_corpus(data_cfg, config.vocab_size)
+        corpus, tokenizer = load_corpus(data_cfg, text_vocab_size(config))
         if cfg.eval_data:
-            held = load_corpus(data_cfg, config.vocab_size, cfg.eval_data)[0]
+            held = load_corpus(data_cfg, text_vocab_size(config), cfg.eval_data)[0]
     cfg, corpus = resolve_epochs(cfg, corpus, tokenizer, world)
     return cfg, corpus, held
 
@@ -57,7 +57,8 @@ def _data_lines(cfg: TrainConfig, config, corpus, held, world: int, replicate: i
     mesh = ", ".join(f"{k}={v}" for k, v in cfg.mesh.items()) or "FSDP only"
     lines.append(f"mesh: {mesh} over {counted(world, 'rank')}, dense parameters FSDP-sharded over "
                  f"{world // replicate} x {counted(replicate, 'replica')}")
-    lines.append(f"model: {config.model_type}, {config.num_hidden_layers} layers, vocabulary {config.vocab_size}")
+    text = config.get_text_config()
+    lines.append(f"model: {config.model_type}, {text.num_hidden_layers} layers, vocabulary {text.vocab_size}")
     data = getattr(corpus, "summary", "") or (f"{cfg.data}: {corpus.num_tokens} tokens (text: every token but a "
                                               "document's first is a target)")
     lines.append(f"data: {data}")

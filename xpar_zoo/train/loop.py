@@ -178,6 +178,11 @@ def best_eval_loss(output: Path, step: int) -> float:
     return min(seen, default=math.inf)
 
 
+def text_vocab_size(config) -> int:
+    """The language model's vocabulary: a multimodal config keeps it in its text config."""
+    return int(config.get_text_config().vocab_size)
+
+
 def _model_config(name: str):
     from ..hub.loader import load_config
     from ..hub.resolve import resolve_config
@@ -500,12 +505,12 @@ def _read_inputs(cfg: TrainConfig, world: int) -> _Inputs:
     cfg = dataclasses.replace(cfg, model=run_everywhere(lambda: resolve_model(cfg.model, output), rank0_only=True))
     model_config = run_everywhere(lambda: _model_config(cfg.model))
     run_everywhere(lambda: check_mesh(cfg, model_config, world), rank0_only=True)
-    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size))
+    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config)))
     cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
     check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
     eval_corpus = None
     if cfg.eval_data:
-        eval_corpus = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size, cfg.eval_data)[0])
+        eval_corpus = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config), cfg.eval_data)[0])
     if ckpt is not None:
         run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
     return _Inputs(cfg, model_config, corpus, tokenizer, eval_corpus, ckpt, changes)
