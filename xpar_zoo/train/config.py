@@ -202,14 +202,33 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     return value
 
 
+class Quoted(str):
+    """A YAML string written in quotes (``seq_len: "1024"``): text, never a number."""
+
+
+def _quoted_number(name: str, value: Any) -> tuple[str, Any] | None:
+    """``(key, value)`` where setting ``name`` (from YAML) holds a quoted string in place of a number, else None."""
+    if name == "mesh":  # the flag's string ("ep=2") or a mapping of sizes
+        return next(((f"{name}: {k}", v) for k, v in value.items() if isinstance(v, Quoted)),
+                    None) if isinstance(value, dict) else None
+    kind = FIELDS[name].type
+    if isinstance(value, Quoted) and ("int" in kind or "float" in kind) and name != "adam_betas":
+        return name, value
+    return None
+
+
 def _strict_loader():
     """PyYAML's safe loader, stricter: an alias (``*name``) is refused (expanding them is how a small file grows
-    past any memory), a key given twice in one mapping is refused (YAML would keep the last), and a file of more
-    than ``MAX_CONFIG_NODES`` nodes is refused while it is composed."""
+    past any memory), a key given twice in one mapping is refused (YAML would keep the last), a file of more
+    than ``MAX_CONFIG_NODES`` nodes is refused while it is composed, and quoted strings come as :class:`Quoted`."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
         nodes = 0
+
+        def construct_yaml_str(self, node):
+            value = super().construct_yaml_str(node)
+            return Quoted(value) if node.style in ("'", '"') else value
 
         def compose_node(self, parent, index):
             if self.check_event(yaml.AliasEvent):
@@ -231,6 +250,7 @@ def _strict_loader():
                 seen[key] = key_node.start_mark.line + 1
             return super().construct_mapping(node, deep)
 
+    StrictLoader.add_constructor("tag:yaml.org,2002:str", StrictLoader.construct_yaml_str)
     return StrictLoader
 
 
@@ -274,6 +294,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         if name in given:
             raise TrainConfigError(f"{path}: {given[name]!r} and {key!r} are the same setting; give it once")
         given[name] = key
+        if quoted := _quoted_number(name, value):
+            raise TrainConfigError(f"{path}: {quoted[0].replace(name, key, 1)}: {_short(str(quoted[1]))} is quoted: "
+                                   "a number is written without quotes (YAML types are exact)")
         out[name] = _coerce(name, value, f"{path}: {key}")
     return out
 

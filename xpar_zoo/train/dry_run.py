@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from ..errors import counted
 from .config import DTYPES, TrainConfig
 
 
@@ -54,8 +55,8 @@ def _data_lines(cfg: TrainConfig, config, corpus, held, world: int, replicate: i
     lines = ["xpar-zoo train --dry-run (no weights loaded)", "settings:"]
     lines += [f"  {k}: {json.dumps(v)}" for k, v in sorted(cfg.to_json().items())]
     mesh = ", ".join(f"{k}={v}" for k, v in cfg.mesh.items()) or "FSDP only"
-    lines.append(f"mesh: {mesh} over {world} rank(s), dense parameters FSDP-sharded over "
-                 f"{world // replicate} x {replicate} replica(s)")
+    lines.append(f"mesh: {mesh} over {counted(world, 'rank')}, dense parameters FSDP-sharded over "
+                 f"{world // replicate} x {counted(replicate, 'replica')}")
     lines.append(f"model: {config.model_type}, {config.num_hidden_layers} layers, vocabulary {config.vocab_size}")
     data = getattr(corpus, "summary", "") or (f"{cfg.data}: {corpus.num_tokens} tokens (text: every token but a "
                                               "document's first is a target)")

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from ..compat import attn_implementation
-from ..errors import DataError, TrainConfigError
+from ..errors import DataError, TrainConfigError, counted
 from ..loss.balance import (
     ExpertLoad,
     correction_biases,
@@ -47,7 +47,7 @@ from ..loss.balance import (
 from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
-from ..styles.sequence import data_shard, set_inner_attention
+from ..styles.sequence import ATTENTION_PREFIX, data_shard, set_inner_attention
 from . import sft_config
 from .agreement import check_same_settings, resume_changes
 from .chat import conversation_corpus, load_examples, pad_token_id
@@ -70,7 +70,6 @@ from .reporting import Reporter
 from .stop import StopOnSignal, Stopped
 from .tiny import resolve_model
 
-CHECKPOINTS = "checkpoints"
 BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
 SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 # transformers' masking utilities build a block-causal mask from restarting position_ids for these (no attention
@@ -543,9 +542,9 @@ def _announce(log: MetricsLog, run: _Run, inputs: _Inputs, mesh, step: int) -> N
     """Rank 0's opening lines: what trains on which mesh, from where, what changed on resume, the data's summary
     and a note when the attention does not mask packed documents."""
     cfg, model, world, parts = run.cfg, run.model, run.world, run.parts
-    group = f" ({parts} sequence groups of {world // parts} ranks)" if parts != world else ""
-    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
-                f"ranks{group} x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
+    group = f" ({counted(parts, 'sequence group')} of {world // parts} ranks)" if parts != world else ""
+    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, "
+                f"{counted(world, 'rank')}{group} x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
                 f"step; {run.corpus.num_tokens} tokens, {run.corpus.rows_per_epoch} rows per epoch; "
                 + (f"resumed from {inputs.ckpt} at step {step}" if inputs.ckpt else "from step 0"))
     for line in inputs.changes:
@@ -553,10 +552,18 @@ def _announce(log: MetricsLog, run: _Run, inputs: _Inputs, mesh, step: int) -> N
     for data in (run.corpus, inputs.eval_corpus):
         if getattr(data, "summary", ""):
             log.message(data.summary)
-    attn = attn_implementation(model.config)
-    if attn not in DOCUMENT_MASKING and not run.flatten:
-        log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
-                    f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
+    if note := packed_documents_note(attn_implementation(model.config), run.flatten):
+        log.message(note)
+
+
+def packed_documents_note(attn: str, flatten: bool) -> str | None:
+    """The start's note when attention ``attn`` does not mask packed documents from each other (``None``: it does:
+    transformers' :data:`DOCUMENT_MASKING` from the restarting positions, flash on rows flattened into one, and the
+    sp/cp attention around any inner one, from the whole rows' positions)."""
+    if attn in DOCUMENT_MASKING or flatten or attn.startswith(ATTENTION_PREFIX):
+        return None
+    return (f"note: attention implementation {attn!r}: packed documents are not masked from each other "
+            f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
 
 
 def _run_steps(run: _Run, log: MetricsLog, report: Reporter, evaluator: Evaluator | None, best: float,
