@@ -59,7 +59,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     save_every: int = 0
     keep_last: int | None = None
-    resume: bool = False
+    resume: bool | str = False  # True, or "strict": refuse to skip a damaged or incomplete newer checkpoint
     stop_after: int | None = None
     seed: int = 0
     dtype: str | None = None
@@ -158,6 +158,10 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         return parse_mesh(value, where)
     if name == "lora_targets" and isinstance(value, (list, tuple)):  # YAML: a list of module names
         value = ",".join(map(str, value))
+    if name == "resume":
+        if isinstance(value, bool) or value == "strict":
+            return value
+        raise TrainConfigError(f"{where}: resume is true, false or strict, got {_short(value)}")
     if name == "adam_betas":
         parts = value.split(",") if isinstance(value, str) else value
         try:
@@ -326,7 +330,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--save-every", type=int, default=S, help="checkpoint every N steps (default 0: at the end and at --stop-after)")
     a("--keep-last", type=int, default=S, help="keep the N newest checkpoints (default: all)")
     a("--output", default=S, help="run directory: checkpoints/, metrics.jsonl, tensorboard/")
-    a("--resume", action="store_true", default=S, help="continue from the newest complete checkpoint in --output")
+    a("--resume", nargs="?", const=True, default=S, metavar="strict",
+      help="continue from the newest complete checkpoint in --output (a damaged or incomplete newer one is named and "
+           "skipped; --resume=strict refuses instead)")
     a("--stop-after", type=int, default=S, help="end this run cleanly after step N (the schedule follows --steps)")
     a("--seed", type=int, default=S, help="data order seed (default 0)")
     a("--dtype", choices=sorted(DTYPES), default=S, help="parameter dtype (default: the checkpoint's)")
@@ -346,8 +352,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bar on rank 0 (default on)")
     a("--timeout-minutes", type=float, default=S, help="process-group timeout (default 30)")
     a("--force", action="store_true", default=S,
-      help="write into a non-empty --output without checkpoints, and replace an existing --export-hf (only once "
-           "the new export is complete)")
+      help="replace the run in --output (its checkpoints, exports, events; metrics moved aside) or train into a "
+           "non-empty one, and replace existing exports (only once the new export is complete)")
     a("--log-every", type=int, default=S,
       help="a console line every N steps, at evaluations and at the last (default 10)")
     a("--max-line-bytes", type=int, default=S,

@@ -1,4 +1,5 @@
-"""``xpar-zoo train --dry-run``: the resolved settings, the mesh, the data's token and target counts and the sizer's
+"""``xpar-zoo train --dry-run``: the resolved settings, the mesh, the data's token and target counts, what the run
+would do with ``--output`` (refuse, with the real run's line; resume; replace with ``--force``) and the sizer's
 memory estimate, printed without loading any weight or starting a process group or any rank (the world: the
 ranks ``--nproc-per-node`` × ``--nnodes`` would start, else under torchrun its world size, rank 0 printing)."""
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from ..errors import counted
 from .config import DTYPES, TrainConfig
+from .outputs import check_finished_resume, plan_outputs
 
 
 def _model_config(cfg: TrainConfig):
@@ -108,8 +110,11 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
     sequence = {d: sizes.pop(d, 1) for d in ("sp", "cp")}
     validate_sizes(world, sizes, replicate)
     validate_sequence_sizes(world, replicate, sequence["sp"], sequence["cp"])
+    plan = plan_outputs(cfg)  # what the run would refuse (raised: the same line) or replace in --output
     config = _model_config(cfg)
     cfg, corpus, held = _read_data(cfg, config, world)
+    check_finished_resume(plan, cfg.steps)
     lines = _data_lines(cfg, config, corpus, held, world, replicate)
+    lines += [f"output: {line}" for line in plan.describe() or [f"{cfg.output}: a new run"]]
     lines += _estimate_lines(cfg, config, world, sizes, replicate, sequence)
     return "\n".join(lines)
