@@ -37,6 +37,7 @@ from .errors import (
     XparError,
 )
 from .hub.adapter_files import save_adapter
+from .hub.weights_stream import iter_hub_weights
 from .loader import from_pretrained
 from .parallel.clip import clip_grad_norm_
 from .parallel.materialize import materialize
@@ -64,7 +65,8 @@ __all__ = [
     "UnknownArchitectureError", "XparError",
     # the API
     "CheckpointFuture", "ExtraPlan", "Mesh", "Plan", "clip_grad_norm_", "data_shard", "from_pretrained",
-    "full_logits", "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
+    "full_logits", "full_state_dict", "get_plan", "iter_hub_weights", "latest_checkpoint", "load_checkpoint",
+    "materialize", "parallelize",
     "read_checkpoint_metadata", "save_adapter", "save_checkpoint", "shard_sequence", "supported_architectures",
     "verify_checkpoint",
 ]

@@ -11,7 +11,10 @@
                            backward follows (:func:`reshard_after_inference`);
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
                            loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`);
-7. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
+7. ``install_encoder_agreement`` a multimodal model runs its encoders on every rank whenever any rank has
+                           images (a dummy image where it has none), so the vision tower's FSDP collectives
+                           match with images in some rows only (:mod:`xpar_zoo.styles.encoders`);
+8. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
                            full-length rows (:mod:`xpar_zoo.styles.sequence`; checked in step 1).
 
 Why each step is as it is: ``docs/design.md``, "parallelize and the placement of planned tensors".
@@ -42,6 +45,7 @@ from .parallel.fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout
 from .parallel.materialize import check_materialized, meta_tensors, unread_buffers
 from .parallel.mesh import Mesh, check_same_on_all_ranks
 from .parallel.state import ParallelState, parallel_state, set_parallel_state
+from .styles.encoders import install_encoder_agreement
 from .styles.experts import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .styles.gathered import install_gathered
 from .styles.lora import base_of, prepare, uses_peft
@@ -311,6 +315,7 @@ def parallelize(
     set_parallel_state(model, ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset))
     reshard_after_inference(model)
     install_global_loss(model, mesh.world_size)
+    install_encoder_agreement(model, mesh.device_type)
     if inner_attention is not None:  # outermost: the global-batch loss counts this rank's split targets
         install_sequence_parallel(model, mesh, inner_attention)
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 if TYPE_CHECKING:  # imported where used: PlanShard (the fused loss) must import on an older torch (the GPU bench)
     from torch.distributed.fsdp import DataParallelMeshDims
 
-from ..errors import MeshError
+from ..errors import MeshError, counted
 from .distributed import all_gather
 
 RESERVED_NAMES = frozenset({"replicate", "fsdp", "extra", "innermost", "device_type"})
@@ -149,7 +149,7 @@ def validate_sizes(world: int, sizes: Mapping[str, int], replicate: int) -> None
         if not isinstance(size, int) or size < 1:
             raise MeshError(f"plan {name!r}: size must be a positive integer, got {size!r}")
         if size > world:
-            raise MeshError(f"plan {name!r} of size {size} is larger than the world ({world} ranks)")
+            raise MeshError(f"plan {name!r} of size {size} is larger than the world ({counted(world, 'rank')})")
         if shard % size:
             raise MeshError(
                 f"plan {name!r} of size {size} does not divide the dense shard size {shard} "

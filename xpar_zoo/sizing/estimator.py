@@ -188,7 +188,7 @@ def check_long_context(config, world: int, replicate: int, seq: int, sp: int = 1
     refusal = sequence_refusal(config, attention, model)
     if refusal:
         raise PlanError(f"sp={sp}, cp={cp}: {refusal}")
-    attention_heads(config, sp)
+    attention_heads(config.get_text_config(), sp)
     sequence_parts(seq, sp, cp)
 
 
@@ -440,10 +440,11 @@ def estimate(
     tokens = rows // (sp * cp)  # this rank's, outside attention
     est.tokens_per_rank = tokens
     _weight_memory(est, model, units, lora_rank, param_dtype, optimizer)
-    _activation_memory(est, config, model, plan, sizes, rows, tokens, pbytes, fused_loss, recompute, lora_rank,
+    text = config.get_text_config()  # a multimodal model's activations: its language model's (images not counted)
+    _activation_memory(est, text, model, plan, sizes, rows, tokens, pbytes, fused_loss, recompute, lora_rank,
                        seq=seq, sp=sp, cp=cp, attention=attention)
     _fsdp_comm(est, units, world, pbytes, rbytes)
-    _plan_comm(est, config, model, plan, sizes, tokens, pbytes, sp=sp, cp=cp)
+    _plan_comm(est, text, model, plan, sizes, tokens, pbytes, sp=sp, cp=cp)
     return est
 
 

@@ -69,13 +69,14 @@ class RunRecord:
 def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | range | None = None) -> dict:
     """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.batches`) of ``step``:
     ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process
-    reference, a ``range`` those of its micro-batches (a data shard of several, see :func:`train_parallel`)."""
+    reference (each input over the ranks that have it), a ``range`` those of its micro-batches (a data shard of several, see :func:`train_parallel`)."""
     if not extra:
         return {}
     if isinstance(rank, int):
         return dict(extra[step][rank])
     parts = extra[step] if rank is None else [extra[step][r] for r in rank]
-    return {k: torch.cat([e[k] for e in parts]) for k in parts[0]}
+    keys = dict.fromkeys(k for e in parts for k in e)  # a rank without images has no pixel inputs
+    return {k: torch.cat([e[k] for e in parts if k in e]) for k in keys}
 
 
 def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0,
@@ -128,7 +129,6 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     if inner:
         set_inner_attention(model, inner)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
-    rank = dist.get_rank()
     labels = make_labels(data) if labels is None else labels
     index, count = data_shard(model)
     per = data.shape[1] // count

@@ -59,7 +59,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     save_every: int = 0
     keep_last: int | None = None
-    resume: bool = False
+    resume: bool | str = False  # True, or "strict": refuse to skip a damaged or incomplete newer checkpoint
     stop_after: int | None = None
     seed: int = 0
     dtype: str | None = None
@@ -158,6 +158,10 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         return parse_mesh(value, where)
     if name == "lora_targets" and isinstance(value, (list, tuple)):  # YAML: a list of module names
         value = ",".join(map(str, value))
+    if name == "resume":
+        if isinstance(value, bool) or value == "strict":
+            return value
+        raise TrainConfigError(f"{where}: resume is true, false or strict, got {_short(value)}")
     if name == "adam_betas":
         parts = value.split(",") if isinstance(value, str) else value
         try:
@@ -202,14 +206,33 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     return value
 
 
+class Quoted(str):
+    """A YAML string written in quotes (``seq_len: "1024"``): text, never a number."""
+
+
+def _quoted_number(name: str, value: Any) -> tuple[str, Any] | None:
+    """``(key, value)`` where setting ``name`` (from YAML) holds a quoted string in place of a number, else None."""
+    if name == "mesh":  # the flag's string ("ep=2") or a mapping of sizes
+        return next(((f"{name}: {k}", v) for k, v in value.items() if isinstance(v, Quoted)),
+                    None) if isinstance(value, dict) else None
+    kind = FIELDS[name].type
+    if isinstance(value, Quoted) and ("int" in kind or "float" in kind) and name != "adam_betas":
+        return name, value
+    return None
+
+
 def _strict_loader():
     """PyYAML's safe loader, stricter: an alias (``*name``) is refused (expanding them is how a small file grows
-    past any memory), a key given twice in one mapping is refused (YAML would keep the last), and a file of more
-    than ``MAX_CONFIG_NODES`` nodes is refused while it is composed."""
+    past any memory), a key given twice in one mapping is refused (YAML would keep the last), a file of more
+    than ``MAX_CONFIG_NODES`` nodes is refused while it is composed, and quoted strings come as :class:`Quoted`."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
         nodes = 0
+
+        def construct_yaml_str(self, node):
+            value = super().construct_yaml_str(node)
+            return Quoted(value) if node.style in ("'", '"') else value
 
         def compose_node(self, parent, index):
             if self.check_event(yaml.AliasEvent):
@@ -231,6 +254,7 @@ def _strict_loader():
                 seen[key] = key_node.start_mark.line + 1
             return super().construct_mapping(node, deep)
 
+    StrictLoader.add_constructor("tag:yaml.org,2002:str", StrictLoader.construct_yaml_str)
     return StrictLoader
 
 
@@ -274,6 +298,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         if name in given:
             raise TrainConfigError(f"{path}: {given[name]!r} and {key!r} are the same setting; give it once")
         given[name] = key
+        if quoted := _quoted_number(name, value):
+            raise TrainConfigError(f"{path}: {quoted[0].replace(name, key, 1)}: {_short(str(quoted[1]))} is quoted: "
+                                   "a number is written without quotes (YAML types are exact)")
         out[name] = _coerce(name, value, f"{path}: {key}")
     return out
 
@@ -303,7 +330,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--save-every", type=int, default=S, help="checkpoint every N steps (default 0: at the end and at --stop-after)")
     a("--keep-last", type=int, default=S, help="keep the N newest checkpoints (default: all)")
     a("--output", default=S, help="run directory: checkpoints/, metrics.jsonl, tensorboard/")
-    a("--resume", action="store_true", default=S, help="continue from the newest complete checkpoint in --output")
+    a("--resume", nargs="?", const=True, default=S, metavar="strict",
+      help="continue from the newest complete checkpoint in --output (a damaged or incomplete newer one is named and "
+           "skipped; --resume=strict refuses instead)")
     a("--stop-after", type=int, default=S, help="end this run cleanly after step N (the schedule follows --steps)")
     a("--seed", type=int, default=S, help="data order seed (default 0)")
     a("--dtype", choices=sorted(DTYPES), default=S, help="parameter dtype (default: the checkpoint's)")
@@ -323,8 +352,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bar on rank 0 (default on)")
     a("--timeout-minutes", type=float, default=S, help="process-group timeout (default 30)")
     a("--force", action="store_true", default=S,
-      help="write into a non-empty --output without checkpoints, and replace an existing --export-hf (only once "
-           "the new export is complete)")
+      help="replace the run in --output (its checkpoints, exports, events; metrics moved aside) or train into a "
+           "non-empty one, and replace existing exports (only once the new export is complete)")
     a("--log-every", type=int, default=S,
       help="a console line every N steps, at evaluations and at the last (default 10)")
     a("--max-line-bytes", type=int, default=S,
