@@ -20,15 +20,18 @@ from ..zoo.plan import Plan
 from .distributed import exact_gathers
 from .fsdp_layout import PlannedModule
 from .mesh import Mesh
+from .options import ParallelOptions
 
 
 @dataclass
 class ParallelState:
-    """What ``parallelize`` did, kept on the model (:func:`parallel_state` reads it): the mesh, the plan and the planned modules."""
+    """What ``parallelize`` did, kept on the model (:func:`parallel_state` reads it): the mesh, the plan, the planned
+    modules and the options the styles read."""
 
     mesh: Mesh
     plan: Plan
     planned: list[PlannedModule] = field(default_factory=list)
+    options: ParallelOptions = field(default_factory=ParallelOptions)
     unset_buffers: tuple[str, ...] = ()  # built on meta: buffers no checkpoint holds, until materialize()
     # check_ready's last pass: the module-tree generation it saw, and the parameters no FSDP unit manages (frozen)
     ready_at: int | None = None

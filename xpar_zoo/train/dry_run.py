@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from ..errors import counted
-from .config import DTYPES, TrainConfig
+from .config import DTYPES, TrainConfig, parallel_options
 from .outputs import check_finished_resume, plan_outputs
 
 
@@ -90,7 +90,8 @@ def _estimate_lines(cfg: TrainConfig, config, world: int, sizes: dict, replicate
     saved = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
     param_dtype = "bf16" if cfg.mixed_precision else short.get(DTYPES[cfg.dtype] if cfg.dtype else saved, "fp32")
     est = sizing.estimate(config, world, sizes, replicate, micro_batch=cfg.micro_batch, seq=cfg.seq_len,
-                          param_dtype=param_dtype, recompute=cfg.recompute, **sequence, **lora,
+                          param_dtype=param_dtype, recompute=cfg.recompute, options=parallel_options(cfg),
+                          **sequence, **lora,
                           **({"attention": cfg.attn_implementation}
                              if cfg.attn_implementation in sizing.ATTENTION_IMPLEMENTATIONS else {}))
     lines = ["memory estimate (xpar_zoo.sizing, per rank):", sizing.format_estimate(est)]

@@ -53,7 +53,7 @@ from ..styles.sequence import ATTENTION_PREFIX, data_shard, set_inner_attention
 from . import sft_config
 from .agreement import check_same_settings, resume_changes
 from .chat import conversation_corpus, load_examples, pad_token_id
-from .config import DTYPES, TrainConfig, validate
+from .config import DTYPES, TrainConfig, parallel_options, validate
 from .data import (
     PackedCorpus,
     flatten_rows,
@@ -361,7 +361,7 @@ def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
 
     check_attention_here(cfg.attn_implementation, getattr(mesh, "device_type", "cuda"))
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                            mixed_precision=cfg.mixed_precision,
+                            mixed_precision=cfg.mixed_precision, options=parallel_options(cfg),
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
