@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import XparError, counted
+from ..parallel.options import ParallelOptions
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,7 +73,7 @@ def _cmd_size(args: argparse.Namespace) -> int:
 
     config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
-                  recompute=args.recompute, attention=args.attention)
+                  recompute=args.recompute, attention=args.attention, options=ParallelOptions.from_env())
     if args.lora_rank is not None:
         parameters = args.lora_parameters
         modules = args.lora_modules.split(",") if args.lora_modules else None

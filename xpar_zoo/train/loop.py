@@ -53,7 +53,7 @@ from ..styles.sequence import ATTENTION_PREFIX, data_shard, set_inner_attention
 from . import sft_config
 from .agreement import check_same_settings, resume_changes
 from .chat import conversation_corpus, load_examples, pad_token_id
-from .config import DTYPES, TrainConfig, validate
+from .config import DTYPES, TrainConfig, parallel_options, validate
 from .data import (
     PackedCorpus,
     flatten_rows,
@@ -177,6 +177,11 @@ def best_eval_loss(output: Path, step: int) -> float:
     """Rank 0: the lowest ``eval_loss`` in ``metrics.jsonl`` up to ``step`` (a resumed ``--save-best`` run)."""
     seen = [m["eval_loss"] for m in read_metrics(output) if m.get("step", 0) <= step and "eval_loss" in m]
     return min(seen, default=math.inf)
+
+
+def text_vocab_size(config) -> int:
+    """The language model's vocabulary: a multimodal config keeps it in its text config."""
+    return int(config.get_text_config().vocab_size)
 
 
 def _model_config(name: str):
@@ -356,7 +361,7 @@ def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
 
     check_attention_here(cfg.attn_implementation, getattr(mesh, "device_type", "cuda"))
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                            mixed_precision=cfg.mixed_precision,
+                            mixed_precision=cfg.mixed_precision, options=parallel_options(cfg),
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
@@ -518,13 +523,13 @@ def _read_inputs(cfg: TrainConfig, world: int) -> _Inputs:
     cfg = dataclasses.replace(cfg, model=run_everywhere(lambda: resolve_model(cfg.model, output), rank0_only=True))
     model_config = run_everywhere(lambda: _model_config(cfg.model))
     run_everywhere(lambda: check_mesh(cfg, model_config, world), rank0_only=True)
-    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size))
+    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config)))
     cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
     run_everywhere(lambda: check_finished_resume(plan, cfg.steps), rank0_only=True)
     check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
     eval_corpus = None
     if cfg.eval_data:
-        eval_corpus = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size, cfg.eval_data)[0])
+        eval_corpus = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config), cfg.eval_data)[0])
     if ckpt is not None:
         run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
     run_everywhere(plan.apply, rank0_only=True)  # --force over a run: only now that every input is checked
