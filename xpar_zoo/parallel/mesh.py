@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 if TYPE_CHECKING:  # imported where used: PlanShard (the fused loss) must import on an older torch (the GPU bench)
     from torch.distributed.fsdp import DataParallelMeshDims
 
+from ..environment import launcher_world_size
 from ..errors import MeshError, counted
 from .distributed import all_gather
 
@@ -45,10 +46,8 @@ def _device_type() -> str:
 
 
 def _refuse_launched_without_group() -> None:
-    import os
-
-    launched = os.environ.get("WORLD_SIZE", "1") or "1"
-    if launched.isdigit() and int(launched) > 1:
+    launched = launcher_world_size()
+    if launched > 1:
         raise MeshError(f"WORLD_SIZE={launched} (a launcher started {launched} processes) but "
                         "torch.distributed.init_process_group was not called; call it before building a Mesh")
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..zoo.proofs import build_model, tiny_config  # noqa: F401  (the harness's tiny models, kept by their names here)
+from .proofs import build_model, tiny_config  # noqa: F401  (the harness's tiny models, kept by their names here)
 
 # fp32 tolerances: loss |Δ| and each parameter's |Δ| relative to the norm of its own update.
 LOSS_TOL = 1e-5
@@ -104,11 +104,11 @@ def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float 
 def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str, max_norm: float | None,
                    seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False,
                    labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None,
-                   inner: str | None = None) -> RunRecord:
+                   inner: str | None = None, options=None) -> RunRecord:
     """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``inner``: the
     attention the sp/cp attention wraps, set after parallelize by :func:`xpar_zoo.set_inner_attention`; ``kernels`` for
     :func:`xpar_zoo.styles.experts.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
-    decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
+    decoder layer; ``options``: ``parallelize``'s :class:`~xpar_zoo.ParallelOptions`): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
     :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
     batch's. Every rank calls it; rank 0's record is complete. With sp/cp a rank reads its data shard
     (:func:`xpar_zoo.data_shard`: ``world/count`` consecutive micro-batches of ``data[step]`` at once, the same on
@@ -124,7 +124,7 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     model = build_model(config, seed)
     if checkpointing:
         model.activation_checkpointing_enable()
-    model = parallelize(model, mesh, plan=plan)
+    model = parallelize(model, mesh, plan=plan, options=options)
     set_experts_kernels(model, kernels)
     if inner:
         set_inner_attention(model, inner)

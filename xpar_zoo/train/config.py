@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import TrainConfigError
 from ..hub.writer import DTYPES
+from ..parallel.options import CP_ATTENTION, CPU_COLLECTIVES, ParallelOptions
 from . import sft_config
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -66,6 +67,11 @@ class TrainConfig:
     mixed_precision: bool = False
     recompute: bool = False
     attn_implementation: str | None = None
+    # xpar_zoo.ParallelOptions (None: the XPAR_ZOO_* variable's value, else the option's default)
+    attention_block_mib: float | None = None
+    cp_attention: str | None = None
+    mixer_recompute: bool | None = None
+    cpu_collectives: str | None = None
     export_hf: str | None = None
     expert_bias_update_rate: float = 0.0
     router_aux_loss_coef: float | None = None
@@ -346,6 +352,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--recompute", action=argparse.BooleanOptionalAction, default=S,
       help="activation checkpointing of every decoder layer")
     a("--attn-implementation", default=S, help="transformers attention implementation (default: the model's)")
+    add_option_arguments(parser)
     a("--export-hf", default=S, help="write the trained model in the hub's format here at the end")
     a("--expert-bias-update-rate", type=float, default=S,
       help="aux-loss-free balancing: bias += rate*sign(mean load - load) per step, routers with "
@@ -365,6 +372,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"longest data line (JSONL record, .txt document) read, in bytes (default {DEFAULT_MAX_LINE_BYTES})")
     sft_config.add_arguments(parser)
     add_launcher_arguments(parser)
+
+
+# The settings that are fields of xpar_zoo.ParallelOptions (the flags of add_option_arguments).
+OPTION_FIELDS = ("attention_block_mib", "cp_attention", "mixer_recompute", "cpu_collectives")
+
+
+def add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of :class:`~xpar_zoo.ParallelOptions` (default: the ``XPAR_ZOO_*`` variable, else the option's)."""
+    S = argparse.SUPPRESS
+    a = parser.add_argument
+    a("--attention-block-mib", type=float, default=S,
+      help="sp/cp masked attention: MiB one block of queries may hold (default 256 on a GPU, 16 on the CPU)")
+    a("--cp-attention", choices=CP_ATTENTION, default=S,
+      help="cp's plain causal rows on sdpa: lower_right (no mask) or dense (default: lower_right on CUDA)")
+    a("--mixer-recompute", action=argparse.BooleanOptionalAction, default=S,
+      help="sp/cp hybrid mixers: recompute their whole rows in backward (default on)")
+    a("--cpu-collectives", choices=CPU_COLLECTIVES, default=S,
+      help="CPU meshes: in_place (default) or gloo (FSDP2's own collectives)")
+
+
+def parallel_options(cfg: TrainConfig) -> ParallelOptions:
+    """The run's :class:`~xpar_zoo.ParallelOptions`: the settings given, else the ``XPAR_ZOO_*`` variables' values
+    (read here, once per run), else the defaults; :class:`TrainConfigError` on a bad variable."""
+    from ..errors import PlanError
+
+    given = {n: getattr(cfg, n) for n in OPTION_FIELDS if getattr(cfg, n) is not None}
+    try:
+        return ParallelOptions.from_env(**given)
+    except PlanError as e:
+        raise TrainConfigError(str(e)) from None
 
 
 LAUNCHER_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
@@ -424,6 +461,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise TrainConfigError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {cfg.dtype!r}")
     check_sequence_mesh(cfg)
+    if cfg.attention_block_mib is not None and not cfg.attention_block_mib > 0:
+        raise TrainConfigError(f"attention_block_mib must be a positive number of MiB, got {cfg.attention_block_mib:g}")
+    for name, choices in (("cp_attention", CP_ATTENTION), ("cpu_collectives", CPU_COLLECTIVES)):
+        if getattr(cfg, name) is not None and getattr(cfg, name) not in choices:
+            raise TrainConfigError(f"{name} must be one of {', '.join(choices)}, got {_short(getattr(cfg, name))}")
     if cfg.attn_implementation is not None:
         known = attention_implementations()
         if cfg.attn_implementation not in known:
@@ -433,9 +475,9 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_sequence_mesh(cfg: TrainConfig) -> None:
     """``--mesh sp=S,cp=C``: the packed rows of ``--seq-len`` tokens must split over the sequence group (the rule
-    of :func:`xpar_zoo.commands.sizing.sequence_parts`, checked at parse time, before any rank starts)."""
-    from ..commands.sizing import sequence_parts
+    of :func:`xpar_zoo.sizing.sequence_parts`, checked at parse time, before any rank starts)."""
     from ..errors import BatchError
+    from ..sizing import sequence_parts
 
     sp, cp = cfg.mesh.get("sp", 1), cfg.mesh.get("cp", 1)
     if sp * cp == 1:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from ..errors import counted
-from .config import DTYPES, TrainConfig
+from .config import DTYPES, TrainConfig, parallel_options
 from .outputs import check_finished_resume, plan_outputs
 
 
@@ -21,8 +21,8 @@ def _model_config(cfg: TrainConfig):
     tiny = tiny_model_config(cfg.model)
     if tiny is not None:
         return tiny
-    from ..hub.loader import load_config
     from ..hub.resolve import resolve_config
+    from ..loader import load_config
 
     return load_config(resolve_config(cfg.model).parent)
 
@@ -77,12 +77,12 @@ def _data_lines(cfg: TrainConfig, config, corpus, held, world: int, replicate: i
 
 def _estimate_lines(cfg: TrainConfig, config, world: int, sizes: dict, replicate: int, sequence: dict) -> list[str]:
     """The sizer's per-rank memory estimate of the run (LoRA counted when it trains a new adapter)."""
-    from ..commands import sizing
+    from .. import sizing
     from .sft_config import lora_enabled, lora_targets
 
     lora = {}
     if lora_enabled(cfg) and cfg.lora_rank is not None:
-        from ..integrations.peft import expert_parameters
+        from ..styles.lora import expert_parameters
         from ..zoo.registry import get_plan
 
         lora = dict(lora_rank=cfg.lora_rank, lora_modules=lora_targets(cfg),
@@ -91,7 +91,8 @@ def _estimate_lines(cfg: TrainConfig, config, world: int, sizes: dict, replicate
     saved = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
     param_dtype = "bf16" if cfg.mixed_precision else short.get(DTYPES[cfg.dtype] if cfg.dtype else saved, "fp32")
     est = sizing.estimate(config, world, sizes, replicate, micro_batch=cfg.micro_batch, seq=cfg.seq_len,
-                          param_dtype=param_dtype, recompute=cfg.recompute, **sequence, **lora,
+                          param_dtype=param_dtype, recompute=cfg.recompute, options=parallel_options(cfg),
+                          **sequence, **lora,
                           **({"attention": cfg.attn_implementation}
                              if cfg.attn_implementation in sizing.ATTENTION_IMPLEMENTATIONS else {}))
     lines = ["memory estimate (xpar_zoo.sizing, per rank):", sizing.format_estimate(est)]

@@ -53,8 +53,8 @@ from ..styles.encoders import document_positions
 from ..styles.sequence import ATTENTION_PREFIX, data_shard, set_inner_attention
 from . import sft_config
 from .agreement import check_same_settings, resume_changes
-from .chat import conversation_corpus, load_examples, pad_token_id
-from .config import DTYPES, TrainConfig, validate
+from .chat import conversation_corpus, has_parts, load_examples, pad_token_id
+from .config import DTYPES, TrainConfig, parallel_options, validate
 from .data import (
     PackedCorpus,
     flatten_rows,
@@ -140,11 +140,11 @@ def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None, mode
                 ) -> tuple[PackedCorpus, Any]:
     """Every rank: read, tokenize and pack the data (``path``, default ``cfg.data``); the tokenizer (``None`` for
     pre-tokenized data without one). Conversations (``messages``, ``prompt``/``completion``) are packed whole
-    (:mod:`xpar_zoo.train.chat`, :mod:`xpar_zoo.train.packing`); a multimodal model's ``messages`` (with images
-    or without) are rendered by its processor (:mod:`xpar_zoo.train.multimodal`)."""
+    (:mod:`xpar_zoo.train.chat`, :mod:`xpar_zoo.train.packing`); for a multimodal model, conversations whose
+    content has parts (images) are rendered by its processor (:mod:`xpar_zoo.train.multimodal`)."""
     path = path or cfg.data
     conversations = load_examples(path)
-    if conversations is not None and is_multimodal(model_config) and conversations[0] == "messages":
+    if conversations is not None and is_multimodal(model_config) and any(map(has_parts, conversations[1])):
         processor = load_processor(cfg.tokenizer or cfg.model, model_config)
         corpus = media_corpus(Path(path), *conversations, processor, loss_on=cfg.loss_on, seq_len=cfg.seq_len,
                               seed=cfg.seed, vocab_size=vocab_size, allow_absolute=cfg.allow_absolute_paths,
@@ -202,8 +202,8 @@ def text_vocab_size(config) -> int:
 
 
 def _model_config(name: str):
-    from ..hub.loader import load_config
     from ..hub.resolve import resolve_config
+    from ..loader import load_config
 
     return load_config(resolve_config(name).parent)
 
@@ -374,11 +374,11 @@ def check_attention_here(name: str | None, device_type: str = "cuda") -> None:
 def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
     """The model from ``cfg.model`` on ``mesh`` (``peft``: ``from_pretrained``'s LoRA arguments), in training mode
     with the run's attention and recompute settings."""
-    from ..hub.loader import from_pretrained
+    from ..loader import from_pretrained
 
     check_attention_here(cfg.attn_implementation, getattr(mesh, "device_type", "cuda"))
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                            mixed_precision=cfg.mixed_precision,
+                            mixed_precision=cfg.mixed_precision, options=parallel_options(cfg),
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     if cfg.freeze_vision:
         freeze_vision(model)
@@ -497,10 +497,10 @@ def quiet_other_ranks(rank: int) -> None:
 def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
     """Before the model loads: the mesh's plan names are the model's plans, and its sizes fit the world (on one
     process, said as such: start ranks, or train without the mesh); with ``sp``/``cp``, the model, its attention
-    and ``--seq-len`` can be split (:func:`xpar_zoo.commands.sizing.check_long_context`)."""
-    from ..commands.sizing import check_long_context
+    and ``--seq-len`` can be split (:func:`xpar_zoo.sizing.check_long_context`)."""
     from ..errors import MeshError
     from ..parallel.mesh import validate_sequence_sizes, validate_sizes
+    from ..sizing import check_long_context
     from ..styles.planned import check_plan_names
     from ..zoo.registry import get_plan
 
