@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import PublishError, XparError
+from ..errors import PublishError, XparError, counted
 
 CARD_FILE = "README.md"
 CONFIG_FILE = "config.json"
@@ -386,7 +386,7 @@ def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: 
         f"- base model: {_md(base) if base else 'not recorded'}",
         f"- trained / saved with mesh: {mesh}",
         f"- training step: {_md(info.get('step', 'not recorded'))}",
-        f"- {summary['tensors']} tensors in {len(summary['files'])} safetensors file(s), "
+        f"- {counted(summary['tensors'], 'tensor')} in {counted(len(summary['files']), 'safetensors file')}, "
         f"{summary['bytes'] / 2**20:.1f} MiB", "",
     ]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
@@ -407,8 +407,8 @@ def dry_run_report(directory: Path, repo_id: str, summary: dict[str, Any], card,
     """What ``publish`` would upload: the files, their size, what it skips, and the model card."""
     files = sorted(set(files if files is not None else upload_plan(directory)[0]) | {CARD_FILE})
     skipped = skipped if skipped is not None else upload_plan(directory)[1]
-    lines = [f"dry run: would create {repo_id} and upload {len(files)} file(s) from {directory} "
-             f"({summary['bytes'] / 2**20:.1f} MiB of safetensors, {summary['tensors']} tensors):",
+    lines = [f"dry run: would create {repo_id} and upload {counted(len(files), 'file')} from {directory} "
+             f"({summary['bytes'] / 2**20:.1f} MiB of safetensors, {counted(summary['tensors'], 'tensor')}):",
              *(f"  {f}" for f in files),
              *([f"skipped (not part of a hub model): {', '.join(skipped)}"] if skipped else []),
              f"model card ({'the existing ' + CARD_FILE if keep_card else 'generated'}):"]

@@ -38,6 +38,8 @@ from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..errors import IntegrationError
 from ..loss.global_batch import IGNORE_INDEX
 from ..parallel.clip import clip_grad_norm_
+from ..parallel.options import ParallelOptions
+from ..parallelize import set_parallel_options
 from ..styles.sequence import data_shard
 from ..styles.vocab import full_logits
 from .accelerate import check_accelerator, parallelized_module
@@ -237,9 +239,11 @@ class XparTrainerMixin:
     """Put in front of ``transformers.Trainer`` or a subclass of it (``class SFT(XparTrainerMixin, SFTTrainer)``)
     to train an xpar_zoo model (from ``xpar_zoo.from_pretrained`` / ``parallelize``, or a PEFT model around one)
     exactly: no DDP wrap, the global-token loss under accumulation, xpar_zoo's clip, checkpoints that resume
-    exactly, ``save_model()`` in the hub's format or as a PEFT adapter. See the module docstring for how."""
+    exactly, ``save_model()`` in the hub's format or as a PEFT adapter. See the module docstring for how.
+    ``options`` (:class:`~xpar_zoo.ParallelOptions`, default: those the model was parallelized with): how the model
+    runs while it trains; ``cpu_collectives`` must stay the model's."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, options: ParallelOptions | None = None, **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
         if kwargs.get("model_init") is not None:
             raise IntegrationError(f"{type(self).__name__} takes a built xpar_zoo model (model=...), not model_init")
@@ -248,6 +252,8 @@ class XparTrainerMixin:
             raise IntegrationError(
                 f"{type(self).__name__} trains xpar_zoo models (from xpar_zoo.from_pretrained or parallelize); got "
                 f"{type(model).__name__}: parallelize it first, or use the plain transformers trainer")
+        if options is not None:  # the model runs with them from its next forward (checked on every rank)
+            set_parallel_options(module, options)
         self._xpar_state = _XparState(module=module, forward=module.__dict__["forward"])
         super().__init__(*args, **kwargs)
         self._xpar_state.fused_head = _trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)

@@ -41,7 +41,7 @@ from ..errors import ModelStateError, PlanError
 from ..parallel.collectives import gather_rows
 from ..parallel.mesh import PlanShard
 from .sequence_inner import blocked_attention
-from .sequence_masks import attention_block_budget, attention_query_bytes
+from .sequence_masks import attention_query_bytes
 from .sequence_mixers import decoder_layers, gather_rows_in_order
 
 # The indexer's forward parameters the wrapper relies on (transformers' DSA indexer contract).
@@ -157,7 +157,7 @@ def _indexer_forward(module: nn.Module, state, original, signature: inspect.Sign
         positions = batch.masks["indexer_local"]
         every = torch.arange(seq_len, device=hidden.device)
         heads = getattr(module.config, "index_n_heads", None) or getattr(module, "n_heads", 1)
-        rows = indexer_block_rows(b, heads, local, seq_len, attention_block_budget(hidden.device))
+        rows = indexer_block_rows(b, heads, local, seq_len, state.options.block_budget(hidden.device.type))
         cache = _RowKeys(state, batch)
         position_ids = named.get("position_ids")
 
@@ -268,7 +268,7 @@ def selected_attention(state, call, query: torch.Tensor, key: torch.Tensor, valu
     b, heads, queries, keys = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
     size = query.element_size()
     per_query = attention_query_bytes(b, heads, keys, size, state.inner == "eager") + b * keys * (1 + size)
-    budget = attention_block_budget(query.device)
+    budget = state.options.block_budget(query.device.type)
     if queries * per_query <= budget:
         batch = state.current
         return call(query, key, value, selected.block_mask(batch.queries, batch.keys, causal, window, query.dtype))
