@@ -31,12 +31,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 WORLD = 4
 MB = 1024 * 1024
-CONFIG = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64,
-              qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=2,
-              moe_intermediate_size=128, intermediate_size=256, n_shared_experts=1, first_k_dense_replace=0,
-              n_group=1, topk_group=1, num_hidden_layers=2, vocab_size=2048, index_n_heads=2, index_head_dim=32,
-              index_topk=256, max_position_embeddings=131072, attn_implementation="sdpa", use_cache=False,
-              layer_types=None, mlp_layer_types=None)
+CONFIG = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64,
+          "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32,
+          "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "intermediate_size": 256,
+          "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "num_hidden_layers": 2,
+          "vocab_size": 2048, "index_n_heads": 2, "index_head_dim": 32, "index_topk": 256,
+          "max_position_embeddings": 131072, "attn_implementation": "sdpa", "use_cache": False, "layer_types": None,
+          "mlp_layer_types": None}
 RUNS = {"fsdp": {}, "cp4": {"cp": 4}, "sp2_cp2": {"sp": 2, "cp": 2}}
 LABELS = {"fsdp": "FSDP alone `Mesh()`", "cp4": "`Mesh(cp=4)`", "sp2_cp2": "`Mesh(sp=2, cp=2)`"}
 
@@ -64,7 +65,7 @@ def _runs(seq: int, trace_dir: str) -> dict:
         model.train()
         group = bool(mesh)
 
-        def step(n: int):
+        def step(n: int, model=model, group=group):
             g = torch.Generator().manual_seed(n + (0 if group else rank))
             ids = torch.randint(0, CONFIG["vocab_size"], (1, n), generator=g)
 
@@ -146,23 +147,23 @@ def main() -> None:
         res = launch.run(_runs, WORLD, args.seq, tmp, timeout_s=3000)
     base = res["fsdp"]["peak"]
     lines = ["## Long context on indexed sparse attention: deepseek_v32 under cp against FSDP alone (issue 39)", "",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: "
-             f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (a shared VM), load {load:.1f} "
-             f"before / {os.getloadavg()[0]:.1f} after; torch {torch.__version__}, transformers "
-             f"{transformers.__version__}; `python bench/dsa_long_context.py --seq {args.seq} --indexer-seq "
-             f"{args.indexer_seq}` ({(time.time() - t0) / 60:.1f} min)",
-             "- model: deepseek_v32 fp32, 2 layers, hidden 128, MLA (4 heads, q/kv rank 64), 16 experts of 128 "
-             "(top-2) + a shared expert, indexer 2 heads of 32, top-256; sdpa; 4 gloo ranks; one row per "
-             "micro-batch; worst rank's live peak of one forward+backward; the CPU's 16 MiB block budget", "",
+             (f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: "
+              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (a shared VM), load {load:.1f} "
+              f"before / {os.getloadavg()[0]:.1f} after; torch {torch.__version__}, transformers "
+              f"{transformers.__version__}; `python bench/dsa_long_context.py --seq {args.seq} --indexer-seq "
+              f"{args.indexer_seq}` ({(time.time() - t0) / 60:.1f} min)"),
+             ("- model: deepseek_v32 fp32, 2 layers, hidden 128, MLA (4 heads, q/kv rank 64), 16 experts of 128 "
+              "(top-2) + a shared expert, indexer 2 heads of 32, top-256; sdpa; 4 gloo ranks; one row per "
+              "micro-batch; worst rank's live peak of one forward+backward; the CPU's 16 MiB block budget"), "",
              f"| mesh | peak at {args.seq} tokens (MiB) | × FSDP alone | step (s) |", "|---|---|---|---|"]
     for name in RUNS:
         r = res[name]
         lines.append(f"| {LABELS[name]} | {r['peak'] / MB:.1f} | {r['peak'] / base:.2f}× | {r['seconds']:.1f} |")
-    lines += ["", f"- the indexer of one layer on one rank holding a whole row of {args.indexer_seq} tokens (the "
-                  f"sp/cp wrapper, blocks of queries under 16 MiB): live peak {one['peak'] / MB:.1f} MiB, "
-                  f"{one['seconds']:.1f} s; transformers' indexer on that row makes the whole-row score tensor "
-                  f"`[1, S, 2, S]` float32 of {one['scores'] / MB:.0f} MiB (with its ReLU, the summed scores and "
-                  f"the mask {one['transformers'] / MB:.0f} MiB)"]
+    lines += ["", (f"- the indexer of one layer on one rank holding a whole row of {args.indexer_seq} tokens (the "
+                   f"sp/cp wrapper, blocks of queries under 16 MiB): live peak {one['peak'] / MB:.1f} MiB, "
+                   f"{one['seconds']:.1f} s; transformers' indexer on that row makes the whole-row score tensor "
+                   f"`[1, S, 2, S]` float32 of {one['scores'] / MB:.0f} MiB (with its ReLU, the summed scores and "
+                   f"the mask {one['transformers'] / MB:.0f} MiB)")]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:

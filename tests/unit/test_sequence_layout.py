@@ -321,8 +321,8 @@ def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
 
 
 @pytest.mark.parametrize("model_type, why", [
-    ("qwen4_exp_text", "layer type 'indexed_attention': sparse attention whose indexer picks keys over the whole "
-                       "sequence inside the attention module"),
+    ("qwen4_exp_text", ("layer type 'indexed_attention': sparse attention whose indexer picks keys over the whole "
+                        "sequence inside the attention module")),
     ("inkling_text", "InklingShortConvolution (model.layers.0.self_attn.k_sconv): not a module that takes the "
                      "layer's hidden states [b, s, H]"),
     ("zaya", "layer type 'hybrid': its layers hold no sequence mixer module that takes the layer's hidden states"),

@@ -59,13 +59,16 @@ class FusedHead:
 
 
 @dataclass
-class _XparState:
+class XparState:
+    """A parallelized model as a trainer drives it: the module, its own forward, TRL's fused-head settings."""
+
     module: nn.Module  # the parallelized model (the base model under PEFT)
     forward: Any  # its forward as xpar_zoo installed it (the global-batch loss)
     fused_head: FusedHead | None = None
 
 
-def _is_peft_model(model: nn.Module) -> bool:
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model (``False`` without PEFT installed)."""
     try:
         from peft import PeftModel
     except ImportError:
@@ -82,7 +85,7 @@ def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
 
-def _trl_fused_head(current: Any, forward: Any) -> FusedHead | None:
+def trl_fused_head(current: Any, forward: Any) -> FusedHead | None:
     """The settings of TRL's fused LM head when ``current`` is TRL's ``add_fused_lm_head`` patch around ``forward``;
     ``None`` when the forward was left alone. Any other replacement of the forward is refused."""
     if current is forward:
@@ -154,7 +157,7 @@ def _global_aux_share(module: nn.Module, out: Any, attention_mask: torch.Tensor 
 
 
 @contextlib.contextmanager
-def _transformers_loss_convention(state: _XparState, world: int):
+def transformers_loss_convention(state: XparState, world: int):
     """While open, the parallelized model follows transformers' convention for ``num_items_in_batch`` (see the
     module docstring) and answers TRL's ``fused_lm_head=True``."""
     module, forward = state.module, state.forward
@@ -254,9 +257,9 @@ class XparTrainerMixin:
                 f"{type(model).__name__}: parallelize it first, or use the plain transformers trainer")
         if options is not None:  # the model runs with them from its next forward (checked on every rank)
             set_parallel_options(module, options)
-        self._xpar_state = _XparState(module=module, forward=module.__dict__["forward"])
+        self._xpar_state = XparState(module=module, forward=module.__dict__["forward"])
         super().__init__(*args, **kwargs)
-        self._xpar_state.fused_head = _trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
+        self._xpar_state.fused_head = trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
         module.forward = self._xpar_state.forward  # TRL's patch off: answered inside compute_loss instead
         check_accelerator(self.accelerator)
         _check_args(self.args)
@@ -304,7 +307,7 @@ class XparTrainerMixin:
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
         """The trainer's ``compute_loss`` with the model in transformers' loss convention (module docstring)."""
-        with _transformers_loss_convention(self._xpar_state, self.accelerator.num_processes):
+        with transformers_loss_convention(self._xpar_state, self.accelerator.num_processes):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
@@ -326,8 +329,8 @@ class XparTrainerMixin:
         if state_dict is not None:
             raise IntegrationError("an xpar_zoo model is saved from its live shards; save_model takes no state_dict")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _is_peft_model(self.model):
-            from .peft_files import save_adapter
+        if is_peft_model(self.model):
+            from ..hub.adapter_files import save_adapter
 
             save_adapter(self.model, output_dir, force=True)  # the Trainer's own directory: its files stay
         else:
