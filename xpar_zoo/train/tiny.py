@@ -89,12 +89,22 @@ def save_tiny_model(directory: str | os.PathLike, seed: int = 0) -> Path:
 
 def resolve_model(name: str, output: str | os.PathLike) -> str:
     """``name``, or for :data:`TINY_MODEL` the directory ``OUTPUT/tiny-qwen3-moe`` it is saved in (written by the
-    caller's rank 0 when missing)."""
+    caller's rank 0 when missing, whole or not at all: an interrupted start leaves no half-written model)."""
     if name != TINY_MODEL:
         return name
     directory = Path(output) / TINY_MODEL
-    if not (directory / "config.json").is_file():
-        save_tiny_model(directory)
+    if not (directory / "config.json").is_file():  # written whole into a staging directory, then moved in place
+        import shutil
+        import tempfile
+
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL}.tmp-", dir=directory.parent))
+        try:
+            save_tiny_model(staging)
+            shutil.rmtree(directory, ignore_errors=True)  # an older, incomplete one
+            os.replace(staging, directory)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return str(directory)
 
 
