@@ -47,13 +47,18 @@ def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     weight = to_local(self.weight)  # [V/s, H]: this rank's rows (FSDP has gathered them)
     vocab = shard.rows * shard.size
     flat = input.reshape(-1)
-    ids, inverse = torch.unique(flat, return_inverse=True)  # sorted, hence grouped by owner
-    lo, hi = ids[[0, -1]].tolist() if ids.numel() else (0, 0)  # sorted: the ends bound every id; one host sync
-    if lo < 0 or hi >= vocab:
-        raise BatchError(f"token id out of range [0, {vocab}) in the vocab-parallel embedding (ids {lo} … {hi})")
-    send = torch.bincount(ids // shard.rows, minlength=shard.size)
-    recv = all_to_all_counts(send, shard.group)
-    send_splits, recv_splits = send.tolist(), recv.tolist()
+    routes = getattr(self, "_xpar_routes", None)
+    if routes is not None:  # a simulated run (no values): every id distinct, spread evenly over the owners
+        ids, inverse = flat, torch.arange(flat.numel(), device=flat.device)
+        send_splits, recv_splits = routes.splits(flat.numel(), shard.size)
+    else:
+        ids, inverse = torch.unique(flat, return_inverse=True)  # sorted, hence grouped by owner
+        lo, hi = ids[[0, -1]].tolist() if ids.numel() else (0, 0)  # sorted: the ends bound every id; one host sync
+        if lo < 0 or hi >= vocab:
+            raise BatchError(f"token id out of range [0, {vocab}) in the vocab-parallel embedding (ids {lo} … {hi})")
+        send = torch.bincount(ids // shard.rows, minlength=shard.size)
+        recv = all_to_all_counts(send, shard.group)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
     asked = all_to_all(ids, recv_splits, send_splits, shard.group) - shard.offset
     pad = self.padding_idx
     local_pad = pad - shard.offset if pad is not None and 0 <= pad - shard.offset < shard.rows else None
