@@ -220,7 +220,7 @@ def main() -> None:
     import transformers
 
     import xpar_zoo
-    from xpar_zoo.styles.sequence import ATTENTION_BLOCK_ENV, attention_block_budget
+    from xpar_zoo.parallel.options import ENV, ParallelOptions
 
     lines = ["", "## Long context: activation peak per rank, sp / cp against FSDP alone (issue 30)", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: {cpu_model()}, "
@@ -234,8 +234,8 @@ def main() -> None:
              "`profile_memory=True`, `xpar_zoo.testing.parity.live_peak_bytes`), worst rank; sizer: `xpar-zoo size` "
              "(gathered units, gradients, activations, sp/cp mask, fused-loss temporaries)",
              "- host load average (1 min) before and after each launched run: " + ", ".join(f"{a:.1f}" for a in load),
-             f"- sp/cp masked attention: blocks of queries within {attention_block_budget() / MB:g} MiB "
-             f"(`{ATTENTION_BLOCK_ENV}`), the whole mask once per forward where it fits; step: one more step without "
+             f"- sp/cp masked attention: blocks of queries within {ParallelOptions.from_env().block_budget('cpu') / MB:g}"
+             f" MiB (`{ENV['attention_block_mib']}`), the whole mask once per forward where it fits; step: one more step without "
              "the profiler"]
     fmt = (lambda v: f"{v / MB:.1f}")
     if ratio:

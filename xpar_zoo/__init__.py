@@ -37,10 +37,12 @@ from .errors import (
     XparError,
 )
 from .hub.loader import from_pretrained
+from .hub.weights_stream import iter_hub_weights
 from .integrations.peft_files import save_adapter
 from .parallel.clip import clip_grad_norm_
 from .parallel.materialize import materialize
 from .parallel.mesh import Mesh
+from .parallel.options import ParallelOptions
 from .parallel.state import full_state_dict
 from .parallelize import parallelize
 from .styles import experts as moe  # noqa: E402
@@ -63,8 +65,8 @@ __all__ = [
     "ModelStateError", "NonFiniteError", "PlanError", "PublishError", "RefusedArchitectureError", "TrainConfigError",
     "UnknownArchitectureError", "XparError",
     # the API
-    "CheckpointFuture", "ExtraPlan", "Mesh", "Plan", "clip_grad_norm_", "data_shard", "from_pretrained",
-    "full_logits", "full_state_dict", "get_plan", "latest_checkpoint", "load_checkpoint", "materialize", "parallelize",
-    "read_checkpoint_metadata", "save_adapter", "save_checkpoint", "shard_sequence", "supported_architectures",
-    "verify_checkpoint",
+    "CheckpointFuture", "ExtraPlan", "Mesh", "ParallelOptions", "Plan", "clip_grad_norm_", "data_shard",
+    "from_pretrained", "full_logits", "full_state_dict", "get_plan", "iter_hub_weights", "latest_checkpoint",
+    "load_checkpoint", "materialize", "parallelize", "read_checkpoint_metadata", "save_adapter", "save_checkpoint",
+    "shard_sequence", "supported_architectures", "verify_checkpoint",
 ]

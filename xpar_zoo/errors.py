@@ -2,6 +2,11 @@
 expensive work. They subclass the builtin a caller would naturally catch (``ValueError``, ``KeyError``…)."""
 
 
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``"1 rank"``, ``"4 ranks"``: a count and its noun in the right number, for messages."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
 class XparError(Exception):
     """Base class of every error xpar_zoo raises on bad input."""
 

@@ -6,12 +6,15 @@
 4. ``fsdp_layout``         FSDP units, meshes, reshard and prefetch decisions (:mod:`xpar_zoo.parallel.fsdp_layout`);
 5. ``apply_fsdp``          ``fully_shard`` planned modules (dim 0 of each slice where it divides, else dim 1),
                            decoder layers, embedding and head, then the root (on the CPU each with its
-                           collectives in place, :mod:`xpar_zoo.parallel.gloo_comms`, unless ``cpu_collectives``
-                           says ``"gloo"``); then reshard and prefetch, and every unit resharded after a forward no
+                           collectives in place, :mod:`xpar_zoo.parallel.gloo_comms`, unless the options'
+                           ``cpu_collectives`` says ``"gloo"``); then reshard and prefetch, and every unit resharded after a forward no
                            backward follows (:func:`reshard_after_inference`);
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
                            loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`);
-7. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
+7. ``install_encoder_agreement`` a multimodal model runs its encoders on every rank whenever any rank has
+                           images (a dummy image where it has none), so the vision tower's FSDP collectives
+                           match with images in some rows only (:mod:`xpar_zoo.styles.encoders`);
+8. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
                            full-length rows (:mod:`xpar_zoo.styles.sequence`; checked in step 1).
 
 Why each step is as it is: ``docs/design.md``, "parallelize and the placement of planned tensors".
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -43,6 +45,8 @@ from .loss.global_batch import install_global_loss
 from .parallel.fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout
 from .parallel.materialize import check_materialized, meta_tensors, unread_buffers
 from .parallel.mesh import Mesh, check_same_on_all_ranks
+from .parallel.options import ParallelOptions
+from .styles.encoders import install_encoder_agreement
 from .styles.experts import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .styles.gathered import install_gathered
 from .styles.planned import match_plan, whole_vocab_head_fusable
@@ -60,11 +64,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ParallelState:
-    """What ``parallelize`` did, kept on the model as ``model._xpar``: the mesh, the plan and the planned modules."""
+    """What ``parallelize`` did, kept on the model as ``model._xpar``: the mesh, the plan, the planned modules and
+    the options the styles read."""
 
     mesh: Mesh
     plan: Plan
     planned: list[PlannedModule] = field(default_factory=list)
+    options: ParallelOptions = field(default_factory=ParallelOptions)
     unset_buffers: tuple[str, ...] = ()  # built on meta: buffers no checkpoint holds, until materialize()
     # check_ready's last pass: the module-tree generation it saw, and the parameters no FSDP unit manages (frozen)
     ready_at: int | None = None
@@ -256,19 +262,35 @@ def check_ready(model: nn.Module) -> None:
         state.ready_at, state.frozen_unmanaged = generation, tuple(p for _, p in unmanaged)
 
 
-CPU_COLLECTIVES = ("in_place", "gloo")
-GLOO_IN_PLACE_ENV = "XPAR_ZOO_GLOO_IN_PLACE"  # "0" (or false / no / off): FSDP2's own gloo collectives
+def resolve_options(options: ParallelOptions | None, cpu_collectives: str | None = None) -> ParallelOptions:
+    """The options ``parallelize`` runs with: ``options``, else the environment's defaults
+    (:meth:`ParallelOptions.from_env`, read here once); ``cpu_collectives`` (the older keyword) sets that field.
+    :class:`PlanError` on a bad value, or on ``cpu_collectives`` that disagrees with ``options``."""
+    if options is None:
+        given = {} if cpu_collectives is None else {"cpu_collectives": cpu_collectives}
+        return ParallelOptions.from_env(**given)
+    if not isinstance(options, ParallelOptions):
+        raise PlanError(f"options must be a xpar_zoo.ParallelOptions, got {type(options).__name__}")
+    if cpu_collectives is not None and cpu_collectives != options.cpu_collectives:
+        raise PlanError(f"cpu_collectives={cpu_collectives!r} and options.cpu_collectives="
+                        f"{options.cpu_collectives!r} disagree; give it once (in options)")
+    return options
 
 
-def resolve_cpu_collectives(choice: str | None) -> str:
-    """``choice``, or without one the environment's (:data:`GLOO_IN_PLACE_ENV`); raise :class:`PlanError` for a
-    value that is neither of :data:`CPU_COLLECTIVES`."""
-    if choice is None:
-        off = os.environ.get(GLOO_IN_PLACE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
-        choice = "gloo" if off else "in_place"
-    if choice not in CPU_COLLECTIVES:
-        raise PlanError(f"cpu_collectives must be one of {list(CPU_COLLECTIVES)}, got {choice!r}")
-    return choice
+def set_parallel_options(model: nn.Module, options: ParallelOptions) -> None:
+    """Run the parallelized ``model`` with ``options`` from its next forward on (the styles read them from its
+    parallel state). A collective: every rank calls it with the same options (checked, one line on every rank).
+    ``cpu_collectives`` was applied when ``parallelize`` sharded the model and cannot change here."""
+    state = getattr(model, "_xpar", None)
+    if state is None:
+        raise ModelStateError(f"{type(model).__name__} is not parallelized; pass options to parallelize")
+    if not isinstance(options, ParallelOptions):
+        raise PlanError(f"options must be a xpar_zoo.ParallelOptions, got {type(options).__name__}")
+    check_same_on_all_ranks(options.agreement(), "options", PlanError)
+    if options.cpu_collectives != state.options.cpu_collectives:
+        raise PlanError(f"cpu_collectives={options.cpu_collectives!r}: the model was parallelized with "
+                        f"{state.options.cpu_collectives!r}, which its FSDP units keep; pass it to parallelize")
+    state.options = options
 
 
 def parallelize(
@@ -280,6 +302,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     prefetch: bool = True,
     fused_loss: bool = True,
+    options: ParallelOptions | None = None,
     cpu_collectives: str | None = None,
 ) -> nn.Module:
     """Apply the architecture's extra plans (dim-0 splits with real parallel compute) and FSDP2 (planned slices on
@@ -293,23 +316,25 @@ def parallelize(
     unless asked for with :func:`~xpar_zoo.full_logits`). ``fused_loss=False`` keeps transformers' loss; to choose
     its chunk size or kernels, call :func:`~xpar_zoo.styles.vocab.install_fused_loss` on the model before this.
 
-    ``cpu_collectives`` (CPU meshes only): ``"in_place"`` (default) gives every FSDP unit the in-place gloo
-    collectives of :mod:`xpar_zoo.parallel.gloo_comms`, ``"gloo"`` keeps FSDP2's own; unset, the environment
-    variable ``XPAR_ZOO_GLOO_IN_PLACE=0`` chooses ``"gloo"``.
+    ``options`` (:class:`~xpar_zoo.ParallelOptions`): the sp/cp attention's block budget and cp path, the hybrid
+    mixers' recompute, the CPU collectives; without it, :meth:`~xpar_zoo.ParallelOptions.from_env` (the
+    ``XPAR_ZOO_*`` variables, read once here, else the defaults). Checked equal on every rank with the other
+    arguments. ``cpu_collectives`` sets ``options.cpu_collectives`` (CPU meshes only: ``"in_place"``, the default,
+    gives every FSDP unit the in-place gloo collectives of :mod:`xpar_zoo.parallel.gloo_comms`, ``"gloo"`` keeps
+    FSDP2's own).
 
     With labels, ``out.loss`` on each rank is its share of the mean over every valid target of every rank's
     micro-batch (the mean of ``out.loss`` over the ranks is that global mean, and the gradients are exactly its
     gradients); ``num_items_in_batch`` sets the global count explicitly (gradient accumulation): see
     :mod:`xpar_zoo.loss.global_batch`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint."""
-    cpu_collectives = resolve_cpu_collectives(cpu_collectives)
+    options = resolve_options(options, cpu_collectives)
     outer = model
     if uses_peft(model):  # LoRA applied before parallelize: the transformers model inside, its plan under PEFT's names
         model, plan = prepare(outer, plan or plan_for(base_of(outer)))
     plan = plan or plan_for(model)
     check_same_on_all_ranks({"model and plan": _fingerprint(model, plan), "mixed_precision": repr(mixed_precision),
                              "reshard_after_forward": reshard_after_forward, "prefetch": prefetch,
-                             "fused_loss": fused_loss, "cpu_collectives": cpu_collectives}, "parallelize arguments",
-                            PlanError)
+                             "fused_loss": fused_loss, **options.agreement()}, "parallelize arguments", PlanError)
     planned = plan_parameters(model, mesh, plan)
     inner_attention = check_sequence_parallel(model, mesh) if mesh.sequence_size > 1 else None
     unset = tuple(sorted(unread_buffers(model))) if meta_tensors(model) else ()
@@ -324,12 +349,13 @@ def parallelize(
         install_fused_loss(model)
     apply_fsdp(model, mesh, fsdp_layout(model, plan, planned, sizes=mesh.active, shard_size=mesh.shard_size,
                                         reshard_after_forward=reshard_after_forward, prefetch=prefetch),
-               cpu_collectives=cpu_collectives, **fsdp_kwargs)
-    model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset)
+               cpu_collectives=options.cpu_collectives, **fsdp_kwargs)
+    model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset, options=options)
     reshard_after_inference(model)
     install_global_loss(model, mesh.world_size)
+    install_encoder_agreement(model, mesh.device_type)
     if inner_attention is not None:  # outermost: the global-batch loss counts this rank's split targets
-        install_sequence_parallel(model, mesh, inner_attention)
+        install_sequence_parallel(model, mesh, inner_attention, model._xpar)
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
     _watch_module_tree()
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)

@@ -17,6 +17,24 @@ def _ep_of_rank(rank: int) -> int:
     return 2 if rank != 2 else 4
 
 
+def _options_of_rank(model):
+    """Rank 1 keeps the hybrid mixers' whole rows, the others recompute them: different collectives in backward."""
+    options = xpar_zoo.ParallelOptions(mixer_recompute=torch.distributed.get_rank() != 1)
+    return xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=2), options=options)
+
+
+def _environment_of_rank(model):
+    """Without options parallelize reads the environment's defaults: rank 1's differs."""
+    import os
+
+    if torch.distributed.get_rank() == 1:
+        os.environ["XPAR_ZOO_MIXER_RECOMPUTE"] = "0"
+    try:
+        return xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=2))
+    finally:
+        os.environ.pop("XPAR_ZOO_MIXER_RECOMPUTE", None)
+
+
 # Each case: the bad setup, given the (tiny, real) model; it must raise before the model is touched.
 ATTEMPTS = {
     "ep3_world4": lambda model: xpar_zoo.Mesh(ep=3),
@@ -28,6 +46,8 @@ ATTEMPTS = {
     "ranks_disagree_on_mesh": lambda model: xpar_zoo.Mesh(ep=_ep_of_rank(torch.distributed.get_rank())),
     "ranks_disagree_on_model": lambda model: xpar_zoo.parallelize(_other_model_on_rank_1(model), xpar_zoo.Mesh(ep=2)),
     "from_lists_mismatch": lambda model: xpar_zoo.Mesh.from_lists(sizes=[2, 2], names=["ep"]),
+    "ranks_disagree_on_options": _options_of_rank,
+    "ranks_disagree_on_the_environment": _environment_of_rank,
 }
 
 
@@ -68,6 +88,10 @@ CASES = {
     "ranks_disagree_on_mesh": ["MeshError", "ranks were given different mesh arguments", "rank 2 has ({'ep': 4}"],
     "ranks_disagree_on_model": ["PlanError", "ranks were given different parallelize arguments: model and plan",
                                 "rank 1 has"],
+    "ranks_disagree_on_options": ["PlanError", "ranks were given different parallelize arguments: mixer_recompute: "
+                                  "rank 0 has {'mixer_recompute': True}, rank 1 has {'mixer_recompute': False}"],
+    "ranks_disagree_on_the_environment": ["PlanError", "different parallelize arguments: mixer_recompute: rank 0 has "
+                                          "{'mixer_recompute': True}, rank 1 has {'mixer_recompute': False}"],
 }
 
 

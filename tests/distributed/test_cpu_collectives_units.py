@@ -1,5 +1,6 @@
 """``parallelize``'s switch for the CPU's in-place gloo collectives, on 2 gloo ranks: by default every FSDP unit gets
-them; ``cpu_collectives="gloo"`` or ``XPAR_ZOO_GLOO_IN_PLACE=0`` leaves every unit with FSDP2's own, and the module
+them; ``cpu_collectives="gloo"`` (``ParallelOptions.cpu_collectives``) or, without options,
+``XPAR_ZOO_GLOO_IN_PLACE=0`` leaves every unit with FSDP2's own, and the module
 that holds them is then never imported."""
 
 from __future__ import annotations

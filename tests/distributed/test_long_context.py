@@ -79,7 +79,7 @@ LOWER_RIGHT = {
 }
 # The blocked masked attention (a block of queries at a time, each block's mask rebuilt in backward), forced onto
 # these tiny rows by a block budget of 512 bytes (1-2 queries per block): name -> case as in CASES
-BLOCK_MIB = "0.0005"
+BLOCK_MIB = 0.0005
 BLOCKED = {
     "blocked_qwen3_moe_cp2_ep2_sdpa": (("qwen3_moe", SDPA), {"cp": 2, "ep": 2}, False),
     "blocked_qwen3_cp4_sdpa": (("qwen3", SDPA), {"cp": 4}, False),
@@ -120,7 +120,7 @@ FLEX_CASES = {
 VARIANTS = {
     "qwen3_moe_sp2_cp2_checkpointing": ("packed_qwen3_moe_sp2_cp2", {"checkpointing": True}),
     "blocked_qwen3_moe_sp2_cp2_checkpointing": ("packed_qwen3_moe_sp2_cp2", {"checkpointing": True,
-                                                                            "block_mib": BLOCK_MIB}),
+                                                                            "attention_block_mib": BLOCK_MIB}),
     "qwen3_moe_sp2_ep2_adamw3_clipped": ("packed_qwen3_moe_sp2_ep2", {"optimizer": "adamw", "steps": 3,
                                                                      "max_norm": 0.5}),
     "qwen3_next_gdn_sp2_cp2_checkpointing": ("packed_qwen3_next_gdn_sp2_cp2", {"checkpointing": True}),
@@ -183,10 +183,10 @@ def _labels(kind, data, extra):
 
 def _cases(world: int) -> dict:
     import contextlib
-    import os
 
     import torch.distributed as dist
 
+    from xpar_zoo.parallel.options import ParallelOptions
     from xpar_zoo.styles import sequence
     from xpar_zoo.testing import flash_reference
 
@@ -195,7 +195,7 @@ def _cases(world: int) -> dict:
     runs = {name: (case, {}) for name, case in CASES.items()}
     runs.update({name: (CASES[base], options) for name, (base, options) in VARIANTS.items()})
     runs.update({name: (case, {"cp_attention": "lower_right"}) for name, case in LOWER_RIGHT.items()})
-    runs.update({name: (case, {"block_mib": BLOCK_MIB}) for name, case in BLOCKED.items()})
+    runs.update({name: (case, {"attention_block_mib": BLOCK_MIB}) for name, case in BLOCKED.items()})
     runs.update({name: (case, {"inner": "flash_attention_2"}) for name, case in FLASH_CASES.items()})
     calls = {"lower_right": 0, "blocked": 0}
     plain, blocked = sequence.lower_right_attention, sequence.blocked_attention
@@ -208,7 +208,7 @@ def _cases(world: int) -> dict:
 
     for name, (((model_type, overrides), mesh, packed), options) in runs.items():
         options = dict(options)
-        cp_attention, block_mib = options.pop("cp_attention", None), options.pop("block_mib", None)
+        chosen = {k: options.pop(k) for k in ("cp_attention", "attention_block_mib") if k in options}
         optimizer, steps, max_norm = options.pop("optimizer", "sgd"), options.pop("steps", 1), options.pop("max_norm",
                                                                                                           None)
         config = _config(model_type, overrides)
@@ -223,16 +223,11 @@ def _cases(world: int) -> dict:
         calls.update(lower_right=0, blocked=0)
         sequence.lower_right_attention = counting("lower_right", plain)
         sequence.blocked_attention = counting("blocked", blocked)
-        for env, value in ((sequence.CP_ATTENTION_ENV, cp_attention), (sequence.ATTENTION_BLOCK_ENV, block_mib)):
-            if value:
-                os.environ[env] = value
         try:
             with flash_reference.installed(inner) if inner else contextlib.nullcontext():
                 rec = parity.train_parallel(config, data, mesh, optimizer, max_norm, labels=labels, extra=extra,
-                                            **options)
+                                            options=ParallelOptions(**chosen), **options)
         finally:
-            os.environ.pop(sequence.CP_ATTENTION_ENV, None)
-            os.environ.pop(sequence.ATTENTION_BLOCK_ENV, None)
             sequence.lower_right_attention, sequence.blocked_attention = plain, blocked
         if rank == 0:
             ref, before = refs[key]

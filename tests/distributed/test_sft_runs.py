@@ -26,7 +26,7 @@ SHIPPED = Path(__file__).resolve().parents[2] / "examples" / "data" / "tiny_chat
 BAD = {
     "no_chat_template": ("has none; pass --tokenizer with one", {}),
     "no_assistant_turn": ("the conversation has no assistant turn (roles: system, user)", {}),
-    "too_long": ("conversation(s) longer than seq_len 32 (first: ", {"--seq-len": "32"}),
+    "too_long": ("longer than seq_len 32 (first: ", {"--seq-len": "32"}),
 }
 
 

@@ -306,7 +306,8 @@ def test_refuses_to_overwrite_a_run_and_a_missing_tokenizer(jobs, files, tmp_pat
     common = ["--data", str(files["data"]), "--steps", "2", "--seq-len", str(SEQ), "--no-progress"]
     out = jobs["out"] / "straight"
     assert cli.main(["train", "--model", str(files["qwen"]), "--output", str(out), *common]) == 2
-    assert "already holds checkpoints (newest: step-00000004); pass --resume" in capsys.readouterr().err
+    assert ("holds a finished run (step-00000004, the last of its 4 steps): rerun with --force to replace it"
+            in capsys.readouterr().err)
     other = tmp_path / "other"
     shutil.copytree(out, other)
     assert cli.main(["train", "--model", str(files["qwen"]), "--output", str(other), "--resume", "--seed", "1",

@@ -125,6 +125,10 @@ def test_publish_refuses_a_credential_naming_the_file_and_line(folder, hub, caps
      "chat_template.jinja line 1: /home/alice/templates/chat.jinja"),
     ("tokenizer_config.json", '{\n  "bos_token": "<s>",\n  "name_or_path": "/scratch/alice/tok"\n}',
      "tokenizer_config.json name_or_path: /scratch/alice/tok (line 3)"),
+    ("generation_config.json", '{\n "note": "trained from /home/alice/run on 4 GPUs"\n}',
+     "generation_config.json note: trained from /home/alice/run on 4 GPUs (line 2)"),
+    ("generation_config.json", '{\n "source": "file:///mnt/x/ckpt"\n}', "generation_config.json source: file:///mnt/x/ckpt"),
+    ("chat_template.jinja", "{# see file:///srv/t.jinja #}\n", "chat_template.jinja line 1: file:///srv/t.jinja"),
 ])
 def test_publish_refuses_a_local_path_naming_the_file_and_line(folder, hub, capsys, name, text, said):
     (folder / name).write_text(text)
@@ -185,3 +189,31 @@ def test_publish_refuses_a_config_with_custom_code(folder, hub, capsys):
     assert _publish(folder) == 2
     assert "names custom code (auto_map), which publish does not upload" in capsys.readouterr().err
     assert hub["calls"] == []
+
+
+HOSTILE = ["<img src=x onerror=alert(1)>", "[log in](https://evil.example/login)", "www.evil.example", "me@evil.example",
+           "![x](https://evil.example/t.png)", "<https://evil.example>", "**bold** `code` # head"]
+
+
+def test_publish_card_shows_every_field_from_the_folder_as_inert_text(folder, hub):
+    import re
+
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = HOSTILE
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "xpar_export.json").write_text(json.dumps({"step": HOSTILE[1], "mesh": {"ep": HOSTILE[0]}}))
+    assert _publish(folder) == 0
+    body = (folder / "README.md").read_text().split("---\n", 2)[2]
+    assert not re.search(r"<img|<https|\]\(|https?://evil|www\.evil|(?<!\\)@evil|\*\*bold|(^|\n)# head", body), body
+    assert "&lt;img src\\=x onerror\\=alert\\(1\\)&gt;" in body  # still readable: the text, escaped
+
+
+def test_refuse_local_paths_reads_every_text_file_subfolders_included(folder):
+    from xpar_zoo.commands.publish import refuse_local_paths
+    from xpar_zoo.errors import PublishError
+
+    refuse_local_paths(folder)
+    (folder / "sub").mkdir()
+    (folder / "sub" / "config.json").write_text(json.dumps({"_name_or_path": "see /home/alice/base"}))
+    with pytest.raises(PublishError, match=r"sub/config.json _name_or_path: see /home/alice/base \(line 1\)"):
+        refuse_local_paths(folder)

@@ -52,8 +52,8 @@ def _groups(model, how: str):
 
 
 @pytest.mark.parametrize("saved_as, loaded_as, message", [
-    ("one", "two", "the checkpoint's optimizer has 1 parameter group(s), this optimizer has 2"),
-    ("two", "one", "the checkpoint's optimizer has 2 parameter group(s), this optimizer has 1"),
+    ("one", "two", "the checkpoint's optimizer has 1 parameter group, this optimizer has 2"),
+    ("two", "one", "the checkpoint's optimizer has 2 parameter groups, this optimizer has 1"),
     ("two", "regrouped", "parameter group 0 holds"),
 ])
 def test_optimizer_parameter_groups_must_match(saved_as, loaded_as, message, tmp_path):

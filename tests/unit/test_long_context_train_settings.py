@@ -84,5 +84,22 @@ def test_dry_run_reads_one_data_part_per_sequence_group(tmp_path, capsys, monkey
             "--steps", "2", "--seq-len", "64", "--micro-batch", "2", "--mesh", "sp=2,cp=2,ep=2", "--dry-run"]
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
-    assert "mesh: sp=2, cp=2, ep=2 over 8 rank(s)" in text
+    assert "mesh: sp=2, cp=2, ep=2 over 8 ranks" in text
     assert "rows of 64 per epoch; 4 rows per step" in text  # 8 ranks / (sp·cp) = 2 parts x 2 rows
+
+
+def _listed_after(text: str, phrase: str) -> tuple[str, ...]:
+    """The backticked names listed right after ``phrase`` (``a``, ``b`` (note), ``c`` or ``d``)."""
+    rest = " ".join(text.split(phrase, 1)[1].split())
+    return tuple(re.findall(r"`([a-z0-9_]+)`", re.match(r"(?:\s*(?:,|or|\(transformers' default\),?)?\s*`[a-z0-9_]+`)+",
+                                                         rest).group(0)))
+
+
+def test_both_docs_list_the_inner_attentions_the_sp_cp_wrapper_serves():
+    from pathlib import Path
+
+    from xpar_zoo.styles.sequence import INNER_IMPLEMENTATIONS
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    assert _listed_after((docs / "training.md").read_text(), "the sp/cp attention wraps (") == INNER_IMPLEMENTATIONS
+    assert _listed_after((docs / "long_context.md").read_text(), "one the wrapper serves:") == INNER_IMPLEMENTATIONS

@@ -10,17 +10,14 @@ import torch
 
 from xpar_zoo.errors import BatchError, MeshError, PlanError
 from xpar_zoo.parallel.mesh import sequence_rank_layout, validate_sequence_sizes
+from xpar_zoo.parallel.options import ParallelOptions
 from xpar_zoo.styles.sequence import (
-    ATTENTION_BLOCK_ENV,
-    CP_ATTENTION_ENV,
     _Forward,
-    attention_block_budget,
     attention_block_rows,
     blocked_attention,
     check_sequence_length,
     check_sequence_parallel,
     cp_chunk,
-    cp_lower_right,
     document_ids,
     kv_repeat,
     lower_right_attention,
@@ -140,16 +137,13 @@ def test_cp_lower_right_attention_equals_sdpa_under_the_dense_mask(cp):
             torch.testing.assert_close(a, w, atol=1e-6, rtol=1e-5)
 
 
-def test_cp_runs_without_a_mask_on_cuda_and_with_the_dense_one_elsewhere_unless_told(monkeypatch):
-    monkeypatch.delenv(CP_ATTENTION_ENV, raising=False)
-    assert cp_lower_right(torch.device("cuda", 0)) and not cp_lower_right(torch.device("cpu"))
-    monkeypatch.setenv(CP_ATTENTION_ENV, "lower_right")
-    assert cp_lower_right(torch.device("cpu"))
-    monkeypatch.setenv(CP_ATTENTION_ENV, "dense")
-    assert not cp_lower_right(torch.device("cuda", 0))
-    monkeypatch.setenv(CP_ATTENTION_ENV, "ring")
-    with pytest.raises(PlanError, match="XPAR_ZOO_CP_ATTENTION='ring': expected 'lower_right' or 'dense'"):
-        cp_lower_right(torch.device("cpu"))
+def test_cp_runs_without_a_mask_on_cuda_and_with_the_dense_one_elsewhere_unless_told():
+    default = ParallelOptions()
+    assert default.cp_lower_right("cuda") and not default.cp_lower_right("cpu")
+    assert ParallelOptions(cp_attention="lower_right").cp_lower_right("cpu")
+    assert not ParallelOptions(cp_attention="dense").cp_lower_right("cuda")
+    with pytest.raises(PlanError, match=r"cp_attention must be one of \['lower_right', 'dense'\] or None, got 'ring'"):
+        ParallelOptions(cp_attention="ring")
 
 
 def _rows_of(kind: str, b: int, seq: int) -> tuple:
@@ -263,22 +257,21 @@ def test_blocked_attention_nests_in_layer_checkpointing_and_keeps_no_mask_for_ba
     assert kept < mask_bytes / 4, (kept, mask_bytes)  # the output and block bookkeeping only
 
 
-def test_the_block_size_comes_from_a_byte_budget_the_environment_can_set(monkeypatch):
-    monkeypatch.delenv(ATTENTION_BLOCK_ENV, raising=False)
-    assert attention_block_budget() == 16 * 2 ** 20
-    assert attention_block_budget(torch.device("cpu")) == 16 * 2 ** 20
+def test_the_block_size_comes_from_a_byte_budget_the_options_can_set():
+    default = ParallelOptions()
+    assert default.block_budget(None) == default.block_budget("cpu") == 16 * 2 ** 20
     # on an accelerator a block is a kernel launch and a host step (twice, with the recompute): fewer, larger blocks
-    assert attention_block_budget(torch.device("cuda", 0)) == 256 * 2 ** 20
+    assert default.block_budget("cuda") == 256 * 2 ** 20
+    budget = default.block_budget("cpu")
     # sdpa: a query costs its additive mask (4) and boolean terms (2) per key; the whole 2048 x 8192 mask is 96 MiB
-    assert attention_block_rows(1, 4, 2048, 8192, 4, False) == 16 * 2 ** 20 // (8192 * 6)
-    assert attention_block_rows(1, 4, 512, 4096, 4, False) is None  # 12 MiB: the whole mask, once per forward
-    assert attention_block_rows(1, 4, 512, 4096, 4, True) == 16 * 2 ** 20 // (4096 * (6 + 4 * 16))  # eager's scores
-    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "0.5")
-    assert attention_block_budget(torch.device("cuda")) == 2 ** 19  # the variable rules on every device
-    assert attention_block_rows(1, 4, 2048, 8192, 4, False) == 2 ** 19 // (8192 * 6)
-    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "0")
-    with pytest.raises(PlanError, match="XPAR_ZOO_ATTENTION_BLOCK_MIB='0': expected a positive number of MiB"):
-        attention_block_budget()
+    assert attention_block_rows(1, 4, 2048, 8192, 4, False, budget) == 16 * 2 ** 20 // (8192 * 6)
+    assert attention_block_rows(1, 4, 512, 4096, 4, False, budget) is None  # 12 MiB: the whole mask, once per forward
+    assert attention_block_rows(1, 4, 512, 4096, 4, True, budget) == 16 * 2 ** 20 // (4096 * (6 + 4 * 16))  # scores
+    half = ParallelOptions(attention_block_mib=0.5)
+    assert half.block_budget("cuda") == half.block_budget("cpu") == 2 ** 19  # the option rules on every device
+    assert attention_block_rows(1, 4, 2048, 8192, 4, False, half.block_budget("cpu")) == 2 ** 19 // (8192 * 6)
+    with pytest.raises(PlanError, match="attention_block_mib must be a positive number of MiB, got 0"):
+        ParallelOptions(attention_block_mib=0)
 
 
 @pytest.mark.parametrize("model_type, mixers", [
@@ -453,13 +446,3 @@ def test_the_reference_flash_kernel_keeps_flashs_contract():
     flat = flash_attn_varlen_func(q.reshape(6, 4, 8), k.reshape(14, 2, 8), v.reshape(14, 2, 8), cu_q, cu_k, 3, 7,
                                   softmax_scale=0.3, causal=True)
     torch.testing.assert_close(flat.view(2, 3, 4, 8), got)
-
-
-@pytest.mark.parametrize("variable, value", [("XPAR_ZOO_ATTENTION_BLOCK_MIB", "lots"), ("XPAR_ZOO_CP_ATTENTION", "ring"),
-                                             ("XPAR_ZOO_MIXER_RECOMPUTE", "yes")])
-def test_a_bad_sequence_switch_is_one_line_before_any_forward(monkeypatch, variable, value):
-    """The sp/cp environment switches are read when the model is checked (parallelize, and the sizer on the meta
-    model), not first in a forward."""
-    monkeypatch.setenv(variable, value)
-    with pytest.raises(PlanError, match=rf"^{variable}='{value}': expected "):
-        check_sequence_parallel(_meta_model("qwen3_moe"), types.SimpleNamespace(sp=2, cp=1))

@@ -135,7 +135,7 @@ def test_over_long_conversations_are_refused_or_truncated_and_counted(tokenizer,
     lengths = [len(render(tokenizer, ex, "assistant")[0]) for ex in examples]
     seq = sorted(lengths)[10]
     long = sum(n > seq for n in lengths)
-    with pytest.raises(DataError, match=rf"data: {long} conversation\(s\) longer than seq_len {seq} \(first: "
+    with pytest.raises(DataError, match=rf"data: {long} conversations? longer than seq_len {seq} \(first: "
                                         r".*tiny_chat.jsonl:\d+ \(\d+ tokens\)"):
         render_all(tokenizer, examples, "messages", "assistant", seq, None, "data")
     for how in ("left", "right", "drop"):
@@ -238,7 +238,7 @@ def test_dry_run_prints_settings_mesh_counts_and_memory_without_loading_weights(
         argv += ["--nproc-per-node", "4"]
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
-    assert "mesh: ep=2 over 4 rank(s)" in text
+    assert "mesh: ep=2 over 4 ranks" in text
     assert "13975 tokens, 5071 target tokens, 29 rows of 512 per epoch; 8 rows per step; 11 steps (3 epochs)" in text
     assert "memory per rank:" in text and "adapters (fp32 shards)" in text and '  lora_rank: 8' in text
     assert not out.exists()

@@ -7,10 +7,12 @@ import pytest
 
 from xpar_zoo.commands import sizing
 from xpar_zoo.errors import BatchError, MeshError, PlanError
-from xpar_zoo.styles.sequence import ATTENTION_BLOCK_ENV
+from xpar_zoo.parallel.options import ParallelOptions
 from xpar_zoo.testing import parity
 
 FLASH = "flash_attention_2"
+WIDE = ParallelOptions(attention_block_mib=100000)  # a block budget that takes the whole mask and scores
+KEPT = ParallelOptions(mixer_recompute=False)
 
 
 def _config(**overrides):
@@ -65,32 +67,30 @@ def test_flash_cp_keeps_queries_over_cp_against_the_keys_and_values_of_whole_row
     assert got["activations"] == alone["activations"] + gathered
 
 
-def test_sdpa_cp_keeps_no_mask_and_repeats_the_key_value_heads(monkeypatch):
+def test_sdpa_cp_keeps_no_mask_and_repeats_the_key_value_heads():
     """A GPU's sdpa under cp on plain rows runs each query chunk against its key prefix, aligned lower-right: no
     ``seq²`` mask (eager still gets one, within the block budget), and the key/value heads repeated to the query
     heads (flash keeps them)."""
-    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "100000")
     cfg = _config()
     seq, cp = 4096, 4
-    got = _terms(cfg, seq, cp=cp, attention="sdpa")
+    got = _terms(cfg, seq, cp=cp, attention="sdpa", options=WIDE)
     assert got["attention mask"] == 0 and got["attention scores"] == 0
-    assert _terms(cfg, seq, cp=cp, attention="eager")["attention mask"] == seq // cp * seq * 4
+    assert _terms(cfg, seq, cp=cp, attention="eager", options=WIDE)["attention mask"] == seq // cp * seq * 4
     repeated = cfg.num_hidden_layers * 2 * seq * (cfg.num_attention_heads - cfg.num_key_value_heads) * cfg.head_dim
-    assert got["activations"] == _terms(cfg, seq, cp=cp, attention=FLASH)["activations"] + repeated * 4
-    assert not any("mask" in k for k in sizing.estimate(cfg, 4, {}, seq=seq, cp=cp).memory)
+    assert got["activations"] == _terms(cfg, seq, cp=cp, attention=FLASH, options=WIDE)["activations"] + repeated * 4
+    assert not any("mask" in k for k in sizing.estimate(cfg, 4, {}, seq=seq, cp=cp, options=WIDE).memory)
 
 
 @pytest.mark.parametrize("sp,cp", [(4, 1), (1, 4), (2, 2)])
-def test_eager_scores_are_heads_over_sp_times_queries_over_cp_times_whole_rows(sp, cp, monkeypatch):
+def test_eager_scores_are_heads_over_sp_times_queries_over_cp_times_whole_rows(sp, cp):
     """eager keeps its fp32 softmax, ``rows · heads/sp · seq/cp · seq`` per layer (and its copy in a lower compute
     dtype); every split of a group of 4 keeps a quarter of one rank's (within a block budget that takes them)."""
-    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "100000")
     cfg = _config()
     rows, seq = 2, 1024
-    one = _terms(cfg, seq, rows, attention="eager")["attention scores"]
+    one = _terms(cfg, seq, rows, attention="eager", options=WIDE)["attention scores"]
     assert one == cfg.num_hidden_layers * rows * cfg.num_attention_heads * seq * seq * 4
-    assert _terms(cfg, seq, rows, sp=sp, cp=cp, attention="eager")["attention scores"] == one / 4
-    bf16 = sizing.activation_terms(cfg, rows * seq, 2, seq=seq, attention="eager")["attention scores"]
+    assert _terms(cfg, seq, rows, sp=sp, cp=cp, attention="eager", options=WIDE)["attention scores"] == one / 4
+    bf16 = sizing.activation_terms(cfg, rows * seq, 2, seq=seq, attention="eager", options=WIDE)["attention scores"]
     assert bf16 == one / 4 * (4 + 2)
 
 
@@ -102,19 +102,17 @@ def test_sdpa_and_flash_keep_no_score_matrix(attention):
     assert not any("scores" in k or "eager" in k for k in est.memory)
 
 
-def test_eager_rows_of_the_estimate_name_the_quadratic_terms(monkeypatch):
-    monkeypatch.setenv(ATTENTION_BLOCK_ENV, "100000")
-    est = sizing.estimate(_config(), 4, {}, seq=1024, sp=2, cp=2, attention="eager")
+def test_eager_rows_of_the_estimate_name_the_quadratic_terms():
+    est = sizing.estimate(_config(), 4, {}, seq=1024, sp=2, cp=2, attention="eager", options=WIDE)
     for row in ("attention scores (eager, seq²)", "attention mask (sp/cp, seq²)", "eager backward temporaries (seq²)"):
         assert est.memory[row] > 0, row
 
 
 @pytest.mark.parametrize("sp,cp", [(4, 1), (1, 4), (2, 2)])
-def test_eager_over_the_block_budget_keeps_no_scores_or_mask_only_one_block(sp, cp, monkeypatch):
+def test_eager_over_the_block_budget_keeps_no_scores_or_mask_only_one_block(sp, cp):
     """Where eager's sp/cp mask and scores exceed the block budget, the attention runs a block of queries at a
     time, checkpointed: no ``seq²`` term is kept, the key/value heads stay as gathered (not repeated), and one
     block's mask and scores (within the budget) is the only quadratic term, transient."""
-    monkeypatch.delenv(ATTENTION_BLOCK_ENV, raising=False)
     cfg, seq = _config(), 4096
     heads, _ = sizing.attention_heads(cfg, sp)
     got = _terms(cfg, seq, sp=sp, cp=cp, attention="eager")
@@ -196,33 +194,30 @@ def test_sequence_mixing_sp_cp_cannot_gather_is_refused_with_the_reason():
     assert sizing.sequence_splits(cfg, 4, 4096) == [(1, 1)]
 
 
-def test_hybrid_mixer_layers_hold_whole_rows_of_activations_under_sp_cp(monkeypatch):
+def test_hybrid_mixer_layers_hold_whole_rows_of_activations_under_sp_cp():
     """qwen3_next's gated delta net layers run on the group's whole rows: kept for backward
-    (``XPAR_ZOO_MIXER_RECOMPUTE=0``) their activations are not divided by sp·cp (the attention and MoE layers'
-    are)."""
-    monkeypatch.setenv("XPAR_ZOO_MIXER_RECOMPUTE", "0")
+    (``ParallelOptions(mixer_recompute=False)``) their activations are not divided by sp·cp (the attention and MoE
+    layers' are)."""
     cfg = parity.tiny_config("qwen3_next", hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                              head_dim=16, num_hidden_layers=4,
                              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
     assert sizing.sequence_splits(cfg, 4, 4096)[1:] == [(2, 1), (4, 1)]
     assert sizing.whole_row_layers(cfg) == 2
-    plain, split = (_terms(cfg, 4096, sp=sp)["activations"] for sp in (1, 4))
+    plain, split = (_terms(cfg, 4096, sp=sp, options=KEPT)["activations"] for sp in (1, 4))
     cfg.layer_types = ["full_attention"] * 4
-    all_attention = _terms(cfg, 4096, sp=4)["activations"]
+    all_attention = _terms(cfg, 4096, sp=4, options=KEPT)["activations"]
     assert all_attention < split < plain
     # the two mixer layers keep whole rows: [4096, 2H + 2q + 2kv] each, against [1024, …] of an attention layer
     assert split - all_attention > 2 * 3072 * 2 * 128 * 4
 
 
-def test_recomputed_hybrid_mixer_layers_keep_their_local_values_and_one_whole_row_transient(monkeypatch):
+def test_recomputed_hybrid_mixer_layers_keep_their_local_values_and_one_whole_row_transient():
     """By default a mixer's whole-row forward is recomputed in backward: the mixer layers keep what an attention
     layer's MLP keeps, and one mixer's whole rows are a transient, not one per mixer layer."""
     cfg = parity.tiny_config("qwen3_next", hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                              head_dim=16, num_hidden_layers=6, layer_types=["linear_attention"] * 4 + [
                                  "full_attention"] * 2)
-    monkeypatch.setenv("XPAR_ZOO_MIXER_RECOMPUTE", "0")
-    kept = _terms(cfg, 4096, sp=4)["activations"]
-    monkeypatch.delenv("XPAR_ZOO_MIXER_RECOMPUTE")
+    kept = _terms(cfg, 4096, sp=4, options=KEPT)["activations"]
     recomputed = _terms(cfg, 4096, sp=4)["activations"]
     whole = 4096 * (2 * 128 + 2 * 128 + 2 * 32) * 4  # one mixer's whole rows: [S, 2H + 2q + 2kv] fp32
     assert kept - recomputed == pytest.approx(3 * whole)  # four mixer layers' whole rows -> one

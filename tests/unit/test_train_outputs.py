@@ -34,49 +34,49 @@ def _cfg(inputs, **kw):
 
 def test_export_onto_the_model_directory_is_refused(inputs):
     with pytest.raises(TrainConfigError, match=r"--export-hf .*model is --model .*: choose an output outside"):
-        check_outputs(_cfg(inputs, export_hf=str(inputs["model"]), force=True), has_checkpoint=False)
+        check_outputs(_cfg(inputs, export_hf=str(inputs["model"]), force=True))
     assert (inputs["model"] / "model.safetensors").read_bytes() == b"weights"
 
 
 def test_export_onto_the_data_file_is_refused(inputs):
     with pytest.raises(TrainConfigError, match=r"--export-hf .*train.jsonl is --data"):
-        check_outputs(_cfg(inputs, export_hf=str(inputs["data"]), force=True), has_checkpoint=False)
+        check_outputs(_cfg(inputs, export_hf=str(inputs["data"]), force=True))
 
 
 def test_export_inside_the_model_directory_is_refused(inputs):
     with pytest.raises(TrainConfigError, match=r"--export-hf .*model/hf lies inside --model"):
-        check_outputs(_cfg(inputs, export_hf=str(inputs["model"] / "hf")), has_checkpoint=False)
+        check_outputs(_cfg(inputs, export_hf=str(inputs["model"] / "hf")))
 
 
 def test_export_containing_the_data_is_refused(inputs):
     with pytest.raises(TrainConfigError, match=r"--export-hf .*base.* contains --data|contains --data"):
-        check_outputs(_cfg(inputs, export_hf=str(inputs["data"].parent)), has_checkpoint=False)
+        check_outputs(_cfg(inputs, export_hf=str(inputs["data"].parent)))
 
 
 def test_output_inside_the_model_directory_is_refused(inputs):
     with pytest.raises(TrainConfigError, match=r"--output .*model/run lies inside --model"):
-        check_outputs(_cfg(inputs, output=str(inputs["model"] / "run")), has_checkpoint=False)
+        check_outputs(_cfg(inputs, output=str(inputs["model"] / "run")))
 
 
 def test_output_on_the_data_file_is_refused(inputs):
     with pytest.raises(TrainConfigError, match=r"--output .*train.jsonl is --data"):
-        check_outputs(_cfg(inputs, output=str(inputs["data"])), has_checkpoint=False)
+        check_outputs(_cfg(inputs, output=str(inputs["data"])))
 
 
 def test_output_through_a_symlink_to_the_model_is_refused(inputs):
     link = inputs["base"] / "link"
     link.symlink_to(inputs["model"])
     with pytest.raises(TrainConfigError, match="is --model"):
-        check_outputs(_cfg(inputs, export_hf=str(link), force=True), has_checkpoint=False)
+        check_outputs(_cfg(inputs, export_hf=str(link), force=True))
 
 
 def test_export_is_not_the_run_directory_nor_its_checkpoints(inputs):
     run = inputs["base"] / "run"
     with pytest.raises(TrainConfigError, match="export outside the run directory"):
-        check_outputs(_cfg(inputs, export_hf=str(run)), has_checkpoint=False)
+        check_outputs(_cfg(inputs, export_hf=str(run)))
     with pytest.raises(TrainConfigError, match="lies inside the run's own checkpoints"):
-        check_outputs(_cfg(inputs, export_hf=str(run / "checkpoints" / "hf")), has_checkpoint=False)
-    check_outputs(_cfg(inputs, export_hf=str(run / "hf")), has_checkpoint=False)  # beside them: fine
+        check_outputs(_cfg(inputs, export_hf=str(run / "checkpoints" / "hf")))
+    check_outputs(_cfg(inputs, export_hf=str(run / "hf")))  # beside them: fine
 
 
 def test_existing_non_empty_export_needs_force(inputs):
@@ -84,14 +84,14 @@ def test_existing_non_empty_export_needs_force(inputs):
     hf.mkdir()
     (hf / "model-00001-of-00002.safetensors").write_bytes(b"old")
     with pytest.raises(TrainConfigError, match=r"--export-hf .*hf already exists and is not empty; pass --force"):
-        check_outputs(_cfg(inputs, export_hf=str(hf)), has_checkpoint=False)
-    check_outputs(_cfg(inputs, export_hf=str(hf), force=True), has_checkpoint=False)
+        check_outputs(_cfg(inputs, export_hf=str(hf)))
+    check_outputs(_cfg(inputs, export_hf=str(hf), force=True))
     assert (hf / "model-00001-of-00002.safetensors").read_bytes() == b"old"  # the check changes nothing
 
 
 def test_empty_export_directory_is_accepted(inputs):
     (inputs["base"] / "hf").mkdir()
-    check_outputs(_cfg(inputs, export_hf=str(inputs["base"] / "hf")), has_checkpoint=False)
+    check_outputs(_cfg(inputs, export_hf=str(inputs["base"] / "hf")))
 
 
 def test_force_replaces_the_export_only_once_complete(inputs):
@@ -123,15 +123,15 @@ def test_non_empty_output_without_checkpoints_needs_force_or_resume(inputs):
     (run / METRICS_FILE).write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     with pytest.raises(TrainConfigError, match=r"--output .*run is not empty \(metrics.jsonl\) and holds no "
                                                r"checkpoint.*--force"):
-        check_outputs(_cfg(inputs), has_checkpoint=False)
-    check_outputs(_cfg(inputs, force=True), has_checkpoint=False)
-    check_outputs(_cfg(inputs, resume=True), has_checkpoint=False)
+        check_outputs(_cfg(inputs))
+    check_outputs(_cfg(inputs, force=True))
+    check_outputs(_cfg(inputs, resume=True))
 
 
 def test_output_that_is_a_file_is_refused(inputs):
     (inputs["base"] / "run").write_text("x")
     with pytest.raises(TrainConfigError, match="--output .*run exists and is not a directory"):
-        check_outputs(_cfg(inputs), has_checkpoint=False)
+        check_outputs(_cfg(inputs))
 
 
 def test_metrics_are_appended_never_truncated_when_checkpoints_were_removed(tmp_path):

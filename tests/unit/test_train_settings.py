@@ -1,5 +1,5 @@
 """`xpar-zoo train` settings are checked exactly at parse time, from flags and YAML alike (issue 31, item 4): every
-number finite and in its range, YAML types exact (2.7 is not 2), a key given twice refused (``seq_len`` and
+number finite and in its range, YAML types exact (2.7 is not 2, a quoted "1024" is not a number), a key given twice refused (``seq_len`` and
 ``seq-len`` too), YAML aliases refused (an alias bomb fails at once, in little memory), an unknown attention
 implementation refused before the model loads. Each is one line ``xpar-zoo: error: …`` and exit status 2."""
 
@@ -97,6 +97,20 @@ def test_yaml_bool_is_not_a_number(tmp_path):
         read_config_file(_yaml(tmp_path, "steps: true\n"))
     with pytest.raises(TrainConfigError, match="lr must be a number, got True"):
         read_config_file(_yaml(tmp_path, "lr: yes\n"))
+
+
+@pytest.mark.parametrize("text, said", [('seq_len: "1024"\n', "seq_len: '1024' is quoted"),
+                                        ("lr: '3e-4'\n", "lr: '3e-4' is quoted"),
+                                        ('mesh: {ep: "2"}\n', "mesh: ep: '2' is quoted"),
+                                        ('seq-len: "64"\n', "seq-len: '64' is quoted")])
+def test_yaml_quoted_number_is_refused_naming_the_key(tmp_path, text, said):
+    with pytest.raises(TrainConfigError, match=f"{said}: a number is written without quotes"):
+        read_config_file(_yaml(tmp_path, text))
+
+
+def test_yaml_plain_numbers_and_quoted_strings_stay_accepted(tmp_path):
+    got = read_config_file(_yaml(tmp_path, 'lr: 1e-4\nmesh: "ep=2"\nadam_betas: "0.9,0.95"\nmodel: "m"\n'))
+    assert got == {"lr": 1e-4, "mesh": {"ep": 2}, "adam_betas": (0.9, 0.95), "model": "m"}
 
 
 def test_yaml_nan_is_refused(tmp_path):

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
 )
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, counted
 from ..io.integrity import nonfinite_names
 from ..parallel import distributed
 from .dcp_io import MODEL_KEY, NAMES_SHOWN, OPTIM_KEY, listing, plain_name
@@ -112,7 +112,7 @@ def param_group_problem(saved: list | None, current: list) -> str | None:
     if saved is None:
         return None
     if len(saved) != len(current):
-        return (f"the checkpoint's optimizer has {len(saved)} parameter group(s), this optimizer has {len(current)}:"
+        return (f"the checkpoint's optimizer has {counted(len(saved), 'parameter group')}, this optimizer has {len(current)}:"
                 " build it with the same groups")
     for i, (s, c) in enumerate(zip(saved, current)):
         want, have = list(s.get("params", [])), list(c.get("params", []))

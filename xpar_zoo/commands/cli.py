@@ -9,7 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from ..errors import XparError
+from ..errors import XparError, counted
+from ..parallel.options import ParallelOptions
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,7 +73,7 @@ def _cmd_size(args: argparse.Namespace) -> int:
 
     config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
-                  recompute=args.recompute, attention=args.attention)
+                  recompute=args.recompute, attention=args.attention, options=ParallelOptions.from_env())
     if args.lora_rank is not None:
         parameters = args.lora_parameters
         modules = args.lora_modules.split(",") if args.lora_modules else None
@@ -97,7 +98,7 @@ def _cmd_size(args: argparse.Namespace) -> int:
         print(json.dumps([_estimate_dict(e) for e in estimates], indent=2))
     else:
         print(_describe_model(config, args.model))
-        print(f"{config.model_type}: {args.world} ranks, micro-batch {args.micro_batch} x {args.seq} tokens, "
+        print(f"{config.model_type}: {counted(args.world, 'rank')}, micro-batch {args.micro_batch} x {args.seq} tokens, "
               f"{args.dtype} compute, {args.attention} attention, {args.optimizer}"
               + (", activation checkpointing" if args.recompute else "")
               + (f", LoRA rank {args.lora_rank} (frozen base)" if args.lora_rank else ""))
@@ -108,7 +109,7 @@ def _cmd_size(args: argparse.Namespace) -> int:
                 print(f"  sequence: the {group} ranks of an sp x cp group share each micro-batch; "
                       f"{e.tokens_per_rank} tokens per rank outside attention")
             if args.memory_gib and e.peak_bytes > args.memory_gib * 2**30:
-                print(f"  (over the {args.memory_gib:g} GiB budget: no mesh of {args.world} ranks fits)")
+                print(f"  (over the {args.memory_gib:g} GiB budget: no mesh of {counted(args.world, 'rank')} fits)")
     return 0
 
 

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import PublishError, XparError
+from ..errors import PublishError, XparError, counted
 
 CARD_FILE = "README.md"
 CONFIG_FILE = "config.json"
@@ -54,10 +54,10 @@ _CREDENTIALS = (
         r"""["']?\b(?:token|hub_token|hf_token|auth_token|access_token|api_key|apikey|password|passwd|secret|"""
         r"""secret_key|private_key|client_secret)["']?\s*[:=]\s*["'][^"'\s]{4,}["']""", re.I)),
 )
-# A local path in free text: under a directory every machine has, a home (~/), or a Windows drive.
+# A local path in free text: under a directory every machine has, a home (~/), a Windows drive, or a file:// URL.
 _TEXT_PATH = re.compile(r"""(?<![\w.:/~-])(?:/(?:home|Users|root|tmp|mnt|data|scratch|var|opt|private|net|nfs|"""
                         r"""lustre|gpfs|fsx|workspace|srv|media|Volumes)/[^\s"'<>`]+|~/[^\s"'<>`]+|"""
-                        r"""[A-Za-z]:\\[^\s"'<>`]+)""")
+                        r"""[A-Za-z]:\\[^\s"'<>`]+)|\bfile:/[^\s"'<>`]*""", re.I)
 
 
 def validate_folder(directory: str | os.PathLike) -> dict[str, Any]:
@@ -178,8 +178,13 @@ def valid_repo_id(value: Any) -> bool:
 
 def _is_local_path(value: Any) -> bool:
     """Whether a JSON string value is a path of the local file system (absolute with at least two parts, ``~``,
-    ``./``, ``../`` or a Windows drive) rather than a token such as ``"/"``."""
-    if not isinstance(value, str) or not value or len(value) > 4096 or "\n" in value:
+    ``./``, ``../`` or a Windows drive) rather than a token such as ``"/"``, or holds one anywhere (``"trained from
+    /home/me/run"``, a ``file://`` URL)."""
+    if not isinstance(value, str) or not value:
+        return False
+    if _TEXT_PATH.search(value):
+        return True
+    if len(value) > 4096 or "\n" in value:
         return False
     if value.startswith(("~/", "./", "../")) or value == "~" or re.match(r"[A-Za-z]:[\\/]\w", value):
         return True
@@ -264,11 +269,19 @@ def _safetensors_metadata(path: Path) -> str:
 
 
 def refuse_local_paths(directory: str | os.PathLike) -> None:
-    """Raise :class:`PublishError` when a JSON file of the folder (``config.json``, ``xpar_export.json``,
-    ``generation_config.json``…) records a local path (absolute, ``~``, ``./``): publishing it would put the user's
-    directory layout on the hub."""
+    """Raise :class:`PublishError` when a text file anywhere in the folder, subfolders included (``config.json``,
+    ``xpar_export.json``, ``sub/README.md``…), records a local path (absolute, ``~``, ``./``, ``file://``, also
+    mid-sentence) or a credential: publishing it would put the user's directory layout on the hub. Safetensors files
+    are scanned by their header's metadata; binary files (a NUL byte) are skipped."""
     directory = Path(directory)
-    scan_upload(directory, [p.name for p in sorted(directory.glob("*.json")) if p.is_file()])
+    names = [str(p.relative_to(directory)) for p in sorted(directory.rglob("*"))
+             if p.is_file() and not p.is_symlink() and (p.suffix == ".safetensors" or not _binary(p))]
+    scan_upload(directory, names)
+
+
+def _binary(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
 
 
 def upload_plan(directory: str | os.PathLike, *, strict: bool = False) -> tuple[list[str], list[str]]:
@@ -314,9 +327,15 @@ def _hub_id(value: Any) -> str | None:
 
 
 def _md(value: Any) -> str:
-    """``value`` as inert Markdown text: HTML escaped, Markdown's special characters backslash-escaped, one line."""
-    text = html.escape(" ".join(str(value).split()), quote=True)
-    return re.sub(r"([\\`*_{}\[\]()#+\-.!|~>])", r"\\\1", text)[:1000]
+    """``value`` as inert Markdown text, one line: ``< > & " '`` as HTML entities and every other ASCII punctuation
+    character backslash-escaped (CommonMark), so no tag, link, image, autolink (``https://``, ``www.``, ``a@b``),
+    emphasis or heading can form."""
+    text = " ".join(str(value).split())[:1000]
+    return "".join(html.escape(c, quote=True) if c in "<>&\"'" else "\\" + c if c in _PUNCTUATION else c
+                   for c in text)
+
+
+_PUNCTUATION = frozenset("!#$%()*+,-./:;=?@[\\]^_`{|}~")
 
 
 def card_fields(config: dict) -> tuple[str, list[str]]:
@@ -386,7 +405,7 @@ def build_model_card(directory: str | os.PathLike, repo_id: str, *, base_model: 
         f"- base model: {_md(base) if base else 'not recorded'}",
         f"- trained / saved with mesh: {mesh}",
         f"- training step: {_md(info.get('step', 'not recorded'))}",
-        f"- {summary['tensors']} tensors in {len(summary['files'])} safetensors file(s), "
+        f"- {counted(summary['tensors'], 'tensor')} in {counted(len(summary['files']), 'safetensors file')}, "
         f"{summary['bytes'] / 2**20:.1f} MiB", "",
     ]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
@@ -407,8 +426,8 @@ def dry_run_report(directory: Path, repo_id: str, summary: dict[str, Any], card,
     """What ``publish`` would upload: the files, their size, what it skips, and the model card."""
     files = sorted(set(files if files is not None else upload_plan(directory)[0]) | {CARD_FILE})
     skipped = skipped if skipped is not None else upload_plan(directory)[1]
-    lines = [f"dry run: would create {repo_id} and upload {len(files)} file(s) from {directory} "
-             f"({summary['bytes'] / 2**20:.1f} MiB of safetensors, {summary['tensors']} tensors):",
+    lines = [f"dry run: would create {repo_id} and upload {counted(len(files), 'file')} from {directory} "
+             f"({summary['bytes'] / 2**20:.1f} MiB of safetensors, {counted(summary['tensors'], 'tensor')}):",
              *(f"  {f}" for f in files),
              *([f"skipped (not part of a hub model): {', '.join(skipped)}"] if skipped else []),
              f"model card ({'the existing ' + CARD_FILE if keep_card else 'generated'}):"]

@@ -22,6 +22,7 @@ from ..errors import BatchError, PlanError
 from ..loss.fused import CE_CHUNK_ELEMENTS
 from ..parallel.fsdp_layout import fsdp_layout
 from ..parallel.mesh import validate_sequence_sizes, validate_sizes
+from ..parallel.options import ParallelOptions
 from ..styles.planned import check_plan_names, match_plan, whole_vocab_head_fusable
 from ..styles.sequence import (
     INNER_IMPLEMENTATIONS,
@@ -31,11 +32,7 @@ from ..styles.sequence import (
     kv_repeat,
     recurrent_layers,
 )
-from ..styles.sequence_mixers import (
-    ATTENTION_LAYER_TYPES,
-    CHANNEL_LAYER_TYPES,
-    mixer_recompute,
-)
+from ..styles.sequence_mixers import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
 
@@ -202,12 +199,12 @@ def check_long_context(config, world: int, replicate: int, seq: int, sp: int = 1
     refusal = sequence_refusal(config, attention, model)
     if refusal:
         raise PlanError(f"sp={sp}, cp={cp}: {refusal}")
-    attention_heads(config, sp)
+    attention_heads(config.get_text_config(), sp)
     sequence_parts(seq, sp, cp)
 
 
-def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, attention: str
-                     ) -> tuple[float, float, float]:
+def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, attention: str,
+                     options: ParallelOptions) -> tuple[float, float, float]:
     """One decoder layer's attention on one rank: ``(values, scores, mask)`` bytes that autograd keeps, and the
     bytes of the masks held once per forward. See :func:`activation_terms`."""
     heads, kv_heads = attention_heads(config, sp)
@@ -217,7 +214,7 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     # its own causal kernel; cp on a GPU: each query chunk against its key prefix, aligned lower-right, with the
     # key/value heads repeated to the queries'); packed rows, padding or a short sliding window need the mask
     masked = sp * cp > 1 and attention == "eager"
-    block = _eager_block(config, rows, seq, dtype_bytes, sp, cp, attention)
+    block = _eager_block(config, rows, seq, dtype_bytes, sp, cp, attention, options)
     # blocked (the sp/cp mask over its budget): the blocks' checkpoints keep the key/value heads as gathered
     native_gqa = (attention.startswith("flash") or attention == "flex_attention" or (attention == "sdpa" and cp == 1)
                   or block is not None)
@@ -234,7 +231,8 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     return values * dtype_bytes, scores, mask_once
 
 
-def _eager_block(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, attention: str) -> float | None:
+def _eager_block(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, attention: str,
+                 options: ParallelOptions) -> float | None:
     """The bytes of one block of queries where eager's sp/cp attention runs blocked (its whole mask and scores over
     the block budget, :func:`~xpar_zoo.styles.sequence.attention_block_rows`): its mask and scores, transient,
     none kept for backward; ``None`` where it is not blocked. (sdpa is sized on a GPU's path, without a mask; on
@@ -242,18 +240,18 @@ def _eager_block(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int
     if sp * cp == 1 or attention != "eager":
         return None
     heads, _ = attention_heads(config, sp)
-    block = attention_block_rows(rows, heads, seq // cp, seq, dtype_bytes, True)
+    block = attention_block_rows(rows, heads, seq // cp, seq, dtype_bytes, True, options.block_budget(None))
     return None if block is None else block * attention_query_bytes(rows, heads, seq, dtype_bytes, True)
 
 
 def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1, qk_norm: bool = False,
                      recompute: bool = False, *, seq: int | None = None, sp: int = 1, cp: int = 1,
-                     attention: str = "sdpa") -> dict[str, float]:
+                     attention: str = "sdpa", options: ParallelOptions | None = None) -> dict[str, float]:
     """The activation estimate of one rank (see :func:`activation_bytes`) by kind: ``"activations"`` (linear in
     the tokens), ``"attention scores"`` (eager's ``seq²`` softmax), ``"attention mask"`` (the sp/cp mask) and
     ``"attention block"`` (eager's blocked sp/cp attention: what one block of queries' mask and scores add to the
     peak, a transient in a layer's backward beyond the values that layer's MLP has freed by then)."""
-    seq = seq or tokens
+    seq, options = seq or tokens, options or ParallelOptions()
     rows = tokens // seq
     local = tokens // (sp * cp)  # this rank's tokens outside attention
     h = config.hidden_size
@@ -271,7 +269,7 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
         mlp = h + 2 * experts + top_k * (2 * h + 2 * inter) + (h + 4 * shared if shared else 0)
     else:
         mlp = h + 4 * config.intermediate_size
-    attn, scores, mask = _attention_bytes(config, rows, seq, dtype_bytes, sp, cp, attention)
+    attn, scores, mask = _attention_bytes(config, rows, seq, dtype_bytes, sp, cp, attention, options)
     # RMSNorm computes in fp32: below fp32 it keeps an fp32 copy of its input beside its normalised output
     upcast = 4 - dtype_bytes if dtype_bytes < 4 else 0
     norms = upcast * (2 * h + (q_width + kv_width if qk_norm else 0))
@@ -287,8 +285,8 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
         values = max(layers - 1, 0) * local * h * dtype_bytes + (max(layer, mixer if mixers else 0) if layers else 0)
         scores_kept = scores if layers > mixers else 0
     else:
-        kept = mixer - whole if mixer_recompute() else mixer
-        values = (layers - mixers) * layer + mixers * kept + (whole if mixers and mixer_recompute() else 0)
+        kept = mixer - whole if options.mixer_recompute else mixer
+        values = (layers - mixers) * layer + mixers * kept + (whole if mixers and options.mixer_recompute else 0)
         scores_kept = (layers - mixers) * scores
     values += local * h * (2 * dtype_bytes + upcast)  # the final norm
     s = fused_head
@@ -297,7 +295,7 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     else:
         loss = (s * local * h * (1 if s == 1 else 2) + config.vocab_size // s * h) * dtype_bytes
     # a block runs in a layer's backward, after that layer's MLP and second norm have freed their values
-    block = max(0.0, (_eager_block(config, rows, seq, dtype_bytes, sp, cp, attention) or 0.0)
+    block = max(0.0, (_eager_block(config, rows, seq, dtype_bytes, sp, cp, attention, options) or 0.0)
                 - local * (mlp + 2 * h) * dtype_bytes)
     return {"activations": values + loss, "attention scores": scores_kept, "attention mask": mask,
             "attention block": block}
@@ -305,7 +303,7 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
 
 def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
                      qk_norm: bool = False, recompute: bool = False, *, seq: int | None = None, sp: int = 1,
-                     cp: int = 1, attention: str = "sdpa") -> float:
+                     cp: int = 1, attention: str = "sdpa", options: ParallelOptions | None = None) -> float:
     """An activation estimate per rank: the values autograd keeps, counted per module of a standard decoder layer,
     times ``dtype_bytes``, for a micro-batch of ``tokens`` tokens in rows of ``seq`` (default: one row) that the
     ``sp·cp`` ranks of a sequence group share.
@@ -323,7 +321,7 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     projection. ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
     a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp eager gets an additive mask of
     ``rows·(seq/cp)·seq`` shared by the layers where that mask and one layer's scores fit the block budget
-    (:func:`~xpar_zoo.styles.sequence.attention_block_rows`, the CPU's 16 MiB unless ``XPAR_ZOO_ATTENTION_BLOCK_MIB``);
+    (:func:`~xpar_zoo.styles.sequence.attention_block_rows`, the CPU's 16 MiB unless ``options`` set one);
     beyond it eager runs a block of queries at a time, checkpointed: no mask or scores kept, the key/value heads
     kept as gathered, and one block's mask and scores (``"attention block"``) while it runs. sdpa gets none
     (plain rows assumed, no packing, padding or short window): its own causal kernel under sp alone, and under cp
@@ -337,7 +335,7 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     default), the head's gradients made in forward — ``[s·T, H]`` hidden states' and ``[V/s, H]`` weight's — and,
     for ``s > 1``, the group's gathered hidden states; ``fused_head=0`` (transformers' loss): ``T·V`` fp32 logits."""
     return sum(activation_terms(config, tokens, dtype_bytes, fused_head, qk_norm, recompute, seq=seq, sp=sp,
-                                cp=cp, attention=attention).values())
+                                cp=cp, attention=attention, options=options).values())
 
 
 def lora_activation_bytes(model: nn.Module, config, tokens: int, dtype_bytes: int, recompute: bool = False
@@ -365,12 +363,13 @@ def lora_activation_bytes(model: nn.Module, config, tokens: int, dtype_bytes: in
 
 
 def attention_temporaries(config, tokens: int, dtype_bytes: int, *, seq: int | None = None, sp: int = 1,
-                          cp: int = 1, attention: str = "sdpa") -> float:
+                          cp: int = 1, attention: str = "sdpa", options: ParallelOptions | None = None) -> float:
     """What eager attention holds only while one layer's backward runs (at the activation peak, on top of what
     autograd keeps): the gradients of its softmax output and of its scores, one ``rows·heads/sp·(seq/cp)·seq``
     matrix each in fp32 (in a lower compute dtype: one in that dtype and one in fp32). None for sdpa and flash."""
     seq = seq or tokens
-    if attention != "eager" or _eager_block(config, tokens // seq, seq, dtype_bytes, sp, cp, attention) is not None:
+    blocked = _eager_block(config, tokens // seq, seq, dtype_bytes, sp, cp, attention, options or ParallelOptions())
+    if attention != "eager" or blocked is not None:
         return 0.0  # blocked: the block's own (attention_terms' "attention block")
     heads, _ = attention_heads(config, sp)
     return tokens // seq * heads * (seq // cp) * seq * (4 + (dtype_bytes if dtype_bytes != 4 else 4))
@@ -425,6 +424,7 @@ def estimate(
     sp: int = 1,
     cp: int = 1,
     attention: str = "sdpa",
+    options: ParallelOptions | None = None,
 ) -> Estimate:
     """Per-rank memory and per-step communication of ``config`` on a mesh of ``world`` ranks with extra-plan
     ``sizes`` and ``replicate`` (HSDP). Master weights, gradients and optimizer states are fp32; ``recompute``:
@@ -433,7 +433,9 @@ def estimate(
 
     Long context: the ``sp·cp`` ranks of a sequence group share a micro-batch of ``micro_batch`` rows of ``seq``
     tokens (each rank holds ``seq/(sp·cp)`` of every row outside attention); ``attention`` is the model's
-    implementation (eager keeps a ``seq²`` score matrix). Parameters are placed as without sp/cp.
+    implementation (eager keeps a ``seq²`` score matrix). Parameters are placed as without sp/cp. ``options``: the
+    :class:`~xpar_zoo.ParallelOptions` of the run (the attention's block budget, the mixers' recompute; default
+    ``ParallelOptions()``).
 
     ``lora_rank``: PEFT LoRA of that rank on ``lora_modules`` (default: every linear but the head) and on the fused
     expert tensors ``lora_parameters`` (default: every tensor of the plan's experts plans; ``[]``: none), as
@@ -457,10 +459,11 @@ def estimate(
     tokens = rows // (sp * cp)  # this rank's, outside attention
     est.tokens_per_rank = tokens
     _weight_memory(est, model, units, lora_rank, param_dtype, optimizer)
-    _activation_memory(est, config, model, plan, sizes, rows, tokens, pbytes, fused_loss, recompute, lora_rank,
-                       seq=seq, sp=sp, cp=cp, attention=attention)
+    text = config.get_text_config()  # a multimodal model's activations: its language model's (images not counted)
+    _activation_memory(est, text, model, plan, sizes, rows, tokens, pbytes, fused_loss, recompute, lora_rank,
+                       seq=seq, sp=sp, cp=cp, attention=attention, options=options or ParallelOptions())
     _fsdp_comm(est, units, world, pbytes, rbytes)
-    _plan_comm(est, config, model, plan, sizes, tokens, pbytes, sp=sp, cp=cp)
+    _plan_comm(est, text, model, plan, sizes, tokens, pbytes, sp=sp, cp=cp)
     return est
 
 
@@ -495,7 +498,7 @@ def _weight_memory(est: Estimate, model: nn.Module, units: list, lora_rank: int 
 
 def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, sizes: dict[str, int], rows: int,
                        tokens: int, pbytes: int, fused_loss: bool, recompute: bool, lora_rank: int | None, *,
-                       seq: int, sp: int, cp: int, attention: str) -> None:
+                       seq: int, sp: int, cp: int, attention: str, options: ParallelOptions) -> None:
     """Activations of a micro-batch (the adapters' too), attention's ``seq²`` terms, and the fused loss's
     temporaries where the head is fused."""
     head = sizes.get("head", 1)
@@ -503,7 +506,7 @@ def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, size
     fused_head = head if fused else 0
     qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
     terms = activation_terms(config, rows, pbytes, fused_head, qk_norm, recompute, seq=seq, sp=sp, cp=cp,
-                             attention=attention)
+                             attention=attention, options=options)
     est.memory["activations (estimate)"] = terms["activations"]
     if lora_rank:
         est.memory["activations (estimate)"] += lora_activation_bytes(model, config, tokens, pbytes, recompute)
@@ -517,7 +520,8 @@ def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, size
     block = terms["attention block"] - loss_temporaries  # the loss's temporaries are freed before the layers' backward
     if block > 0:
         est.memory["attention block (sp/cp, one block of queries, beyond the loss temporaries)"] = block
-    temporaries = attention_temporaries(config, rows, pbytes, seq=seq, sp=sp, cp=cp, attention=attention)
+    temporaries = attention_temporaries(config, rows, pbytes, seq=seq, sp=sp, cp=cp, attention=attention,
+                                        options=options)
     if temporaries:
         est.memory["eager backward temporaries (seq²)"] = temporaries
 

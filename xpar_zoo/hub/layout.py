@@ -228,6 +228,20 @@ def revert_groups(model: nn.Module, names: Iterable[str]) -> list[tuple[str, ...
     return groups
 
 
+def renumbered(model: nn.Module, key: str, offset: int) -> str:
+    """Hub ``key`` with its stacking index (the ``*`` of a converter's source pattern, e.g. the expert of
+    ``mlp.experts.*.gate_proj.weight``) moved by ``offset``; other keys unchanged: the hub keys of rows
+    ``[offset, …)`` of a fused tensor, from those that reverting the rows alone numbers from 0."""
+    _, converters = _conversion_rules(model)
+    for converter in converters:
+        for pattern in converter.source_patterns:
+            regex = _index_regex(pattern)
+            match = regex.search(key) if regex is not None else None
+            if match:
+                return f"{key[:match.start(1)]}{int(match[1]) + offset}{key[match.end(1):]}"
+    return key
+
+
 def _ignore_regex(model: nn.Module, kind: str, extra: Iterable[str] = ()) -> re.Pattern | None:
     patterns = [*keys_to_ignore_on_load(model, kind), *extra]
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
+from ..environment import launcher_local_rank
 from ..errors import LoadError
 from ..parallel import distributed
 from ..parallel.materialize import materialize
@@ -59,7 +60,7 @@ def resolve_on_each_node(name: str | os.PathLike, revision: str | None = None, *
     in the cache). A failure on any rank raises on every rank, so no rank is left waiting in a collective."""
     if distributed.world_size() == 1 or Path(name).is_dir():
         return resolve(name, revision, **kwargs)  # nothing to download: every rank on its own
-    first = int(os.environ.get("LOCAL_RANK", distributed.rank())) == 0
+    first = launcher_local_rank(distributed.rank()) == 0
     result = distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=first)
     later = distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=not first)
     return result if first else later

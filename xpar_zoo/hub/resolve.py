@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..environment import proxy_configured
 from ..errors import HubResolutionError
 from .safetensors_files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 
@@ -53,8 +54,7 @@ def hub_unreachable() -> str | None:
 
     from huggingface_hub import constants
 
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
-                                       "all_proxy")):
+    if proxy_configured():
         return None
     url = urlsplit(constants.ENDPOINT)
     try:

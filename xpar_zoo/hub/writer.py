@@ -23,7 +23,7 @@ from torch import nn
 from ..compat import tied_weights_keys
 from ..errors import ConvertError
 from ..io.batching import byte_batches
-from .layout import revert_groups
+from .layout import renumbered, revert_groups
 from .safetensors_files import INDEX_FILE, SINGLE_FILE, TORCH_TO_SAFETENSORS
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -83,6 +83,27 @@ def revert_to_hub(meta_model: nn.Module, tensors: Mapping[str, torch.Tensor]) ->
         raise ConvertError(f"reverting {shapes} to hub keys {sorted(hub)} does not preserve their elements; this "
                            "layout needs a converter xpar_zoo does not have")
     return hub
+
+
+def revert_rows_to_hub(meta_model: nn.Module, name: str, rows: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+    """The hub tensors of rows ``[start, start + len(rows))`` of model tensor ``name`` (experts of a fused tensor
+    whose hub keys are per expert), keyed as the whole tensor's revert keys them."""
+    hub = revert_to_hub(meta_model, {name: rows})
+    return {renumbered(meta_model, key, start): t for key, t in hub.items()}
+
+
+def rows_revert(meta_model: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether model tensor ``name`` (``shape``) reverts to the hub row by row on dim 0 (:func:`revert_rows_to_hub`:
+    a fused experts tensor whose hub keys are per expert): checked on meta tensors against the whole revert."""
+    if len(shape) < 2 or shape[0] < 2:
+        return False
+    whole = revert_to_hub(meta_model, {name: torch.empty(shape, dtype=dtype, device="meta")})
+    one = revert_to_hub(meta_model, {name: torch.empty((1, *shape[1:]), dtype=dtype, device="meta")})
+    if len(whole) != shape[0] * len(one):
+        return False
+    keys = {renumbered(meta_model, k, j) for j in range(shape[0]) for k in one}
+    return keys == set(whole) and all(
+        whole[renumbered(meta_model, k, 0)].shape == t.shape for k, t in one.items())
 
 
 def shard_files(hub_tensors: list[tuple[str, tuple[int, ...], torch.dtype]], max_bytes: int

@@ -38,6 +38,19 @@ def require_peft():
     return peft
 
 
+def get_peft_model(model: nn.Module, config, **kwargs) -> nn.Module:
+    """``peft.get_peft_model`` (errors as PEFT raises them) without transformers' ``is_gradient_checkpointing is
+    deprecated`` warning, which PEFT's own constructor triggers by reading that property (no setting of ours can
+    avoid it); ``model.name_or_path`` is the config's, so PEFT does not warn that the adapter's base was renamed."""
+    import warnings
+
+    model.name_or_path = getattr(model.config, "name_or_path", None) or getattr(model, "name_or_path", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return require_peft().get_peft_model(model, config, **kwargs)
+
+
 def uses_peft(model: nn.Module) -> bool:
     """Whether ``model`` is a PEFT model or holds PEFT tuner layers (PEFT is imported only then)."""
     return any(type(m).__module__.startswith("peft.") for m in model.modules())
@@ -266,7 +279,7 @@ def lora_meta_model(model: nn.Module, plan: Plan, rank: int, modules: list[str] 
     config = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=modules,
                              target_parameters=list(parameters) or None)
     try:
-        peft_model = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
+        peft_model = get_peft_model(model, config, low_cpu_mem_usage=True)
     except ValueError as e:
         raise AdapterError(f"LoRA on {modules} / {parameters}: {e}") from None
     return prepare(peft_model, plan)

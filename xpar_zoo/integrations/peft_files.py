@@ -28,6 +28,7 @@ from .peft import (
     adapter_names,
     base_of,
     check_supported,
+    get_peft_model,
     is_expert_major,
     param_wrappers,
     relayout,
@@ -364,7 +365,7 @@ def attach_adapter(model: nn.Module, *, peft_config=None, adapter: str | os.Path
         peft_config.base_model_name_or_path = name_or_path
     model.config.name_or_path = name_or_path or model.config.name_or_path
     try:
-        peft_model = peft.get_peft_model(model, peft_config, low_cpu_mem_usage=True)
+        peft_model = get_peft_model(model, peft_config, low_cpu_mem_usage=True)
     except (ValueError, TypeError, KeyError) as e:
         raise AdapterError(f"PEFT could not apply the adapter: {e}") from None
     check_supported(peft_model)
@@ -444,10 +445,9 @@ def _one_lora_record(adapters: dict, where: str):
 def _peft_meta_model(config, lora, adapter: str, where: str) -> nn.Module:
     """The transformers model of ``config`` on meta with the adapter applied by PEFT, fused experts laid out as
     ``parallelize`` lays them."""
-    peft = require_peft()
+    require_peft()
     try:
-        model = peft.get_peft_model(build_meta(config, torch.float32), lora, adapter_name=adapter,
-                                    low_cpu_mem_usage=True)
+        model = get_peft_model(build_meta(config, torch.float32), lora, adapter_name=adapter, low_cpu_mem_usage=True)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
         first = (str(e).splitlines() or [""])[0][:200]
         raise AdapterError(f"{where}, adapter {adapter!r}: PEFT cannot apply the record to the model ({first})"

@@ -38,6 +38,8 @@ from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..errors import IntegrationError
 from ..loss.global_batch import IGNORE_INDEX
 from ..parallel.clip import clip_grad_norm_
+from ..parallel.options import ParallelOptions
+from ..parallelize import set_parallel_options
 from ..styles.sequence import data_shard
 from ..styles.vocab import full_logits
 from .accelerate import check_accelerator, parallelized_module
@@ -57,13 +59,16 @@ class FusedHead:
 
 
 @dataclass
-class _XparState:
+class XparState:
+    """A parallelized model as a trainer drives it: the module, its own forward, TRL's fused-head settings."""
+
     module: nn.Module  # the parallelized model (the base model under PEFT)
     forward: Any  # its forward as xpar_zoo installed it (the global-batch loss)
     fused_head: FusedHead | None = None
 
 
-def _is_peft_model(model: nn.Module) -> bool:
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model (``False`` without PEFT installed)."""
     try:
         from peft import PeftModel
     except ImportError:
@@ -80,7 +85,7 @@ def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
 
-def _trl_fused_head(current: Any, forward: Any) -> FusedHead | None:
+def trl_fused_head(current: Any, forward: Any) -> FusedHead | None:
     """The settings of TRL's fused LM head when ``current`` is TRL's ``add_fused_lm_head`` patch around ``forward``;
     ``None`` when the forward was left alone. Any other replacement of the forward is refused."""
     if current is forward:
@@ -152,7 +157,7 @@ def _global_aux_share(module: nn.Module, out: Any, attention_mask: torch.Tensor 
 
 
 @contextlib.contextmanager
-def _transformers_loss_convention(state: _XparState, world: int):
+def transformers_loss_convention(state: XparState, world: int):
     """While open, the parallelized model follows transformers' convention for ``num_items_in_batch`` (see the
     module docstring) and answers TRL's ``fused_lm_head=True``."""
     module, forward = state.module, state.forward
@@ -237,9 +242,11 @@ class XparTrainerMixin:
     """Put in front of ``transformers.Trainer`` or a subclass of it (``class SFT(XparTrainerMixin, SFTTrainer)``)
     to train an xpar_zoo model (from ``xpar_zoo.from_pretrained`` / ``parallelize``, or a PEFT model around one)
     exactly: no DDP wrap, the global-token loss under accumulation, xpar_zoo's clip, checkpoints that resume
-    exactly, ``save_model()`` in the hub's format or as a PEFT adapter. See the module docstring for how."""
+    exactly, ``save_model()`` in the hub's format or as a PEFT adapter. See the module docstring for how.
+    ``options`` (:class:`~xpar_zoo.ParallelOptions`, default: those the model was parallelized with): how the model
+    runs while it trains; ``cpu_collectives`` must stay the model's."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, options: ParallelOptions | None = None, **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
         if kwargs.get("model_init") is not None:
             raise IntegrationError(f"{type(self).__name__} takes a built xpar_zoo model (model=...), not model_init")
@@ -248,9 +255,11 @@ class XparTrainerMixin:
             raise IntegrationError(
                 f"{type(self).__name__} trains xpar_zoo models (from xpar_zoo.from_pretrained or parallelize); got "
                 f"{type(model).__name__}: parallelize it first, or use the plain transformers trainer")
-        self._xpar_state = _XparState(module=module, forward=module.__dict__["forward"])
+        if options is not None:  # the model runs with them from its next forward (checked on every rank)
+            set_parallel_options(module, options)
+        self._xpar_state = XparState(module=module, forward=module.__dict__["forward"])
         super().__init__(*args, **kwargs)
-        self._xpar_state.fused_head = _trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
+        self._xpar_state.fused_head = trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
         module.forward = self._xpar_state.forward  # TRL's patch off: answered inside compute_loss instead
         check_accelerator(self.accelerator)
         _check_args(self.args)
@@ -298,7 +307,7 @@ class XparTrainerMixin:
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
         """The trainer's ``compute_loss`` with the model in transformers' loss convention (module docstring)."""
-        with _transformers_loss_convention(self._xpar_state, self.accelerator.num_processes):
+        with transformers_loss_convention(self._xpar_state, self.accelerator.num_processes):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
@@ -320,7 +329,7 @@ class XparTrainerMixin:
         if state_dict is not None:
             raise IntegrationError("an xpar_zoo model is saved from its live shards; save_model takes no state_dict")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _is_peft_model(self.model):
+        if is_peft_model(self.model):
             from .peft_files import save_adapter
 
             save_adapter(self.model, output_dir, force=True)  # the Trainer's own directory: its files stay

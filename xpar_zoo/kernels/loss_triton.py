@@ -16,13 +16,13 @@ head's kernels are ``"triton"`` (``install_fused_loss(model, kernels="triton")``
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-if os.environ.get("TRITON_INTERPRET") == "1" and type(tl.sum).__name__ != "InterpretedFunction":
+from ..environment import triton_interpreter
+
+if triton_interpreter() and type(tl.sum).__name__ != "InterpretedFunction":
     raise ImportError("TRITON_INTERPRET=1 was set after Triton was first imported (transformers imports it early): "
                       "set it in the environment before Python starts")
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..compat import init_module_weights, is_fake
-from ..errors import LoadError, ModelStateError
+from ..errors import LoadError, ModelStateError, counted
 
 
 def meta_tensors(model: nn.Module) -> list[str]:
@@ -100,7 +100,7 @@ def check_materialized(model: nn.Module, error: type[Exception] = ModelStateErro
     initialised (built on meta, then ``to_empty`` without :func:`materialize`)."""
     on_meta = meta_tensors(model)
     if on_meta:
-        raise error(f"the model has {len(on_meta)} tensor(s) on the meta device ({', '.join(on_meta[:4])}"
+        raise error(f"the model has {counted(len(on_meta), 'tensor')} on the meta device ({', '.join(on_meta[:4])}"
                     f"{', …' if len(on_meta) > 4 else ''}): call xpar_zoo.materialize(model) after parallelize, then "
                     "xpar_zoo.load_checkpoint (or load with xpar_zoo.from_pretrained)")
     unset = getattr(getattr(model, "_xpar", None), "unset_buffers", ())

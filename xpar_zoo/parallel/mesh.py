@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 if TYPE_CHECKING:  # imported where used: PlanShard (the fused loss) must import on an older torch (the GPU bench)
     from torch.distributed.fsdp import DataParallelMeshDims
 
-from ..errors import MeshError
+from ..environment import launcher_world_size
+from ..errors import MeshError, counted
 from .distributed import all_gather
 
 RESERVED_NAMES = frozenset({"replicate", "fsdp", "extra", "innermost", "device_type"})
@@ -45,10 +46,8 @@ def _device_type() -> str:
 
 
 def _refuse_launched_without_group() -> None:
-    import os
-
-    launched = os.environ.get("WORLD_SIZE", "1") or "1"
-    if launched.isdigit() and int(launched) > 1:
+    launched = launcher_world_size()
+    if launched > 1:
         raise MeshError(f"WORLD_SIZE={launched} (a launcher started {launched} processes) but "
                         "torch.distributed.init_process_group was not called; call it before building a Mesh")
 
@@ -149,7 +148,7 @@ def validate_sizes(world: int, sizes: Mapping[str, int], replicate: int) -> None
         if not isinstance(size, int) or size < 1:
             raise MeshError(f"plan {name!r}: size must be a positive integer, got {size!r}")
         if size > world:
-            raise MeshError(f"plan {name!r} of size {size} is larger than the world ({world} ranks)")
+            raise MeshError(f"plan {name!r} of size {size} is larger than the world ({counted(world, 'rank')})")
         if shard % size:
             raise MeshError(
                 f"plan {name!r} of size {size} does not divide the dense shard size {shard} "

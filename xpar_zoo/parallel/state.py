@@ -25,10 +25,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
-    """This rank's local shape of ``tensor`` and, per sharded dim, the global indices it holds in order: torch's own
-    per-placement rule (``compute_local_shape_and_global_offset`` keeps only the first), so that a
-    ``_StridedShard`` (what FSDP2 makes of a dim-0 shard of a slice already split on dim 0) can be checked."""
+def held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """This rank's local shape of ``tensor`` and, per sharded dim, the global indices it holds in order (a 1-D tensor
+    each; an unsharded dim is absent): torch's own per-placement rule (``compute_local_shape_and_global_offset``
+    keeps only the first), so that a ``_StridedShard`` (what FSDP2 makes of a dim-0 shard of a slice already split
+    on dim 0) can be checked or read."""
     mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
     shape, held = list(tensor.shape), {}
     for i, placement in enumerate(tensor.placements):
@@ -44,7 +45,7 @@ def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:
     local indices on some dim are not one block of the global tensor raises :class:`LoadError`."""
     if not isinstance(tensor, DTensor):
         return tensor, tuple((0, n) for n in tensor.shape)
-    shape, held = _held_indices(tensor)
+    shape, held = held_indices(tensor)
     local = tensor.to_local()
     if tuple(local.shape) != tuple(shape):
         raise LoadError(f"local shard of shape {tuple(local.shape)} where the placements {tensor.placements} give "

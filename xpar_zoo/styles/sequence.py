@@ -60,19 +60,18 @@ from ..compat import (
 )
 from ..errors import BatchError, ModelStateError, PlanError
 from ..parallel.mesh import Mesh, PlanShard
+from ..parallel.options import ParallelOptions
 
 # The layout, the masks and the inner paths live in their own modules; the names other modules, tests and bench
 # scripts import from here are imported here too. SequenceParallel calls lower_right_attention and blocked_attention
 # by their names in this module (a test counts the calls by replacing them here).
 from .sequence_inner import (  # noqa: F401
-    CP_ATTENTION_ENV,
     LOCAL_KWARGS,
     OWN_MASK_INNER,
     _attention_block,
     _global_kwargs,
     _ModuleView,
     blocked_attention,
-    cp_lower_right,
     flash_inner,
     flex_inner,
     lower_right_attention,
@@ -89,10 +88,7 @@ from .sequence_layout import (  # noqa: F401
     token_layout,
 )
 from .sequence_masks import (  # noqa: F401
-    ATTENTION_BLOCK_ENV,
-    ATTENTION_BLOCK_MIB,
     _Forward,
-    attention_block_budget,
     attention_block_rows,
     attention_query_bytes,
     banded_block_mask,
@@ -101,7 +97,6 @@ from .sequence_mixers import (
     decoder_layers,
     dispatches_attention,
     install_sequence_mixers,
-    mixer_recompute,
     sequence_mixers,
     unserved_mixers,
 )
@@ -134,16 +129,22 @@ class SequencePart:
 
 
 class SequenceParallel:
-    """The long-context state of one parallelized model: its sp and cp groups, the inner attention, and the
-    current forward's :class:`_Forward` (kept until the next forward: activation checkpointing recomputes the
-    attention during backward)."""
+    """The long-context state of one parallelized model: its sp and cp groups, the inner attention, the model's
+    parallel state (whose :class:`~xpar_zoo.parallel.options.ParallelOptions` it reads), and the current forward's
+    :class:`_Forward` (kept until the next forward: activation checkpointing recomputes the attention during
+    backward)."""
 
-    def __init__(self, mesh: Mesh, inner: str) -> None:
+    def __init__(self, mesh: Mesh, inner: str, parallel) -> None:
+        self.parallel = parallel
         self.sp, self.cp = mesh.sp, mesh.cp
         self.sp_group, self.cp_group = mesh.sequence_group("sp"), mesh.sequence_group("cp")
         self.sp_rank, self.cp_rank = mesh.sequence_rank("sp"), mesh.sequence_rank("cp")
         self.inner = inner
         self.current: _Forward | None = None
+
+    @property
+    def options(self) -> ParallelOptions:
+        return self.parallel.options
 
     def layout(self, seq_len: int) -> TokenLayout:
         return token_layout(seq_len, self.sp, self.cp, self.sp_rank, self.cp_rank)
@@ -245,7 +246,8 @@ class SequenceParallel:
         layer); otherwise :func:`blocked_attention`, a block of queries at a time."""
         batch = self.current
         rows = attention_block_rows(query.shape[0], query.shape[1], query.shape[2], key.shape[2],
-                                    query.element_size(), self.inner == "eager", attention_block_budget(query.device))
+                                    query.element_size(), self.inner == "eager",
+                                    self.options.block_budget(query.device.type))
         if rows is None:
             return call(query, key, value, batch.mask(causal, window, query.dtype))
         return blocked_attention(call, query, key, value, batch, causal, window, rows)
@@ -286,7 +288,7 @@ class SequenceParallel:
             out = OWN_MASK_INNER[self.inner](batch, self.inner_view(module, overrides), query, key, value, causal,
                                              dropout, scaling, sliding_window, _global_kwargs(kwargs))
             return (sequence_to_heads(out, self.sp_group, self.sp) if self.sp > 1 else out), None
-        if (self.cp > 1 and self.inner == "sdpa" and cp_lower_right(query.device)
+        if (self.cp > 1 and self.inner == "sdpa" and self.options.cp_lower_right(query.device.type)
                 and batch.causal_only(causal, sliding_window, key.shape[2])
                 and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None):
             out = lower_right_attention(query, key, value, batch, dropout, scaling)
@@ -337,19 +339,10 @@ def attention_outside_interface(model: nn.Module) -> str | None:
     return None
 
 
-def check_sequence_settings() -> None:
-    """The sp/cp environment switches, read now so that a bad value is one line before any work, not an error in
-    the first forward: ``XPAR_ZOO_ATTENTION_BLOCK_MIB``, ``XPAR_ZOO_CP_ATTENTION``, ``XPAR_ZOO_MIXER_RECOMPUTE``."""
-    attention_block_budget()
-    cp_lower_right(torch.device("cpu"))
-    mixer_recompute()
-
-
 def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
     """Raise :class:`~xpar_zoo.errors.PlanError` (one line, naming the numbers) when ``model`` cannot run on
     ``mesh``'s sp/cp; return the inner attention implementation. Before any tensor is touched."""
     sizes = ", ".join(f"{d}={n}" for d, n in (("sp", mesh.sp), ("cp", mesh.cp)) if n > 1)
-    check_sequence_settings()
     config = model.config
     if any(getattr(config, k, None) is not None for k in getattr(config, "sub_configs", {}) if k != "text_config"):
         raise PlanError(f"{sizes}: {type(model).__name__} is multimodal; long context supports text-only causal LMs")
@@ -414,15 +407,15 @@ def _keep_wrapped(model: nn.Module, state: SequenceParallel) -> None:
     model.set_attn_implementation(wrapper_name(current))
 
 
-def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str) -> SequenceParallel:
+def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel) -> SequenceParallel:
     """Set ``model`` to ``xpar_seq_<inner>`` attention and wrap its forward to keep this rank's part of full-length
-    rows (see the module docstring). Call after every other forward wrapper (the global-batch loss must count the
-    split targets)."""
+    rows (see the module docstring); ``parallel`` is the model's parallel state, whose options the attention and the
+    mixers read. Call after every other forward wrapper (the global-batch loss must count the split targets)."""
     from transformers import AttentionInterface
 
     name = wrapper_name(inner)
     AttentionInterface.register(name, _sequence_attention)
-    state = SequenceParallel(mesh, inner)
+    state = SequenceParallel(mesh, inner, parallel)
     _own_config(model)
     model.set_attn_implementation(name)
     if attn_implementation(model.config) != name:

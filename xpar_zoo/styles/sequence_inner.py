@@ -1,18 +1,17 @@
 """The inner attention paths of the sp/cp attention (:mod:`xpar_zoo.styles.sequence`), each called on the
 queries of a cp chunk against the gathered keys and values: cp's plain causal rows on sdpa without a mask
-(:func:`lower_right_attention`, chosen by :func:`cp_lower_right`), the masked attention a block of queries at a time
-(:func:`blocked_attention`), and the inner implementations that take no dense mask (:data:`OWN_MASK_INNER`):
+(:func:`lower_right_attention`), the masked attention a block of queries at a time (:func:`blocked_attention`), and
+the inner implementations that take no dense mask (:data:`OWN_MASK_INNER`):
 :func:`flex_inner` (a ``BlockMask`` from the global indices) and :func:`flash_inner` (one call per run of query
 positions against its key prefix, bottom-right causal; varlen for packed documents and padding); see
 docs/long_context.md. Where it would be the plain causal mask of a whole row (no cp, packing, padding or window)
 ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). With cp on plain causal rows, ``sdpa`` on
 CUDA gets none either (:func:`lower_right_attention`: each query chunk against the key prefix that ends where it
-ends, aligned lower-right; :func:`cp_lower_right` chooses).
+ends, aligned lower-right; :meth:`~xpar_zoo.parallel.options.ParallelOptions.cp_lower_right` chooses).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
@@ -22,21 +21,6 @@ from ..compat import attn_implementation
 from ..errors import PlanError
 
 # ---- sdpa without a mask: cp's plain causal rows ----------------------------------------------------------------
-
-# cp's plain causal rows on sdpa: "lower_right" (no mask: each query chunk against the key prefix that ends where it
-# ends, torch's causal_lower_right: flash/efficient kernels on CUDA) or "dense" (the shared additive mask).
-CP_ATTENTION_ENV = "XPAR_ZOO_CP_ATTENTION"
-
-
-def cp_lower_right(device: torch.device) -> bool:
-    """Whether cp's plain causal rows on sdpa run without a mask (:func:`lower_right_attention`): on CUDA by default
-    (kernels without a mask); elsewhere torch materialises a ``[chunk, prefix]`` mask per call and layer, kept for
-    backward, which costs more than the one additive mask per forward that the layers share. The environment
-    variable ``XPAR_ZOO_CP_ATTENTION`` (``lower_right`` or ``dense``) overrides the choice."""
-    mode = os.environ.get(CP_ATTENTION_ENV, "").strip().lower()
-    if mode not in ("", "lower_right", "dense"):
-        raise PlanError(f"{CP_ATTENTION_ENV}={mode!r}: expected 'lower_right' or 'dense'")
-    return mode == "lower_right" if mode else device.type == "cuda"
 
 
 def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch, dropout: float,

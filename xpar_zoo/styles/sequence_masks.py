@@ -15,41 +15,12 @@ budget; beyond it a block of queries at a time, each block's mask rebuilt in bac
 from __future__ import annotations
 
 import bisect
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..errors import PlanError
-
 # ---- the block budget -------------------------------------------------------------------------------------------
-
-# The blocked sp/cp attention (:func:`blocked_attention`): the bytes one block of queries may hold for its mask and,
-# for eager, its scores (MiB); where the whole mask fits, it is built once per forward and shared by the layers. On
-# a GPU the budget is larger: every block is a kernel launch and a host step (forward, and again in the recompute of
-# backward), which cost more there than a few hundred MiB of a GPU's memory; on the CPU, memory is what binds.
-ATTENTION_BLOCK_ENV = "XPAR_ZOO_ATTENTION_BLOCK_MIB"
-ATTENTION_BLOCK_MIB = 16.0
-ATTENTION_BLOCK_MIB_ACCELERATOR = 256.0
-
-
-def attention_block_budget(device: torch.device | None = None) -> float:
-    """The bytes of one block of :func:`blocked_attention`: ``XPAR_ZOO_ATTENTION_BLOCK_MIB`` (MiB, a positive
-    number), else 256 MiB on an accelerator ``device`` (CUDA, XPU, …) and 16 MiB on the CPU (and where ``device`` is
-    not given: the sizer's figure)."""
-    raw = os.environ.get(ATTENTION_BLOCK_ENV, "").strip()
-    if not raw:
-        accelerator = device is not None and torch.device(device).type not in ("cpu", "meta")
-        return (ATTENTION_BLOCK_MIB_ACCELERATOR if accelerator else ATTENTION_BLOCK_MIB) * 2 ** 20
-    try:
-        mib = float(raw)
-    except ValueError:
-        mib = float("nan")
-    if not mib > 0:
-        raise PlanError(f"{ATTENTION_BLOCK_ENV}={raw!r}: expected a positive number of MiB")
-    return mib * 2 ** 20
-
 
 def attention_query_bytes(rows: int, heads: int, keys: int, dtype_bytes: int, eager: bool) -> int:
     """What one query of the masked sp/cp attention holds while its block runs, for ``rows`` rows against ``keys``
@@ -60,12 +31,12 @@ def attention_query_bytes(rows: int, heads: int, keys: int, dtype_bytes: int, ea
 
 
 def attention_block_rows(rows: int, heads: int, queries: int, keys: int, dtype_bytes: int, eager: bool,
-                         budget: float | None = None) -> int | None:
+                         budget: float) -> int | None:
     """Queries per block of :func:`blocked_attention` for ``rows`` rows of ``queries`` queries against ``keys``
-    keys, or ``None`` where all of them fit the budget (:func:`attention_block_budget`; a query's bytes:
-    :func:`attention_query_bytes`): then one mask per forward, shared by the layers."""
+    keys, or ``None`` where all of them fit ``budget`` bytes
+    (:meth:`~xpar_zoo.parallel.options.ParallelOptions.block_budget`; a query's bytes: :func:`attention_query_bytes`):
+    then one mask per forward, shared by the layers."""
     per_query = attention_query_bytes(rows, heads, keys, dtype_bytes, eager)
-    budget = attention_block_budget() if budget is None else budget
     if queries * per_query <= budget:
         return None
     return max(1, int(budget // per_query))

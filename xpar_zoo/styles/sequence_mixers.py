@@ -21,11 +21,11 @@ by ``position_ids`` alone.
 
 **The cost, plainly.** The compute of those layers is repeated on every rank of the group, and while a mixer runs
 the rank holds its whole ``[b, S, ·]`` activations. What is kept for backward is this rank's input only: the
-whole-row forward runs under non-reentrant activation checkpointing (:func:`mixer_recompute`; not inside a decoder
-layer that is checkpointed already), so one mixer's whole rows are live at a time, for one more forward of those
-layers. A true Ulysses (each rank the whole sequence for ``1/sp`` of the heads) would need head-sliced projection
-weights and convolutions inside the modules, i.e. copied modeling code; we do not copy modeling code, so the
-mixers run whole.
+whole-row forward runs under non-reentrant activation checkpointing (``ParallelOptions.mixer_recompute``, the
+default; not inside a decoder layer that is checkpointed already), so one mixer's whole rows are live at a time, for
+one more forward of those layers. A true Ulysses (each rank the whole sequence for ``1/sp`` of the heads) would need
+head-sliced projection weights and convolutions inside the modules, i.e. copied modeling code; we do not copy
+modeling code, so the mixers run whole.
 
 **Refused** (:func:`unserved_mixers` names them, with the reason): sequence mixing that is not such a module,
 e.g. a short convolution inside the attention module on the key projections (inkling), indexed / compressed sparse
@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 from torch import nn
 
 from ..compat import no_split_modules
-from ..errors import ModelStateError, PlanError
+from ..errors import ModelStateError
 from ..parallel.collectives import GatherRows
 from ..parallel.mesh import PlanShard
 
@@ -57,9 +56,6 @@ RECURRENT_MIXERS = ("GatedDeltaNet", "LightningAttention", "LinearAttention", "M
 SEQUENCE_KWARGS = ("position_ids", "position_embeddings")
 # Packing kwargs of flash-attention collators: dropped (the documents come from position_ids, as for attention).
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-# "0" keeps the whole rows' activations of every mixer for backward instead of recomputing them (see
-# :func:`mixer_recompute`).
-MIXER_RECOMPUTE_ENV = "XPAR_ZOO_MIXER_RECOMPUTE"
 # Why a kind of layer type cannot run on gathered rows, by a fragment of its name.
 LAYER_TYPE_REASONS = {
     "index": "sparse attention whose indexer picks keys over the whole sequence inside the attention module",
@@ -172,18 +168,6 @@ def _keep_local(out, index: torch.Tensor, seq_len: int):
                           "states first")
 
 
-def mixer_recompute() -> bool:
-    """Whether a sequence mixer's whole-row forward runs under non-reentrant activation checkpointing (the default):
-    only this rank's ``[b, S/(sp·cp), H]`` input is kept for backward, which gathers the rows again and recomputes
-    the mixer, one layer at a time; without it every such layer keeps its whole rows' activations (``[b, S, ·]``, not
-    divided by the group) until its backward. ``XPAR_ZOO_MIXER_RECOMPUTE=0`` keeps them (one forward less). Not
-    inside a decoder layer that activation checkpointing recomputes already (its recompute keeps none of them)."""
-    raw = os.environ.get(MIXER_RECOMPUTE_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise PlanError(f"{MIXER_RECOMPUTE_ENV}={raw!r}: expected 0 or 1")
-    return raw != "0"
-
-
 def _on_whole_rows(original, state, batch, hidden: torch.Tensor, seq_len: int, named: dict):
     """The mixer's own forward on the group's whole rows (of the forward ``batch``: the recompute in backward
     reads the same one), and this rank's tokens of its output."""
@@ -220,7 +204,7 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
             batch.masks["mixer_local"] = state.layout(seq_len).local.to(hidden.device)
         # not inside a checkpointed decoder layer: its own recompute already keeps nothing of the mixer's rows
         layer_recomputes = layer is not None and layer.training and getattr(layer, "gradient_checkpointing", False)
-        if torch.is_grad_enabled() and mixer_recompute() and not layer_recomputes:
+        if torch.is_grad_enabled() and state.options.mixer_recompute and not layer_recomputes:
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(_on_whole_rows, original, state, batch, hidden, seq_len, named, use_reentrant=False)

@@ -83,6 +83,56 @@ def patch_batches(config, world: int, side: int = 6, batch: int = 2, seq: int = 
     return ids, extra
 
 
+# Images per row of each rank (4 ranks × 2 rows): two images in one row, a rank with images in its second row only,
+# two ranks without any (the global batch mixes text-only and image rows, as SFT data does).
+MIXED_ROWS = ((2, 0), (0, 0), (0, 1), (0, 0))
+
+
+def _one_image(inputs: str, config, g: torch.Generator) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """The placeholder tokens and the pixel inputs of one image of the layout ``inputs`` (``image``: the Qwen-VL
+    grid, ``patches``: Gemma4's positioned patches)."""
+    vision = config.vision_config
+    if inputs == "patches":
+        side = 6
+        grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1).reshape(1, -1, 2)
+        tokens = [config.image_token_id] * (side**2 // vision.pooling_kernel_size**2)
+        return tokens, {"pixel_values": torch.randn(1, side**2, 3 * vision.patch_size**2, generator=g),
+                        "image_position_ids": grid}
+    if inputs != "image":
+        raise ValueError(f"mixed rows are built for the 'image' and 'patches' layouts, not {inputs!r}")
+    merge = getattr(vision, "spatial_merge_size", 2)
+    t, h, w = _GRID
+    channels = getattr(vision, "in_channels", getattr(vision, "num_channels", 3))
+    pixels = channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2
+    tokens = [config.vision_start_token_id] + [config.image_token_id] * (t * (h // merge) * (w // merge))
+    return tokens + [config.vision_end_token_id], {"pixel_values": torch.randn(t * h * w, pixels, generator=g),
+                                                    "image_grid_thw": torch.tensor([_GRID])}
+
+
+def mixed_batches(inputs: str, config, world: int, rows: tuple[tuple[int, ...], ...] = MIXED_ROWS, seq: int = 20,
+                  seed: int = 5) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Token ids ``[world, batch, seq]`` whose row ``b`` of rank ``r`` holds ``rows[r][b]`` images (none: text
+    only) and, per rank, the pixel inputs of its images (none where it has none; ``mm_token_type_ids`` on every
+    rank for the grid layout, as the processor gives them)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(20, TEXT_VOCAB, (world, len(rows[0]), seq), generator=g)
+    extra = []
+    for r in range(world):
+        parts = []
+        for b, count in enumerate(rows[r]):
+            at = 1
+            for _ in range(count):
+                tokens, pixels = _one_image(inputs, config, g)
+                ids[r, b, at:at + len(tokens)] = torch.tensor(tokens)
+                at += len(tokens) + 1
+                parts.append(pixels)
+        mine = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+        if inputs == "image":
+            mine["mm_token_type_ids"] = (ids[r] == config.image_token_id).long()
+        extra.append(mine)
+    return ids, extra
+
+
 # The inputs a proof trains on (:attr:`xpar_zoo.zoo.proofs.Proof.inputs`): a builder and its arguments.
 INPUTS = {
     "image": (image_batches, {}),

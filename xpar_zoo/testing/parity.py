@@ -69,13 +69,14 @@ class RunRecord:
 def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | range | None = None) -> dict:
     """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.batches`) of ``step``:
     ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process
-    reference, a ``range`` those of its micro-batches (a data shard of several, see :func:`train_parallel`)."""
+    reference (each input over the ranks that have it), a ``range`` those of its micro-batches (a data shard of several, see :func:`train_parallel`)."""
     if not extra:
         return {}
     if isinstance(rank, int):
         return dict(extra[step][rank])
     parts = extra[step] if rank is None else [extra[step][r] for r in rank]
-    return {k: torch.cat([e[k] for e in parts]) for k in parts[0]}
+    keys = dict.fromkeys(k for e in parts for k in e)  # a rank without images has no pixel inputs
+    return {k: torch.cat([e[k] for e in parts if k in e]) for k in keys}
 
 
 def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0,
@@ -103,11 +104,11 @@ def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float 
 def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str, max_norm: float | None,
                    seed: int = 0, plan=None, kernels: str = "torch", checkpointing: bool = False,
                    labels: torch.Tensor | None = None, extra: list[list[dict]] | None = None,
-                   inner: str | None = None) -> RunRecord:
+                   inner: str | None = None, options=None) -> RunRecord:
     """The same training under xpar_zoo on ``mesh_kwargs`` (and ``plan``, default the registry's; ``inner``: the
     attention the sp/cp attention wraps, set after parallelize by :func:`xpar_zoo.set_inner_attention`; ``kernels`` for
     :func:`xpar_zoo.styles.experts.set_experts_kernels`; ``checkpointing``: transformers' activation checkpointing of every
-    decoder layer): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
+    decoder layer; ``options``: ``parallelize``'s :class:`~xpar_zoo.ParallelOptions`): rank ``r`` trains on its own micro-batch ``data[step, r]`` (``labels`` and ``extra`` as in
     :func:`train_reference`). The recorded loss is the mean of ``out.loss`` over the ranks, which is the global
     batch's. Every rank calls it; rank 0's record is complete. With sp/cp a rank reads its data shard
     (:func:`xpar_zoo.data_shard`: ``world/count`` consecutive micro-batches of ``data[step]`` at once, the same on
@@ -123,12 +124,11 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     model = build_model(config, seed)
     if checkpointing:
         model.activation_checkpointing_enable()
-    model = parallelize(model, mesh, plan=plan)
+    model = parallelize(model, mesh, plan=plan, options=options)
     set_experts_kernels(model, kernels)
     if inner:
         set_inner_attention(model, inner)
     opt = OPTIMIZERS[optimizer](list(model.parameters()))
-    rank = dist.get_rank()
     labels = make_labels(data) if labels is None else labels
     index, count = data_shard(model)
     per = data.shape[1] // count

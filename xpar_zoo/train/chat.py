@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import DataError, counted
 
 ROLES = ("system", "user", "assistant", "tool")
 GENERATION_MARKER = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # as transformers detects it
@@ -289,7 +289,7 @@ def render_all(tokenizer, examples: list[Example], kind: str, loss_on: str, seq_
         stats.tokens += len(ids)
         stats.targets += int(mask.sum())
     if stats.too_long and truncate is None:
-        raise DataError(f"{source}: {stats.too_long} conversation(s) longer than seq_len {seq_len} (first: "
+        raise DataError(f"{source}: {counted(stats.too_long, 'conversation')} longer than seq_len {seq_len} (first: "
                         f"{', '.join(stats.first_too_long)}); raise --seq-len, or pass --truncate left|right|drop")
     if not all_ids:
         raise DataError(f"{source}: no conversation left to train on (all {stats.examples} dropped)")

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import TrainConfigError
 from ..hub.writer import DTYPES
+from ..parallel.options import CP_ATTENTION, CPU_COLLECTIVES, ParallelOptions
 from . import sft_config
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -59,13 +60,18 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     save_every: int = 0
     keep_last: int | None = None
-    resume: bool = False
+    resume: bool | str = False  # True, or "strict": refuse to skip a damaged or incomplete newer checkpoint
     stop_after: int | None = None
     seed: int = 0
     dtype: str | None = None
     mixed_precision: bool = False
     recompute: bool = False
     attn_implementation: str | None = None
+    # xpar_zoo.ParallelOptions (None: the XPAR_ZOO_* variable's value, else the option's default)
+    attention_block_mib: float | None = None
+    cp_attention: str | None = None
+    mixer_recompute: bool | None = None
+    cpu_collectives: str | None = None
     export_hf: str | None = None
     expert_bias_update_rate: float = 0.0
     router_aux_loss_coef: float | None = None
@@ -158,6 +164,10 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         return parse_mesh(value, where)
     if name == "lora_targets" and isinstance(value, (list, tuple)):  # YAML: a list of module names
         value = ",".join(map(str, value))
+    if name == "resume":
+        if isinstance(value, bool) or value == "strict":
+            return value
+        raise TrainConfigError(f"{where}: resume is true, false or strict, got {_short(value)}")
     if name == "adam_betas":
         parts = value.split(",") if isinstance(value, str) else value
         try:
@@ -202,14 +212,33 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     return value
 
 
+class Quoted(str):
+    """A YAML string written in quotes (``seq_len: "1024"``): text, never a number."""
+
+
+def _quoted_number(name: str, value: Any) -> tuple[str, Any] | None:
+    """``(key, value)`` where setting ``name`` (from YAML) holds a quoted string in place of a number, else None."""
+    if name == "mesh":  # the flag's string ("ep=2") or a mapping of sizes
+        return next(((f"{name}: {k}", v) for k, v in value.items() if isinstance(v, Quoted)),
+                    None) if isinstance(value, dict) else None
+    kind = FIELDS[name].type
+    if isinstance(value, Quoted) and ("int" in kind or "float" in kind) and name != "adam_betas":
+        return name, value
+    return None
+
+
 def _strict_loader():
     """PyYAML's safe loader, stricter: an alias (``*name``) is refused (expanding them is how a small file grows
-    past any memory), a key given twice in one mapping is refused (YAML would keep the last), and a file of more
-    than ``MAX_CONFIG_NODES`` nodes is refused while it is composed."""
+    past any memory), a key given twice in one mapping is refused (YAML would keep the last), a file of more
+    than ``MAX_CONFIG_NODES`` nodes is refused while it is composed, and quoted strings come as :class:`Quoted`."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
         nodes = 0
+
+        def construct_yaml_str(self, node):
+            value = super().construct_yaml_str(node)
+            return Quoted(value) if node.style in ("'", '"') else value
 
         def compose_node(self, parent, index):
             if self.check_event(yaml.AliasEvent):
@@ -231,6 +260,7 @@ def _strict_loader():
                 seen[key] = key_node.start_mark.line + 1
             return super().construct_mapping(node, deep)
 
+    StrictLoader.add_constructor("tag:yaml.org,2002:str", StrictLoader.construct_yaml_str)
     return StrictLoader
 
 
@@ -274,6 +304,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         if name in given:
             raise TrainConfigError(f"{path}: {given[name]!r} and {key!r} are the same setting; give it once")
         given[name] = key
+        if quoted := _quoted_number(name, value):
+            raise TrainConfigError(f"{path}: {quoted[0].replace(name, key, 1)}: {_short(str(quoted[1]))} is quoted: "
+                                   "a number is written without quotes (YAML types are exact)")
         out[name] = _coerce(name, value, f"{path}: {key}")
     return out
 
@@ -303,7 +336,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--save-every", type=int, default=S, help="checkpoint every N steps (default 0: at the end and at --stop-after)")
     a("--keep-last", type=int, default=S, help="keep the N newest checkpoints (default: all)")
     a("--output", default=S, help="run directory: checkpoints/, metrics.jsonl, tensorboard/")
-    a("--resume", action="store_true", default=S, help="continue from the newest complete checkpoint in --output")
+    a("--resume", nargs="?", const=True, default=S, metavar="strict",
+      help="continue from the newest complete checkpoint in --output (a damaged or incomplete newer one is named and "
+           "skipped; --resume=strict refuses instead)")
     a("--stop-after", type=int, default=S, help="end this run cleanly after step N (the schedule follows --steps)")
     a("--seed", type=int, default=S, help="data order seed (default 0)")
     a("--dtype", choices=sorted(DTYPES), default=S, help="parameter dtype (default: the checkpoint's)")
@@ -312,6 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--recompute", action=argparse.BooleanOptionalAction, default=S,
       help="activation checkpointing of every decoder layer")
     a("--attn-implementation", default=S, help="transformers attention implementation (default: the model's)")
+    add_option_arguments(parser)
     a("--export-hf", default=S, help="write the trained model in the hub's format here at the end")
     a("--expert-bias-update-rate", type=float, default=S,
       help="aux-loss-free balancing: bias += rate*sign(mean load - load) per step, routers with "
@@ -323,14 +359,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bar on rank 0 (default on)")
     a("--timeout-minutes", type=float, default=S, help="process-group timeout (default 30)")
     a("--force", action="store_true", default=S,
-      help="write into a non-empty --output without checkpoints, and replace an existing --export-hf (only once "
-           "the new export is complete)")
+      help="replace the run in --output (its checkpoints, exports, events; metrics moved aside) or train into a "
+           "non-empty one, and replace existing exports (only once the new export is complete)")
     a("--log-every", type=int, default=S,
       help="a console line every N steps, at evaluations and at the last (default 10)")
     a("--max-line-bytes", type=int, default=S,
       help=f"longest data line (JSONL record, .txt document) read, in bytes (default {DEFAULT_MAX_LINE_BYTES})")
     sft_config.add_arguments(parser)
     add_launcher_arguments(parser)
+
+
+# The settings that are fields of xpar_zoo.ParallelOptions (the flags of add_option_arguments).
+OPTION_FIELDS = ("attention_block_mib", "cp_attention", "mixer_recompute", "cpu_collectives")
+
+
+def add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of :class:`~xpar_zoo.ParallelOptions` (default: the ``XPAR_ZOO_*`` variable, else the option's)."""
+    S = argparse.SUPPRESS
+    a = parser.add_argument
+    a("--attention-block-mib", type=float, default=S,
+      help="sp/cp masked attention: MiB one block of queries may hold (default 256 on a GPU, 16 on the CPU)")
+    a("--cp-attention", choices=CP_ATTENTION, default=S,
+      help="cp's plain causal rows on sdpa: lower_right (no mask) or dense (default: lower_right on CUDA)")
+    a("--mixer-recompute", action=argparse.BooleanOptionalAction, default=S,
+      help="sp/cp hybrid mixers: recompute their whole rows in backward (default on)")
+    a("--cpu-collectives", choices=CPU_COLLECTIVES, default=S,
+      help="CPU meshes: in_place (default) or gloo (FSDP2's own collectives)")
+
+
+def parallel_options(cfg: TrainConfig) -> ParallelOptions:
+    """The run's :class:`~xpar_zoo.ParallelOptions`: the settings given, else the ``XPAR_ZOO_*`` variables' values
+    (read here, once per run), else the defaults; :class:`TrainConfigError` on a bad variable."""
+    from ..errors import PlanError
+
+    given = {n: getattr(cfg, n) for n in OPTION_FIELDS if getattr(cfg, n) is not None}
+    try:
+        return ParallelOptions.from_env(**given)
+    except PlanError as e:
+        raise TrainConfigError(str(e)) from None
 
 
 LAUNCHER_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
@@ -390,6 +456,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise TrainConfigError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {cfg.dtype!r}")
     check_sequence_mesh(cfg)
+    if cfg.attention_block_mib is not None and not cfg.attention_block_mib > 0:
+        raise TrainConfigError(f"attention_block_mib must be a positive number of MiB, got {cfg.attention_block_mib:g}")
+    for name, choices in (("cp_attention", CP_ATTENTION), ("cpu_collectives", CPU_COLLECTIVES)):
+        if getattr(cfg, name) is not None and getattr(cfg, name) not in choices:
+            raise TrainConfigError(f"{name} must be one of {', '.join(choices)}, got {_short(getattr(cfg, name))}")
     if cfg.attn_implementation is not None:
         known = attention_implementations()
         if cfg.attn_implementation not in known:

@@ -1,4 +1,5 @@
-"""``xpar-zoo train --dry-run``: the resolved settings, the mesh, the data's token and target counts and the sizer's
+"""``xpar-zoo train --dry-run``: the resolved settings, the mesh, the data's token and target counts, what the run
+would do with ``--output`` (refuse, with the real run's line; resume; replace with ``--force``) and the sizer's
 memory estimate, printed without loading any weight or starting a process group or any rank (the world: the
 ranks ``--nproc-per-node`` × ``--nnodes`` would start, else under torchrun its world size, rank 0 printing)."""
 
@@ -8,7 +9,9 @@ import json
 import os
 from pathlib import Path
 
-from .config import DTYPES, TrainConfig
+from ..errors import counted
+from .config import DTYPES, TrainConfig, parallel_options
+from .outputs import check_finished_resume, plan_outputs
 
 
 def _model_config(cfg: TrainConfig):
@@ -29,7 +32,7 @@ def _read_data(cfg: TrainConfig, config, world: int):
     import dataclasses
     import tempfile
 
-    from .loop import load_corpus, resolve_epochs
+    from .loop import load_corpus, resolve_epochs, text_vocab_size
     from .tiny import TINY_MODEL, tiny_tokenizer
 
     held = None
@@ -38,9 +41,9 @@ def _read_data(cfg: TrainConfig, config, world: int):
         if cfg.model == TINY_MODEL and not cfg.tokenizer:  # its tokenizer, built in memory too
             tiny_tokenizer().save_pretrained(tmp)
             data_cfg = dataclasses.replace(cfg, tokenizer=tmp)
-        corpus, tokenizer = load_corpus(data_cfg, config.vocab_size)
+        corpus, tokenizer = load_corpus(data_cfg, text_vocab_size(config))
         if cfg.eval_data:
-            held = load_corpus(data_cfg, config.vocab_size, cfg.eval_data)[0]
+            held = load_corpus(data_cfg, text_vocab_size(config), cfg.eval_data)[0]
     cfg, corpus = resolve_epochs(cfg, corpus, tokenizer, world)
     return cfg, corpus, held
 
@@ -54,9 +57,10 @@ def _data_lines(cfg: TrainConfig, config, corpus, held, world: int, replicate: i
     lines = ["xpar-zoo train --dry-run (no weights loaded)", "settings:"]
     lines += [f"  {k}: {json.dumps(v)}" for k, v in sorted(cfg.to_json().items())]
     mesh = ", ".join(f"{k}={v}" for k, v in cfg.mesh.items()) or "FSDP only"
-    lines.append(f"mesh: {mesh} over {world} rank(s), dense parameters FSDP-sharded over "
-                 f"{world // replicate} x {replicate} replica(s)")
-    lines.append(f"model: {config.model_type}, {config.num_hidden_layers} layers, vocabulary {config.vocab_size}")
+    lines.append(f"mesh: {mesh} over {counted(world, 'rank')}, dense parameters FSDP-sharded over "
+                 f"{world // replicate} x {counted(replicate, 'replica')}")
+    text = config.get_text_config()
+    lines.append(f"model: {config.model_type}, {text.num_hidden_layers} layers, vocabulary {text.vocab_size}")
     data = getattr(corpus, "summary", "") or (f"{cfg.data}: {corpus.num_tokens} tokens (text: every token but a "
                                               "document's first is a target)")
     lines.append(f"data: {data}")
@@ -86,7 +90,8 @@ def _estimate_lines(cfg: TrainConfig, config, world: int, sizes: dict, replicate
     saved = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
     param_dtype = "bf16" if cfg.mixed_precision else short.get(DTYPES[cfg.dtype] if cfg.dtype else saved, "fp32")
     est = sizing.estimate(config, world, sizes, replicate, micro_batch=cfg.micro_batch, seq=cfg.seq_len,
-                          param_dtype=param_dtype, recompute=cfg.recompute, **sequence, **lora,
+                          param_dtype=param_dtype, recompute=cfg.recompute, options=parallel_options(cfg),
+                          **sequence, **lora,
                           **({"attention": cfg.attn_implementation}
                              if cfg.attn_implementation in sizing.ATTENTION_IMPLEMENTATIONS else {}))
     lines = ["memory estimate (xpar_zoo.sizing, per rank):", sizing.format_estimate(est)]
@@ -106,8 +111,11 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
     sequence = {d: sizes.pop(d, 1) for d in ("sp", "cp")}
     validate_sizes(world, sizes, replicate)
     validate_sequence_sizes(world, replicate, sequence["sp"], sequence["cp"])
+    plan = plan_outputs(cfg)  # what the run would refuse (raised: the same line) or replace in --output
     config = _model_config(cfg)
     cfg, corpus, held = _read_data(cfg, config, world)
+    check_finished_resume(plan, cfg.steps)
     lines = _data_lines(cfg, config, corpus, held, world, replicate)
+    lines += [f"output: {line}" for line in plan.describe() or [f"{cfg.output}: a new run"]]
     lines += _estimate_lines(cfg, config, world, sizes, replicate, sequence)
     return "\n".join(lines)

@@ -34,9 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import EXTRA_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import EXTRA_FILE, load_checkpoint, save_checkpoint
+from ..checkpoint.layout import complete_record
 from ..compat import attn_implementation
-from ..errors import DataError, TrainConfigError
+from ..errors import DataError, TrainConfigError, counted
+from ..io.integrity import verify_files
 from ..loss.balance import (
     ExpertLoad,
     correction_biases,
@@ -47,11 +49,11 @@ from ..loss.balance import (
 from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
-from ..styles.sequence import data_shard, set_inner_attention
+from ..styles.sequence import ATTENTION_PREFIX, data_shard, set_inner_attention
 from . import sft_config
 from .agreement import check_same_settings, resume_changes
 from .chat import conversation_corpus, load_examples, pad_token_id
-from .config import DTYPES, TrainConfig, validate
+from .config import DTYPES, TrainConfig, parallel_options, validate
 from .data import (
     PackedCorpus,
     flatten_rows,
@@ -64,14 +66,19 @@ from .data import (
 from .evaluate import Evaluator
 from .lora import export_adapter, export_merged, from_pretrained_kwargs, is_lora
 from .metrics import MetricsLog, peak_memory_bytes, read_metrics
-from .outputs import CHECKPOINTS, ExportTarget, check_outputs
+from .outputs import (
+    BEST,
+    CHECKPOINTS,
+    ExportTarget,
+    OutputPlan,
+    check_finished_resume,
+    check_outputs,
+)
 from .packing import EpochLimit, steps_for_epochs
 from .reporting import Reporter
 from .stop import StopOnSignal, Stopped
 from .tiny import resolve_model
 
-CHECKPOINTS = "checkpoints"
-BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
 SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 # transformers' masking utilities build a block-causal mask from restarting position_ids for these (no attention
 # mask, no cache); its flash-attention kernels run packed rows as varlen from position_ids in a batch of one row.
@@ -104,27 +111,20 @@ def init_distributed(timeout_minutes: float = 30.0) -> bool:
     return True
 
 
-def _checkpoint_to_resume(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
-    """Rank 0, before anything is loaded: every output checked (:func:`~xpar_zoo.train.outputs.check_outputs`);
-    the checkpoint to resume from (``None``: start at step 0) and the settings this run changes from it (one line
-    each; refused ones raise). Refuses to start over a run's checkpoints without ``--resume``."""
-    output = Path(cfg.output)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # incomplete checkpoints are reported by load_checkpoint's own warning
-        found = latest_checkpoint(output / CHECKPOINTS) if (output / CHECKPOINTS).is_dir() else None
-    check_outputs(cfg, has_checkpoint=found is not None)
-    if found is not None and not cfg.resume:
-        raise TrainConfigError(f"--output {output} already holds checkpoints (newest: {found.name}); pass --resume "
-                               "to continue that run, or choose another --output")
-    if found is None:
-        return None, []
-    try:
-        extra = json.loads((found / EXTRA_FILE).read_text())
-        step, saved = int(extra["step"]), dict(extra.get("config") or {})
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TrainConfigError(f"{found / EXTRA_FILE}: unreadable ({type(e).__name__}); resume from an earlier "
-                               "step (move this one aside)") from None
-    return found, resume_changes(saved, cfg, step)
+def _checkpoint_to_resume(cfg: TrainConfig) -> tuple[OutputPlan, list[str]]:
+    """Rank 0, before anything is loaded: every output checked (:func:`~xpar_zoo.train.outputs.check_outputs`):
+    what the run does with ``--output`` (its ``resume_from``: ``None`` starts at step 0) and the settings this run
+    changes from the checkpoint (one line each; refused ones raise). Each line of the plan (a newer checkpoint
+    skipped and why, what ``--force`` replaces) is said here."""
+    plan = check_outputs(cfg)
+    for line in plan.describe():
+        if plan.resume_from is None or not line.startswith("--resume"):  # the opening line says where it resumes
+            print(line, flush=True)
+    if plan.resume_from is None:
+        return plan, []
+    changes = resume_changes(plan.saved, cfg, plan.step)
+    check_finished_resume(plan, cfg.steps)  # (None with --epochs: checked once the data gives the steps)
+    return plan, changes
 
 
 def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None) -> tuple[PackedCorpus, Any]:
@@ -177,6 +177,11 @@ def best_eval_loss(output: Path, step: int) -> float:
     """Rank 0: the lowest ``eval_loss`` in ``metrics.jsonl`` up to ``step`` (a resumed ``--save-best`` run)."""
     seen = [m["eval_loss"] for m in read_metrics(output) if m.get("step", 0) <= step and "eval_loss" in m]
     return min(seen, default=math.inf)
+
+
+def text_vocab_size(config) -> int:
+    """The language model's vocabulary: a multimodal config keeps it in its text config."""
+    return int(config.get_text_config().vocab_size)
 
 
 def _model_config(name: str):
@@ -279,14 +284,30 @@ def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: in
 
 
 def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
-    """Rank 0, before the model is loaded: the checkpoint's data position means the same rows for this run."""
+    """Rank 0, before the model is loaded: the checkpoint's data position means the same rows for this run. A
+    saved state that fails its checksum is named as damage; a real difference names only what differs."""
+    damage = verify_files(ckpt, *_recorded(ckpt, EXTRA_FILE))
+    if damage:
+        raise TrainConfigError(f"{ckpt} is damaged ({damage[0]}): move it aside to resume from the checkpoint "
+                               "before it")
     data = json.loads((ckpt / EXTRA_FILE).read_text()).get("data") or {}
-    if data.get("fingerprint") != corpus.fingerprint():
-        theirs = {k: data.get(k) for k in ("source", "seq_len", "seed")}
-        ours = {"source": corpus.source, "seq_len": corpus.seq_len, "seed": corpus.seed}
-        raise TrainConfigError(f"{ckpt} was trained on other data or another row layout ({theirs}) than this run "
-                               f"({ours}): its data position would not continue the same order; resume with the "
-                               "same data, seq_len and seed, or start a new --output")
+    if data.get("fingerprint") == corpus.fingerprint():
+        return
+    ours = {"source": corpus.source, "seq_len": corpus.seq_len, "seed": corpus.seed,
+            "rows_per_epoch": corpus.rows_per_epoch}
+    differ = [f"{k} {data.get(k)!r} then, {v!r} now" for k, v in ours.items() if data.get(k) != v]
+    what = "; ".join(differ) if differ else f"the tokens of {corpus.source} changed since"
+    raise TrainConfigError(f"{ckpt} was trained on other data ({what}): its data position would not continue the "
+                           "same order; resume with the same data, seq_len and seed, or start a new --output")
+
+
+def _recorded(ckpt: Path, name: str) -> tuple[dict[str, str], dict[str, int]]:
+    """The checksum and size the checkpoint's COMPLETE marker records for file ``name`` (empty when none)."""
+    try:
+        record = complete_record(ckpt)
+        return {name: record["checksums"][name]}, {name: record["files"][name]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}, {}
 
 
 def _resume(ckpt: Path, model, optimizer, cfg: TrainConfig) -> tuple[int, int]:
@@ -340,7 +361,7 @@ def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
 
     check_attention_here(cfg.attn_implementation, getattr(mesh, "device_type", "cuda"))
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                            mixed_precision=cfg.mixed_precision,
+                            mixed_precision=cfg.mixed_precision, options=parallel_options(cfg),
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
@@ -497,18 +518,21 @@ def _read_inputs(cfg: TrainConfig, world: int) -> _Inputs:
     """Every check and read that comes before the model loads: the checkpoint to resume and what changed since, the
     model's config and the mesh against it, the data (and held-out data), the settings agreed across ranks."""
     output = Path(cfg.output)
-    ckpt, changes = run_everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
+    plan, changes = run_everywhere(lambda: _checkpoint_to_resume(cfg), rank0_only=True)
+    ckpt = plan.resume_from
     cfg = dataclasses.replace(cfg, model=run_everywhere(lambda: resolve_model(cfg.model, output), rank0_only=True))
     model_config = run_everywhere(lambda: _model_config(cfg.model))
     run_everywhere(lambda: check_mesh(cfg, model_config, world), rank0_only=True)
-    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size))
+    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config)))
     cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
+    run_everywhere(lambda: check_finished_resume(plan, cfg.steps), rank0_only=True)
     check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
     eval_corpus = None
     if cfg.eval_data:
-        eval_corpus = run_everywhere(lambda: load_corpus(cfg, model_config.vocab_size, cfg.eval_data)[0])
+        eval_corpus = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config), cfg.eval_data)[0])
     if ckpt is not None:
         run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
+    run_everywhere(plan.apply, rank0_only=True)  # --force over a run: only now that every input is checked
     return _Inputs(cfg, model_config, corpus, tokenizer, eval_corpus, ckpt, changes)
 
 
@@ -543,20 +567,29 @@ def _announce(log: MetricsLog, run: _Run, inputs: _Inputs, mesh, step: int) -> N
     """Rank 0's opening lines: what trains on which mesh, from where, what changed on resume, the data's summary
     and a note when the attention does not mask packed documents."""
     cfg, model, world, parts = run.cfg, run.model, run.world, run.parts
-    group = f" ({parts} sequence groups of {world // parts} ranks)" if parts != world else ""
-    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, {world} "
-                f"ranks{group} x {cfg.micro_batch} rows x {cfg.grad_accum} micro-batches of {cfg.seq_len} tokens per "
-                f"step; {run.corpus.num_tokens} tokens, {run.corpus.rows_per_epoch} rows per epoch; "
+    group = f" ({counted(parts, 'sequence group')} of {world // parts} ranks)" if parts != world else ""
+    log.message(f"xpar-zoo train: {model.config.architectures or [model.config.model_type]} on {mesh}, "
+                f"{counted(world, 'rank')}{group} x {counted(cfg.micro_batch, 'row')} x "
+                f"{counted(cfg.grad_accum, 'micro-batch', 'micro-batches')} of {cfg.seq_len} tokens per step; "
+                f"{run.corpus.num_tokens} tokens, {counted(run.corpus.rows_per_epoch, 'row')} per epoch; "
                 + (f"resumed from {inputs.ckpt} at step {step}" if inputs.ckpt else "from step 0"))
     for line in inputs.changes:
         log.message(f"changed on resume: {line}")
     for data in (run.corpus, inputs.eval_corpus):
         if getattr(data, "summary", ""):
             log.message(data.summary)
-    attn = attn_implementation(model.config)
-    if attn not in DOCUMENT_MASKING and not run.flatten:
-        log.message(f"note: attention implementation {attn!r}: packed documents are not masked from each other "
-                    f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
+    if note := packed_documents_note(attn_implementation(model.config), run.flatten):
+        log.message(note)
+
+
+def packed_documents_note(attn: str, flatten: bool) -> str | None:
+    """The start's note when attention ``attn`` does not mask packed documents from each other (``None``: it does:
+    transformers' :data:`DOCUMENT_MASKING` from the restarting positions, flash on rows flattened into one, and the
+    sp/cp attention around any inner one, from the whole rows' positions)."""
+    if attn in DOCUMENT_MASKING or flatten or attn.startswith(ATTENTION_PREFIX):
+        return None
+    return (f"note: attention implementation {attn!r}: packed documents are not masked from each other "
+            f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
 
 
 def _run_steps(run: _Run, log: MetricsLog, report: Reporter, evaluator: Evaluator | None, best: float,

@@ -52,13 +52,19 @@ def export_merged(model: nn.Module, directory: str | os.PathLike, progress: bool
 
 
 def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, rank: int) -> Path:
-    """``--export-adapter``: PEFT's adapter files (and the tokenizer) in ``directory``. A collective."""
-    import torch.distributed as dist
-
+    """``--export-adapter``: PEFT's adapter files (and the tokenizer) in ``directory``, written into a staging
+    directory beside it that replaces it once complete (an existing one: ``--force``, checked at start). A
+    collective."""
     from ..integrations.peft_files import save_adapter
+    from .outputs import ExportTarget
 
-    save_adapter(model, directory)
-    if rank == 0 and tokenizer is not None:
-        tokenizer.save_pretrained(directory)
-    dist.barrier()
+    target = ExportTarget(Path(directory))
+    try:
+        save_adapter(model, target.path, force=True)  # the staging directory: empty, ours
+        if rank == 0 and tokenizer is not None:
+            tokenizer.save_pretrained(target.path)
+        target.commit()
+    except BaseException:
+        target.discard()
+        raise
     return Path(directory)

@@ -3,10 +3,12 @@
 - ``--output`` (the run directory), ``--export-hf`` and ``--export-adapter`` are never an input (the model
   directory, the data file or directory, the tokenizer, …), never inside one and never contain one; the exports
   are not the run directory, not one of its own entries, and not each other;
-- an existing non-empty ``--output`` without checkpoints is refused without ``--resume`` or ``--force`` (its
-  ``metrics.jsonl`` is appended to, never truncated); an existing non-empty export directory is refused without
-  ``--force``, and ``--force`` replaces it only once the new export is complete (:class:`ExportTarget`, the
-  converters' :class:`~xpar_zoo.atomic_dir.StagingDir` protocol);
+- an ``--output`` holding a run is refused without ``--resume`` or ``--force`` in one line naming the command
+  (:func:`plan_outputs`); ``--force`` replaces that run as a whole (:class:`OutputPlan`); what a start that never
+  trained leaves blocks nothing; another non-empty ``--output`` needs ``--force`` (its ``metrics.jsonl`` is
+  appended to, never truncated); an existing non-empty export directory needs ``--force`` (or is the resumed
+  run's own), and is replaced only once the new export is complete (:class:`ExportTarget`, the converters'
+  :class:`~xpar_zoo.atomic_dir.StagingDir` protocol);
 - every output is written to once at start (a read-only directory is refused before step 1);
 - ``OUTPUT/metrics.jsonl`` parses (a garbled line is named before a resume; a last line cut short by a killed
   writer is dropped, and said).
@@ -16,19 +18,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
+from ..checkpoint.layout import EXTRA_FILE, scan_root
 from ..errors import TrainConfigError
-from ..io.atomic_dir import StagingDir, clear_leftovers
+from ..io.atomic_dir import StagingDir, clear_leftovers, remove_aside
 from ..parallel.distributed import broadcast, rank
 from .config import TrainConfig
 from .metrics import METRICS_FILE
+from .tiny import TINY_MODEL
 
 CHECKPOINTS = "checkpoints"
+BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
 RUN_ENTRIES = (CHECKPOINTS, METRICS_FILE, "tensorboard")
+MOVED_METRICS = re.compile(r"metrics\.before-\d{8}T\d{6}\.jsonl")  # moved aside by --force over a finished run
 
 
 def _inputs(cfg: TrainConfig) -> list[tuple[str, str]]:
@@ -71,9 +80,9 @@ def _make_dir(path: Path, flag: str) -> None:
         raise TrainConfigError(f"{flag} {path}: cannot create it ({e.strerror or e})") from None
 
 
-def _non_empty(path: Path) -> list[str]:
+def _non_empty(path: Path, limit: int | None = 3) -> list[str]:
     try:
-        return sorted(p.name for p in path.iterdir())[:3] if path.is_dir() else []
+        return sorted(p.name for p in path.iterdir())[:limit] if path.is_dir() else []
     except OSError as e:
         raise TrainConfigError(f"{path}: cannot list it ({e.strerror or e})") from None
 
@@ -84,12 +93,163 @@ def exports(cfg: TrainConfig) -> list[tuple[str, Path]]:
     return [(flag, Path(p)) for flag, p in named if p]
 
 
-def check_outputs(cfg: TrainConfig, has_checkpoint: bool) -> None:
-    """Rank 0, before any model or data is loaded: raise :class:`TrainConfigError` on an output that would
-    overwrite or delete an input or another output, an existing non-empty output the settings do not allow, or a
-    directory that cannot be written (see the module docstring). Creates ``--output``."""
-    output = Path(cfg.output)
-    inputs = _inputs(cfg)
+@dataclass
+class OutputPlan:
+    """What ``--output`` holds and what this run does with it, decided on rank 0 before anything loads:
+    ``resume_from`` (the newest complete checkpoint to continue, with ``--resume``), ``skipped`` (newer checkpoint
+    directories that are damaged or incomplete, with why), ``saved`` (that run's settings), and, for ``--force``
+    over a run, what it removes and moves aside (:meth:`apply`, once every input is checked)."""
+
+    output: Path
+    newest: Path | None = None  # the newest complete checkpoint, resumed or not
+    step: int | None = None
+    saved: dict = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    resume_from: Path | None = None
+    remove: list[Path] = field(default_factory=list)
+    moves: list[tuple[Path, Path]] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        steps = self.saved.get("steps")
+        return self.step is not None and isinstance(steps, int) and self.step >= steps
+
+    def describe(self) -> list[str]:
+        """One line for each thing the run does to what ``--output`` holds (for the log and ``--dry-run``)."""
+        lines = [f"{self.output / CHECKPOINTS / name} skipped: {why}" for name, why in self.skipped]
+        if self.resume_from is not None:
+            lines.append(f"--resume continues {self.resume_from} (step {self.step})")
+        if self.remove or self.moves:
+            what = [f"removes {_names(self.output, self.remove)}"] if self.remove else []
+            what += [f"moves {_names(self.output, [a])} to {b.name}" for a, b in self.moves]
+            lines.append(f"--force replaces the run in {self.output}: {'; '.join(what)}")
+        return lines
+
+    def apply(self) -> None:
+        """Rank 0, every input checked: remove and move aside what :attr:`remove` and :attr:`moves` name."""
+        try:
+            for path in self.remove:
+                if path.is_symlink() or path.is_file():
+                    path.unlink()
+                elif path.is_dir():
+                    remove_aside(path, f".{path.name}.deleting-{os.getpid()}")
+            for a, b in self.moves:
+                os.replace(a, b)
+        except OSError as e:
+            raise TrainConfigError(f"--force: cannot replace the run in {self.output} ({e.strerror or e}: "
+                                   f"{e.filename})") from None
+
+
+def _names(output: Path, paths: list[Path]) -> str:
+    return ", ".join(str(p.relative_to(output)) + ("/" if p.is_dir() else "") if output in p.parents else str(p)
+                     for p in paths)
+
+
+def _saved(ckpt: Path) -> tuple[int, dict]:
+    """The step and settings a checkpoint was saved with (:class:`TrainConfigError` when unreadable)."""
+    try:
+        extra = json.loads((ckpt / EXTRA_FILE).read_text())
+        return int(extra["step"]), dict(extra.get("config") or {})
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TrainConfigError(f"{ckpt / EXTRA_FILE}: unreadable ({type(e).__name__}); resume from an earlier "
+                               "step (move this one aside)") from None
+
+
+def _step_of(name: str) -> int:
+    """The step a checkpoint directory's name says (``step-N``, an unfinished save's ``.tmp-step-N-…``), else -1."""
+    m = re.search(r"step-(\d+)", name)
+    return int(m[1]) if m else -1
+
+
+def survey_run(output: Path) -> OutputPlan:
+    """What ``--output`` holds: its newest complete checkpoint (step, settings) and the newer damaged or
+    incomplete ones. Reads only."""
+    plan = OutputPlan(output)
+    complete, broken = scan_root(output / CHECKPOINTS) if (output / CHECKPOINTS).is_dir() else ([], [])
+    if complete:
+        plan.newest = complete[-1][1]
+        plan.step, plan.saved = _saved(plan.newest)
+    newest = complete[-1][0] if complete else -1
+    plan.skipped = [(p.name, why) for p, why in broken if _step_of(p.name) > newest and not p.is_symlink()]
+    return plan
+
+
+def _own_leftover(output: Path, name: str) -> bool:
+    """Whether ``OUTPUT/name`` is what a start that never trained leaves (the tiny model it saved, empty event
+    logs, metrics without a step, checkpoint roots without a complete checkpoint, metrics moved aside by
+    ``--force``): nothing of the user's, so it does not block the next start."""
+    path = output / name
+    if name in (TINY_MODEL, "tensorboard") or MOVED_METRICS.fullmatch(name):
+        return True
+    if name in (CHECKPOINTS, BEST):
+        return path.is_dir() and not scan_root(path)[0]
+    if name == METRICS_FILE:
+        return path.is_file() and not any(r.get("step") for r in _records(path))
+    return False
+
+
+def _records(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            value = json.loads(line.decode("utf-8")) if line.strip() else None
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return [{"step": "?"}]  # not ours to judge: check_metrics names it
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+def _refuse_run(cfg: TrainConfig, plan: OutputPlan) -> None:
+    """An output holding a run (a complete checkpoint): one line naming the one command that continues or
+    replaces it, unless the settings say which."""
+    if plan.newest is None or cfg.resume or cfg.force:
+        return
+    steps = plan.saved.get("steps")
+    if plan.finished():
+        raise TrainConfigError(f"--output {plan.output} holds a finished run ({plan.newest.name}, the last of its "
+                               f"{steps} steps): rerun with --force to replace it (its checkpoints, exports and "
+                               "metrics), or choose another --output")
+    raise TrainConfigError(f"--output {plan.output} holds a run stopped at {plan.newest.name} (of {steps} steps): "
+                           "rerun with --resume to continue it, or with --force to replace it")
+
+
+def _replacement(cfg: TrainConfig, plan: OutputPlan, inputs: list[tuple[str, str]]) -> None:
+    """``--force`` without ``--resume``: what is removed or moved aside so that this run replaces the one in
+    ``--output`` as a whole: its checkpoints (and best), events, the exports it named inside the run directory, its
+    metrics moved aside; never an input, never this run's own exports (replaced once complete), nothing else."""
+    output = plan.output
+    if not cfg.force or cfg.resume:
+        return
+    keep = [Path(p) for _, p in inputs] + [p for _, p in exports(cfg)]
+    named = [Path(plan.saved[k]) for k in ("export_hf", "export_adapter") if plan.saved.get(k)]
+    candidates = [output / CHECKPOINTS, output / BEST, output / "tensorboard", *named]
+    for path in candidates:
+        if not (path.exists() or path.is_symlink()) or path in plan.remove:
+            continue
+        if _relation(path, output) != "lies inside":
+            continue
+        if any(_relation(path, k) for k in keep):
+            continue
+        plan.remove.append(path)
+    metrics = output / METRICS_FILE
+    if metrics.is_file() and any(r.get("step") for r in _records(metrics)):
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        plan.moves.append((metrics, output / f"metrics.before-{stamp}.jsonl"))
+
+
+def check_finished_resume(plan: OutputPlan, steps: int | None) -> None:
+    """Refuse ``--resume`` of a run whose last step is done when ``steps`` (this run's, once known: ``--epochs``
+    gives them once the data is read) adds none."""
+    if plan.resume_from is None or steps is None or plan.step is None or steps > plan.step:
+        return
+    raise TrainConfigError(f"--resume: the run in {plan.output} is at {plan.newest.name} and --steps {steps} adds no "
+                           f"step: pass --steps above {plan.step} to train on, or rerun without --resume and with "
+                           "--force to replace it")
+
+
+def _check_relations(cfg: TrainConfig, output: Path, inputs: list[tuple[str, str]]) -> None:
+    """No output is an input, inside one or holds one; no export is the run directory, its own entries or the
+    other export."""
     outputs = [("--output", output), *exports(cfg)]
     for flag, path in outputs:
         for in_flag, given in inputs:
@@ -109,22 +269,57 @@ def check_outputs(cfg: TrainConfig, has_checkpoint: bool) -> None:
             if how:
                 raise TrainConfigError(f"{flag} {path} {how} {other_flag} {other}: give each export its own "
                                        "directory")
-    _make_dir(output, "--output")
-    found = [n for n in _non_empty(output) if not n.startswith(".")]
-    if found and not has_checkpoint and not cfg.resume and not cfg.force:
-        raise TrainConfigError(f"--output {output} is not empty ({', '.join(found)}) and holds no checkpoint: "
-                               "choose another --output, or pass --force to train into it (metrics.jsonl is "
-                               "appended to)")
-    _writable(output, "--output")
+
+
+def plan_outputs(cfg: TrainConfig) -> OutputPlan:
+    """Rank 0, before any model or data is loaded, reading only: raise :class:`TrainConfigError` on an output that
+    would overwrite or delete an input or another output, or an existing output the settings do not allow (one line
+    naming the command that continues or replaces it); else what the run does with ``--output`` (see
+    :class:`OutputPlan`). ``--dry-run`` reports it."""
+    output = Path(cfg.output)
+    inputs = _inputs(cfg)
+    _check_relations(cfg, output, inputs)
+    if output.exists() and not output.is_dir():
+        raise TrainConfigError(f"--output {output} exists and is not a directory")
+    plan = survey_run(output)
+    _refuse_run(cfg, plan)
+    if cfg.resume and plan.newest is not None:
+        if plan.skipped and cfg.resume == "strict":
+            name, why = plan.skipped[-1]
+            raise TrainConfigError(f"--resume=strict: {output / CHECKPOINTS / name} is newer than {plan.newest.name} "
+                                   f"and cannot be resumed ({why}); move it aside to continue from "
+                                   f"{plan.newest.name}, or pass --resume to do so")
+        plan.resume_from = plan.newest
+    found = [n for n in _non_empty(output, limit=None) if not n.startswith(".")]
+    blocking = [n for n in found if not _own_leftover(output, n)]
+    if blocking and plan.newest is None and not cfg.resume and not cfg.force:
+        raise TrainConfigError(f"--output {output} is not empty ({', '.join(blocking[:3])}) and holds no "
+                               "checkpoint: choose another --output, or pass --force to train into it "
+                               "(metrics.jsonl is appended to)")
+    _replacement(cfg, plan, inputs)
+    own = {k: plan.saved.get(k) for k in ("export_hf", "export_adapter")} if plan.resume_from else {}
     for flag, path in exports(cfg):
         if path.exists() and not path.is_dir():
             raise TrainConfigError(f"{flag} {path} exists and is not a directory")
-        if _non_empty(path) and not cfg.force:
+        mine = own.get(flag[2:].replace("-", "_"))
+        if _non_empty(path) and not cfg.force and not (mine and _relation(path, Path(mine)) == "is"):
             raise TrainConfigError(f"{flag} {path} already exists and is not empty; pass --force to replace it "
                                    "(only once the new export is complete), or choose another directory")
+    return plan
+
+
+def check_outputs(cfg: TrainConfig) -> OutputPlan:
+    """Rank 0, before any model or data is loaded: :func:`plan_outputs`, then ``--output`` (and each export's
+    parent) created and tested writable, and ``metrics.jsonl`` checked (see the module docstring)."""
+    plan = plan_outputs(cfg)
+    output = plan.output
+    _make_dir(output, "--output")
+    _writable(output, "--output")
+    for flag, path in exports(cfg):
         _make_dir(path.parent, flag)
         _writable(path.parent, flag)
     check_metrics(output)
+    return plan
 
 
 def check_metrics(output: Path) -> None:

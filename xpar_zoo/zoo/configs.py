@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..environment import launcher_rank
 from ..errors import LoadError, RemoteCodeError
 
 CONFIG_FILE = "config.json"
@@ -55,7 +56,7 @@ def check_remote_code(data: Any, where: str | os.PathLike) -> bool:
             f"{where}: the config asks to run custom code from the model directory ({REMOTE_CODE_KEY}: {code}) and "
             f"its model_type {model_type!r} is not one of transformers' own; xpar_zoo never runs code from a model "
             "directory (it could do anything on this machine) and trains transformers' own classes only")
-    if os.environ.get("RANK", "0") == "0":
+    if launcher_rank() == 0:
         logger.warning("xpar-zoo: note: %s names custom code (%s: %s); it is not run: xpar_zoo trains transformers' "
                        "own %r class", where, REMOTE_CODE_KEY, code, model_type)
     return True

@@ -1,0 +1,57 @@
+"""Multimodal MoE models train exactly like single-process transformers on a global batch that mixes text-only and
+image rows (4 gloo ranks, fp32, one SGD step): two ranks hold no image at all, one row holds two images
+(:data:`xpar_zoo.testing.modality.MIXED_ROWS`). Ranks without images run the vision tower on a dummy image
+(:mod:`xpar_zoo.styles.encoders`), so its FSDP collectives match; without that the ranks' collectives mismatch.
+The jobs run in the zoo's one 4-rank run (``zoo_proofs`` in tests/conftest.py)."""
+
+import pytest
+
+from xpar_zoo.testing import modality, parity
+from xpar_zoo.zoo.proofs import AUTO_PROVED, PROOF_WORLD, proof_meshes
+
+ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
+CASES = [(a, m) for a in ARCHS for m in proof_meshes(a) if m != "fsdp"]
+
+
+def _job(arch: str) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    cfg = parity.tiny_config(arch)
+    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD)
+    data, extra = ids[None], [images]
+    before = parity.build_model(cfg).state_dict() if rank == 0 else None
+    ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
+    out = {}
+    for name, mesh in proof_meshes(arch).items():
+        if name == "fsdp":
+            continue
+        rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
+        if rank == 0:
+            out[arch, name] = {"loss": (rec.losses[0], ref.losses[0]),
+                               "errors": parity.param_errors(rec.params, ref.params, before)}
+    return out
+
+
+def zoo_jobs(tmp_path_factory) -> dict:
+    """This module's part of the zoo's 4-rank run: a job per architecture."""
+    return {arch: (_job, (arch,)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def results(zoo_proofs):
+    return zoo_proofs[__name__]
+
+
+@pytest.mark.parametrize("arch,mesh", CASES)
+def test_images_in_some_rows_only_match_single_process(results, arch, mesh):
+    row = results[arch, mesh]
+    parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{arch} on {mesh}, mixed rows")
+    parity.assert_params_match(row["errors"], what=f"{arch} on {mesh}, mixed rows:")
+
+
+def test_the_mixed_rows_leave_ranks_without_images():
+    cfg = parity.tiny_config("qwen3_vl_moe")
+    _, images = modality.mixed_batches("image", cfg, PROOF_WORLD)
+    assert [("pixel_values" in e) for e in images] == [True, False, True, False]
+    assert len(images[0]["image_grid_thw"]) == 2  # two images in one row

@@ -1,0 +1,25 @@
+"""One line per problem, and only true ones (issue 37, item 3): counts said in the right number, the
+packed-documents note only where the attention does not mask them (never under sp/cp, whose attention masks them
+from the whole rows' positions)."""
+
+import pytest
+
+from xpar_zoo.errors import counted
+from xpar_zoo.train.loop import packed_documents_note
+
+
+def test_counts_are_said_in_the_right_number():
+    assert counted(1, "rank") == "1 rank" and counted(4, "rank") == "4 ranks" and counted(0, "file") == "0 files"
+    assert counted(1, "sequence group") == "1 sequence group" and counted(2, "replica") == "2 replicas"
+
+
+@pytest.mark.parametrize("attn", ["xpar_seq_sdpa", "xpar_seq_eager", "xpar_seq_flex_attention", "xpar_seq_fa2",
+                                  "sdpa", "eager", "flex_attention"])
+def test_no_packed_documents_note_where_the_attention_masks_them(attn):
+    assert packed_documents_note(attn, flatten=False) is None
+
+
+def test_packed_documents_note_where_it_is_true():
+    assert packed_documents_note("flash_attention_2", flatten=True) is None  # rows flattened: varlen per document
+    note = packed_documents_note("my_kernel", flatten=False)
+    assert note.startswith("note: attention implementation 'my_kernel': packed documents are not masked")

@@ -1,0 +1,142 @@
+"""Multimodal encoders on every rank: a global batch with images in some rows only trains like any other.
+
+The vision tower of a parallelized multimodal model is made of FSDP units, whose forward all-gathers and backward
+reduce-scatters are collectives: every rank must run the tower whenever any rank does, or the ranks' collectives
+stop matching. :func:`install_encoder_agreement` wraps the model's forward so that, per modality (image, video):
+
+1. one all-reduce of a flag per forward says whether any rank holds that modality's pixels;
+2. where one does, every rank runs the encoder at the same point (before the model's own forward), through the
+   model's own ``get_image_features`` / ``get_video_features``, and hands the result in as transformers' own
+   ``mm_encoder_outputs`` (the precomputed-features input of every multimodal model it proves);
+3. a rank without that modality encodes a dummy input (:func:`dummy_pixels`: zero pixels, one merged patch group)
+   and passes its features cut to zero rows: the model scatters nothing into its embeddings, and backward
+   carries exact zeros through the tower (the slice's gradient) — the same FSDP collectives in the same order as
+   on ranks with images, and gradients unchanged, since a zero adds nothing to the sum the reduce-scatter makes.
+
+Where no rank holds a modality, nothing changes (the tower does not run; its gradients stay ``None`` on every rank,
+as in one process). Why this rather than an unconditional all-gather: ``docs/design.md``, "Images in some rows only".
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..loss.global_batch import wrap_forward
+
+# (modality, the forward's pixel input, the model's encoder method)
+MODALITIES = (("image", "pixel_values", "get_image_features"), ("video", "pixel_values_videos", "get_video_features"))
+
+
+def encodes_modalities(model: nn.Module) -> bool:
+    """Whether ``model`` is a multimodal transformers model whose forward takes precomputed encoder outputs
+    (``mm_encoder_outputs``) and that encodes images with ``get_image_features``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "mm_encoder_outputs" in params and callable(getattr(model, "get_image_features", None))
+
+
+def _getter_params(model: nn.Module, getter: str) -> Mapping[str, inspect.Parameter]:
+    return inspect.signature(getattr(model, getter)).parameters
+
+
+def dummy_pixels(model: nn.Module, modality: str = "image") -> tuple[torch.Tensor, dict]:
+    """The smallest input the model's encoder of ``modality`` takes, all zeros: pixels and the keyword arguments
+    that go with them. The layout follows the encoder's signature: a patch grid (``*_grid_thw``: one frame of
+    ``spatial_merge_size²`` patches, the Qwen-VL family), positioned patches (``*_position_ids``: one pooling
+    window, Gemma 4), or whole images (``[1, channels, image_size, image_size]``, LLaVA-style)."""
+    getter = dict((m, g) for m, _, g in MODALITIES)[modality]
+    params = _getter_params(model, getter)
+    vision = model.config.vision_config
+    patch = int(getattr(vision, "patch_size", 14))
+    channels = int(getattr(vision, "in_channels", getattr(vision, "num_channels", 3)))
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    grid = f"{modality}_grid_thw"
+    if grid in params:
+        merge = int(getattr(vision, "spatial_merge_size", 2))
+        width = channels * int(getattr(vision, "temporal_patch_size", 1)) * patch**2
+        return (torch.zeros(merge * merge, width, device=device),
+                {grid: torch.tensor([[1, merge, merge]], device=device)})
+    positions = f"{modality}_position_ids"
+    if positions in params:
+        k = int(getattr(vision, "pooling_kernel_size", 1))
+        xy = torch.stack(torch.meshgrid(torch.arange(k), torch.arange(k), indexing="xy"), -1).reshape(1, -1, 2)
+        kwargs = {positions: xy.to(device)}
+        if "num_frames_per_video" in params:
+            kwargs["num_frames_per_video"] = torch.tensor([1], device=device)
+        return torch.zeros(1, k * k, channels * patch**2, device=device), kwargs
+    side = int(getattr(vision, "image_size", patch))
+    kwargs = {"image_sizes": torch.tensor([[side, side]], device=device)} if "image_sizes" in params else {}
+    return torch.zeros(1, channels, side, side, device=device), kwargs
+
+
+def _no_rows(value):
+    """``value`` (an encoder's output, or a piece of it) with every tensor cut to zero rows (still in the graph)."""
+    if torch.is_tensor(value):
+        return value[:0] if value.dim() else value * 0
+    if isinstance(value, (list, tuple)):
+        return type(value)(_no_rows(v) for v in value)
+    if isinstance(value, Mapping):  # transformers' ModelOutput: its set fields
+        for key in list(value.keys()):
+            value[key] = _no_rows(value[key])
+    return value
+
+
+def _encode(model: nn.Module, getter: str, pixels: torch.Tensor, kwargs: Mapping):
+    """The model's own encoder of ``pixels``, with the arguments of ``kwargs`` that it takes."""
+    params = _getter_params(model, getter)
+    return getattr(model, getter)(pixels, return_dict=True, **{k: v for k, v in kwargs.items() if k in params})
+
+
+def _held(kwargs: Mapping, device: torch.device) -> list[bool]:
+    """Per modality: whether any rank holds its pixels in this forward (one all-reduce)."""
+    flags = torch.tensor([kwargs.get(pixel) is not None for _, pixel, _ in MODALITIES], dtype=torch.int32,
+                         device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [bool(f) for f in flags.tolist()]
+
+
+def encoder_host(model: nn.Module) -> nn.Module | None:
+    """The module whose forward runs the encoders: ``model`` itself where it :func:`encodes_modalities`, else the
+    first submodule that does (the base model inside a task class that lacks the input), else ``None``."""
+    return next((m for m in model.modules() if encodes_modalities(m)), None)
+
+
+def install_encoder_agreement(model: nn.Module, device_type: str) -> bool:
+    """Wrap the forward of ``model``'s :func:`encoder_host` as the module docstring says (on a multi-rank group);
+    returns whether it did. Every rank's forward is then a collective, as every parallelized model's already is."""
+    model = encoder_host(model)
+    if model is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    signature = inspect.signature(model.forward)
+    var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    names = [m for m, _, g in MODALITIES if callable(getattr(model, g, None))]
+
+    def forward(original, labels, extra, args, kwargs):
+        call = signature.bind_partial(*args, **kwargs).arguments
+        call.update(call.pop(var_kw, None) or {})
+        held = _held(call, device)
+        if not any(held):
+            return original(*args, **kwargs)
+        outputs = dict(call.get("mm_encoder_outputs") or {})
+        for (modality, pixel, getter), anyone in zip(MODALITIES, held):
+            if not anyone or modality not in names or outputs.get(modality) is not None:
+                continue
+            if call.get(pixel) is not None:
+                outputs[modality] = _encode(model, getter, call.pop(pixel), call)
+            else:
+                pixels, dummy = dummy_pixels(model, modality)
+                outputs[modality] = _no_rows(_encode(model, getter, pixels, dummy))
+            call.pop(pixel, None)
+        call["mm_encoder_outputs"] = outputs
+        return original(**call)
+
+    wrap_forward(model, forward)
+    return True
