@@ -9,7 +9,7 @@ import json
 import sys
 
 from xpar_zoo.commands import cli, sizing
-from xpar_zoo.commands.simulate import simulate
+from xpar_zoo.commands.simulate import gpu_path_options, simulate
 from xpar_zoo.testing import parity
 
 
@@ -18,7 +18,7 @@ def run_case(model_type: str, overrides: dict, kwargs: dict) -> dict:
     kwargs = dict(kwargs)
     world, sizes = kwargs.pop("world"), kwargs.pop("sizes", {})
     imbalance = kwargs.pop("route_imbalance", 1.0)
-    est = sizing.estimate(cfg, world, sizes, **kwargs)
+    est = sizing.estimate(cfg, world, sizes, options=gpu_path_options(), **kwargs)
     sim = simulate(cfg, world, sizes, route_imbalance=imbalance, **kwargs)
     return {"estimate": est.peak_bytes, "memory": est.memory, "simulated": sim.as_dict()}
 

@@ -79,6 +79,10 @@ def _cmd_size(args: argparse.Namespace) -> int:
         modules = args.lora_modules.split(",") if args.lora_modules else None
         common.update(lora_rank=args.lora_rank, lora_modules=modules,
                       lora_parameters=None if parameters is None else [p for p in parameters.split(",") if p != "none"])
+    if args.simulate:  # the estimate of what the simulation runs: a GPU's choices where the device decides
+        from .simulate import gpu_path_options
+
+        common["options"] = gpu_path_options(common["options"])
     if args.simulate and args.suggest:
         from ..errors import PlanError
 

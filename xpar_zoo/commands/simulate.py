@@ -29,6 +29,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..compat import fake_process_group_store, fake_tensor_mode, fsdp_memory_tracker
 from ..errors import PlanError
+from ..loss.fused import CE_CHUNK_ELEMENTS
+from ..parallel.options import ATTENTION_BLOCK_MIB_ACCELERATOR, ParallelOptions
 from ..styles.routes import Routes
 from . import sizing
 
@@ -47,8 +49,17 @@ TRACKER_KINDS = {
     "Temp": "temporaries", "All Gather": "temporaries", "Reduce Scatter": "temporaries",
 }
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEVICE_NOTE = ("fake tensors on the CPU device (torch's CPU build cannot run sdpa on fake CUDA tensors): the fused "
-               "loss's chunk and the sp/cp attention's block budget are the CPU's; FSDP2's own collectives, as on a GPU")
+DEVICE_NOTE = ("fake tensors on the CPU device (torch's CPU build cannot run sdpa on fake CUDA tensors), with a "
+               "GPU's choices: FSDP2's own collectives, the fused loss's chunk, the sp/cp attention's block budget and "
+               "lower-right cp")
+
+
+def gpu_path_options(options: ParallelOptions | None = None) -> ParallelOptions:
+    """``options`` with a GPU's defaults where they leave the choice to the device (the block budget, cp's
+    lower-right sdpa) and FSDP2's own collectives: what the simulation runs and the estimate beside it sizes."""
+    options = options or ParallelOptions()
+    return options.replace(cpu_collectives="gloo", cp_attention=options.cp_attention or "lower_right",
+                           attention_block_mib=options.attention_block_mib or ATTENTION_BLOCK_MIB_ACCELERATOR)
 
 
 @dataclass
@@ -100,20 +111,22 @@ def simulate(config, world: int, sizes: dict[str, int] | None = None, replicate:
              seq: int = 4096, param_dtype: str = "bf16", optimizer: str = "adamw", recompute: bool = False,
              attention: str = "sdpa", sp: int = 1, cp: int = 1, lora_rank: int | None = None,
              lora_modules: list[str] | str | None = None, lora_parameters: list[str] | None = None,
-             route_imbalance: float = 1.0) -> Simulation:
+             options: ParallelOptions | None = None, route_imbalance: float = 1.0) -> Simulation:
     """Run one rank (rank 0) of a ``world``-rank mesh (``sizes``, ``replicate``, ``sp``/``cp``) on ``config``'s model
     for one training step under fake tensors and torch's FSDP memory tracker; the arguments are
-    :func:`~xpar_zoo.commands.sizing.estimate`'s (checked the same way first). See the module docstring."""
+    :func:`~xpar_zoo.commands.sizing.estimate`'s (checked the same way first); ``options`` as
+    :func:`gpu_path_options` completes them. See the module docstring."""
     sizes = {k: v for k, v in (sizes or {}).items() if v > 1}
+    options = gpu_path_options(options)
     sizing.estimate(config, world, sizes, replicate, micro_batch=micro_batch, seq=seq, param_dtype=param_dtype,
-                    sp=sp, cp=cp, attention=attention)  # the estimate's checks: one line before any work
+                    sp=sp, cp=cp, attention=attention, options=options)  # its checks: one line before any work
     check_simulation(config, param_dtype, route_imbalance)
     if optimizer not in ("adamw", "adam", "sgd", "sgd_momentum"):
         raise PlanError(f"optimizer {optimizer!r} is not one of adamw, adam, sgd, sgd_momentum")
     start = time.perf_counter()
     fake_world(world)
     model = _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute,
-                            lora_rank, lora_modules, lora_parameters)
+                            lora_rank, lora_modules, lora_parameters, options)
     _install_routes(model, Routes(route_imbalance))
     by_kind = _tracked_steps(model, config, micro_batch, seq, optimizer)
     peak = by_kind.pop("total")
@@ -121,7 +134,7 @@ def simulate(config, world: int, sizes: dict[str, int] | None = None, replicate:
 
 
 def _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute, lora_rank, lora_modules,
-                    lora_parameters) -> nn.Module:
+                    lora_parameters, options) -> nn.Module:
     """The model as ``xpar-zoo train`` builds it, on meta: fp32 master weights, the compute dtype by FSDP2's mixed
     precision, the attention and recompute settings, LoRA where asked."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -129,6 +142,7 @@ def _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, re
     from ..parallel.mesh import Mesh
     from ..parallelize import parallelize
     from ..styles.sequence import set_inner_attention
+    from ..styles.vocab import set_loss_chunk
     from ..zoo.registry import get_plan
 
     model = sizing.meta_model(config)
@@ -142,7 +156,8 @@ def _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, re
     compute = COMPUTE_DTYPES[param_dtype]
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else False
     mesh = Mesh(extra=sizes, replicate=replicate, sp=sp, cp=cp, device_type="cpu")
-    model = parallelize(model, mesh, mixed_precision=policy, cpu_collectives="gloo")
+    model = parallelize(model, mesh, mixed_precision=policy, options=options)
+    set_loss_chunk(model, CE_CHUNK_ELEMENTS["cuda"])
     model.train()
     model.config.use_cache = False
     if sp * cp > 1:

@@ -308,6 +308,15 @@ def install_fused_loss(model: nn.Module, *, chunk_elements: int | None = None, k
     return model
 
 
+def set_loss_chunk(model: nn.Module, chunk_elements: int) -> int:
+    """Make every fused head of ``model`` (vocab-parallel or whole-vocab) compute at most ``chunk_elements`` logits at
+    once, whatever its device's default (:data:`CE_CHUNK_ELEMENTS`); returns how many heads it set."""
+    heads = [m._xpar_head for m in model.modules() if hasattr(m, "_xpar_head")]
+    for state in heads:
+        state.chunk_elements = chunk_elements
+    return len(heads)
+
+
 @contextlib.contextmanager
 def full_logits(model: nn.Module) -> Iterator[None]:
     """Inside this block a model with a fused (vocab-parallel or whole-vocab) head returns the full
