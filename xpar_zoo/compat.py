@@ -9,7 +9,7 @@ on them.
 Where we change an upstream object without a public extension point, it is said here, not hidden at the call site:
 
 - ``parallelize`` sets ``model.save_pretrained`` on the instance (:func:`xpar_zoo.hub.save_pretrained
-  .install_save_pretrained`, and a ``PeftModel``'s in :func:`xpar_zoo.integrations.peft_files.finish`):
+  .install_save_pretrained`, and a ``PeftModel``'s in :func:`xpar_zoo.hub.adapter_files.finish`):
   transformers' ``save_pretrained`` cannot write sharded DTensors and offers no hook to gather and write them.
 - ``parallelize`` sets two flags that transformers and accelerate read (:func:`mark_fsdp_managed`): no public switch
   says "this model is sharded by FSDP2 already".

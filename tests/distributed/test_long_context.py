@@ -315,7 +315,7 @@ def _exactness(world: int, root: str) -> dict:
     from peft import LoraConfig, get_peft_model
 
     import xpar_zoo
-    from xpar_zoo.integrations.peft_files import adapter_state
+    from xpar_zoo.hub.adapter_files import adapter_state
     from xpar_zoo.loss.balance import global_router_aux_loss
 
     rank, out = dist.get_rank(), {}

@@ -61,6 +61,7 @@ from ..compat import (
 from ..errors import BatchError, ModelStateError, PlanError
 from ..parallel.mesh import Mesh, PlanShard
 from ..parallel.options import ParallelOptions
+from ..parallel.state import ParallelState, parallel_state, parallelized_module
 
 # The layout, the masks and the inner paths live in their own modules; the names other modules, tests and bench
 # scripts import from here are imported here too. SequenceParallel calls lower_right_attention and blocked_attention
@@ -504,12 +505,8 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
 
 # ---- the public helpers -----------------------------------------------------------------------------------------
 
-def _parallel_state(model: nn.Module):
-    for module in (model, *model.modules()):
-        state = module.__dict__.get("_xpar")
-        if state is not None:
-            return state
-    return None
+def _parallel_state(model: nn.Module) -> ParallelState | None:
+    return parallel_state(parallelized_module(model))
 
 
 def data_shard(model: nn.Module) -> tuple[int, int]:

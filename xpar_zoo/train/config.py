@@ -470,9 +470,9 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_sequence_mesh(cfg: TrainConfig) -> None:
     """``--mesh sp=S,cp=C``: the packed rows of ``--seq-len`` tokens must split over the sequence group (the rule
-    of :func:`xpar_zoo.commands.sizing.sequence_parts`, checked at parse time, before any rank starts)."""
-    from ..commands.sizing import sequence_parts
+    of :func:`xpar_zoo.sizing.sequence_parts`, checked at parse time, before any rank starts)."""
     from ..errors import BatchError
+    from ..sizing import sequence_parts
 
     sp, cp = cfg.mesh.get("sp", 1), cfg.mesh.get("cp", 1)
     if sp * cp == 1:

@@ -20,8 +20,8 @@ def _model_config(cfg: TrainConfig):
 
     if cfg.model == TINY_MODEL:
         return tiny_config(len(tiny_tokenizer()))
-    from ..hub.loader import load_config
     from ..hub.resolve import resolve_config
+    from ..loader import load_config
 
     return load_config(resolve_config(cfg.model).parent)
 
@@ -76,12 +76,12 @@ def _data_lines(cfg: TrainConfig, config, corpus, held, world: int, replicate: i
 
 def _estimate_lines(cfg: TrainConfig, config, world: int, sizes: dict, replicate: int, sequence: dict) -> list[str]:
     """The sizer's per-rank memory estimate of the run (LoRA counted when it trains a new adapter)."""
-    from ..commands import sizing
+    from .. import sizing
     from .sft_config import lora_enabled, lora_targets
 
     lora = {}
     if lora_enabled(cfg) and cfg.lora_rank is not None:
-        from ..integrations.peft import expert_parameters
+        from ..styles.lora import expert_parameters
         from ..zoo.registry import get_plan
 
         lora = dict(lora_rank=cfg.lora_rank, lora_modules=lora_targets(cfg),

@@ -185,8 +185,8 @@ def text_vocab_size(config) -> int:
 
 
 def _model_config(name: str):
-    from ..hub.loader import load_config
     from ..hub.resolve import resolve_config
+    from ..loader import load_config
 
     return load_config(resolve_config(name).parent)
 
@@ -357,7 +357,7 @@ def check_attention_here(name: str | None, device_type: str = "cuda") -> None:
 def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
     """The model from ``cfg.model`` on ``mesh`` (``peft``: ``from_pretrained``'s LoRA arguments), in training mode
     with the run's attention and recompute settings."""
-    from ..hub.loader import from_pretrained
+    from ..loader import from_pretrained
 
     check_attention_here(cfg.attn_implementation, getattr(mesh, "device_type", "cuda"))
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
@@ -475,10 +475,10 @@ def quiet_other_ranks(rank: int) -> None:
 def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
     """Before the model loads: the mesh's plan names are the model's plans, and its sizes fit the world (on one
     process, said as such: start ranks, or train without the mesh); with ``sp``/``cp``, the model, its attention
-    and ``--seq-len`` can be split (:func:`xpar_zoo.commands.sizing.check_long_context`)."""
-    from ..commands.sizing import check_long_context
+    and ``--seq-len`` can be split (:func:`xpar_zoo.sizing.check_long_context`)."""
     from ..errors import MeshError
     from ..parallel.mesh import validate_sequence_sizes, validate_sizes
+    from ..sizing import check_long_context
     from ..styles.planned import check_plan_names
     from ..zoo.registry import get_plan
 

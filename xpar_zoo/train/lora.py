@@ -24,7 +24,7 @@ def from_pretrained_kwargs(cfg, model_config) -> dict:
         return {}
     from peft import LoraConfig
 
-    from ..integrations.peft import expert_parameters
+    from ..styles.lora import expert_parameters
     from ..zoo.registry import get_plan
 
     experts = expert_parameters(get_plan(model_config.model_type)) if cfg.lora_experts else []
@@ -43,8 +43,8 @@ def export_merged(model: nn.Module, directory: str | os.PathLike, progress: bool
     hub's own format, from the live shards. A collective; rank 0 writes."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from ..hub.adapter_files import AdapterMerge, adapter_metadata
     from ..hub.save_pretrained import save_pretrained
-    from ..integrations.peft_files import AdapterMerge, adapter_metadata
 
     specs = {n: (tuple(t.shape), t.dtype) for n, t in get_model_state_dict(model).items()}
     merge = AdapterMerge(model.config, adapter_metadata(model), specs)
@@ -55,7 +55,7 @@ def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, ra
     """``--export-adapter``: PEFT's adapter files (and the tokenizer) in ``directory``, written into a staging
     directory beside it that replaces it once complete (an existing one: ``--force``, checked at start). A
     collective."""
-    from ..integrations.peft_files import save_adapter
+    from ..hub.adapter_files import save_adapter
     from .outputs import ExportTarget
 
     target = ExportTarget(Path(directory))
