@@ -8,8 +8,9 @@ import io
 import json
 import sys
 
-from xpar_zoo.commands import cli, sizing
-from xpar_zoo.commands.simulate import gpu_path_options, simulate
+from xpar_zoo import sizing
+from xpar_zoo.commands import cli
+from xpar_zoo.sizing.simulate import gpu_path_options, simulate
 from xpar_zoo.testing import parity
 
 

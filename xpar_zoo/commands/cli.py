@@ -72,15 +72,15 @@ def _cmd_size(args: argparse.Namespace) -> int:
     from .. import sizing
 
     config = load_model_config(args.model)
-    common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
-                  recompute=args.recompute, attention=args.attention, options=ParallelOptions.from_env())
+    common = {"micro_batch": args.micro_batch, "seq": args.seq, "param_dtype": args.dtype, "optimizer": args.optimizer,
+                  "recompute": args.recompute, "attention": args.attention, "options": ParallelOptions.from_env()}
     if args.lora_rank is not None:
         parameters = args.lora_parameters
         modules = args.lora_modules.split(",") if args.lora_modules else None
         common.update(lora_rank=args.lora_rank, lora_modules=modules,
                       lora_parameters=None if parameters is None else [p for p in parameters.split(",") if p != "none"])
     if args.simulate:  # the estimate of what the simulation runs: a GPU's choices where the device decides
-        from .simulate import gpu_path_options
+        from ..sizing.simulate import gpu_path_options
 
         common["options"] = gpu_path_options(common["options"])
     if args.simulate and args.suggest:
@@ -124,11 +124,11 @@ def _estimate_dict(e) -> dict:
 
 def _print_simulation(args: argparse.Namespace, config, estimate, sizes: dict, common: dict) -> int:
     """``size --simulate``: the estimate, then one rank of the fake world running the real step
-    (:mod:`xpar_zoo.commands.simulate`), side by side."""
+    (:mod:`xpar_zoo.sizing.simulate`), side by side."""
     import json
 
-    from . import sizing
-    from .simulate import check_simulation, simulate
+    from .. import sizing
+    from ..sizing.simulate import check_simulation, simulate
 
     check_simulation(config, args.dtype, args.route_imbalance)
     if not args.json:

@@ -2,12 +2,15 @@
 how many rows each all-to-all of the ``experts`` and ``embedding`` styles sends and receives, where a real run
 counts them from the router's choices or the token ids (a host sync that fake tensors cannot answer).
 
-Given to a planned module as ``module._xpar_routes``; without it (every real run) the styles count as usual.
+Given to a model by :func:`install_routes`; without them (every real run) the styles count as usual.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 
 def even_split(total: int, parts: int) -> list[int]:
@@ -38,3 +41,15 @@ class Routes:
         send, recv = self.splits(rows, size)
         counts = [n for part in send for n in even_split(part, local)]
         return counts, [even_split(part, local) for part in recv]
+
+
+def install_routes(model: nn.Module, routes: Routes) -> int:
+    """Give every experts module (EP or not: its counts are data too) and vocab-parallel embedding of ``model`` the
+    fixed ``routes``; returns how many modules took them."""
+    count = 0
+    for module in model.modules():
+        experts = isinstance(getattr(module, "down_proj", None), torch.Tensor) and module.down_proj.dim() == 3
+        if experts or hasattr(module, "_xpar_ep") or hasattr(module, "_xpar_vocab"):
+            module._xpar_routes = routes
+            count += 1
+    return count

@@ -31,8 +31,8 @@ from ..compat import fake_process_group_store, fake_tensor_mode, fsdp_memory_tra
 from ..errors import PlanError
 from ..loss.fused import CE_CHUNK_ELEMENTS
 from ..parallel.options import ATTENTION_BLOCK_MIB_ACCELERATOR, ParallelOptions
-from ..styles.routes import Routes
-from . import sizing
+from ..styles.routes import Routes, install_routes
+from . import estimator as sizing
 
 # sdpa on plain rows, as a real run has it: transformers cannot tell from fake position ids that the rows are not
 # packed and would build a block-causal mask (and repeat the key/value heads for it); under a name of its own that
@@ -114,7 +114,7 @@ def simulate(config, world: int, sizes: dict[str, int] | None = None, replicate:
              options: ParallelOptions | None = None, route_imbalance: float = 1.0) -> Simulation:
     """Run one rank (rank 0) of a ``world``-rank mesh (``sizes``, ``replicate``, ``sp``/``cp``) on ``config``'s model
     for one training step under fake tensors and torch's FSDP memory tracker; the arguments are
-    :func:`~xpar_zoo.commands.sizing.estimate`'s (checked the same way first); ``options`` as
+    :func:`~xpar_zoo.sizing.estimate`'s (checked the same way first); ``options`` as
     :func:`gpu_path_options` completes them. See the module docstring."""
     sizes = {k: v for k, v in (sizes or {}).items() if v > 1}
     options = gpu_path_options(options)
@@ -127,7 +127,7 @@ def simulate(config, world: int, sizes: dict[str, int] | None = None, replicate:
     fake_world(world)
     model = _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute,
                             lora_rank, lora_modules, lora_parameters, options)
-    _install_routes(model, Routes(route_imbalance))
+    install_routes(model, Routes(route_imbalance))
     by_kind = _tracked_steps(model, config, micro_batch, seq, optimizer)
     peak = by_kind.pop("total")
     return Simulation(peak, by_kind, routing_description(route_imbalance), seconds=time.perf_counter() - start)
@@ -148,7 +148,7 @@ def _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, re
     model = sizing.meta_model(config)
     plan = get_plan(config.model_type, config)
     if lora_rank is not None:
-        from ..integrations.peft import lora_meta_model
+        from ..styles.lora import lora_meta_model
 
         model, plan = lora_meta_model(model, plan, lora_rank, lora_modules, lora_parameters)
     if sp * cp == 1:
@@ -165,15 +165,6 @@ def _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, re
     if recompute:
         model.activation_checkpointing_enable()
     return model
-
-
-def _install_routes(model: nn.Module, routes: Routes) -> None:
-    """Fixed routes on every routed experts module and vocab-parallel embedding (their counts have no values)."""
-    for module in model.modules():
-        if hasattr(module, "_xpar_ep") or hasattr(module, "_xpar_vocab") or (
-                isinstance(getattr(module, "down_proj", None), torch.Tensor)
-                and module.down_proj.dim() == 3):
-            module._xpar_routes = routes
 
 
 def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
