@@ -73,13 +73,22 @@ def _cmd_size(args: argparse.Namespace) -> int:
     from .. import sizing
 
     config = load_model_config(args.model)
-    common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
-                  recompute=args.recompute, attention=args.attention, options=ParallelOptions.from_env())
+    common = {"micro_batch": args.micro_batch, "seq": args.seq, "param_dtype": args.dtype, "optimizer": args.optimizer,
+                  "recompute": args.recompute, "attention": args.attention, "options": ParallelOptions.from_env()}
     if args.lora_rank is not None:
         parameters = args.lora_parameters
         modules = args.lora_modules.split(",") if args.lora_modules else None
         common.update(lora_rank=args.lora_rank, lora_modules=modules,
                       lora_parameters=None if parameters is None else [p for p in parameters.split(",") if p != "none"])
+    if args.simulate:  # the estimate of what the simulation runs: a GPU's choices where the device decides
+        from ..sizing.simulate import gpu_path_options
+
+        common["options"] = gpu_path_options(common["options"])
+    if args.simulate and args.suggest:
+        from ..errors import PlanError
+
+        raise PlanError("--simulate runs one mesh: give it (--ep, --emb, --head, --sp, --cp, --replicate) instead "
+                        "of --suggest")
     if (args.ep is not None or args.emb or args.head or args.sp or args.cp or args.replicate != 1
             or not args.suggest):
         sizes = {k: v for k, v in (("ep", args.ep), ("emb", args.emb), ("head", args.head)) if v and v > 1}
@@ -88,9 +97,10 @@ def _cmd_size(args: argparse.Namespace) -> int:
     else:
         budget = args.memory_gib * 2**30 if args.memory_gib else None
         estimates = sizing.suggest(config, args.world, memory_budget=budget, **common)
+    if args.simulate:
+        return _print_simulation(args, config, estimates[0], sizes, common)
     if args.json:
-        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "tokens_per_rank": e.tokens_per_rank,
-                           "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
+        print(json.dumps([_estimate_dict(e) for e in estimates], indent=2))
     else:
         print(_describe_model(config, args.model))
         print(f"{config.model_type}: {counted(args.world, 'rank')}, micro-batch {args.micro_batch} x {args.seq} tokens, "
@@ -103,8 +113,40 @@ def _cmd_size(args: argparse.Namespace) -> int:
             if group > 1:
                 print(f"  sequence: the {group} ranks of an sp x cp group share each micro-batch; "
                       f"{e.tokens_per_rank} tokens per rank outside attention")
-            if args.memory_gib and e.memory_total > args.memory_gib * 2**30:
+            if args.memory_gib and e.peak_bytes > args.memory_gib * 2**30:
                 print(f"  (over the {args.memory_gib:g} GiB budget: no mesh of {counted(args.world, 'rank')} fits)")
+    return 0
+
+
+def _estimate_dict(e) -> dict:
+    return {"mesh": e.mesh, "placement": e.placement, "tokens_per_rank": e.tokens_per_rank, "memory": e.memory,
+            "peak_bytes": e.peak_bytes, "comm": e.comm}
+
+
+def _print_simulation(args: argparse.Namespace, config, estimate, sizes: dict, common: dict) -> int:
+    """``size --simulate``: the estimate, then one rank of the fake world running the real step
+    (:mod:`xpar_zoo.sizing.simulate`), side by side."""
+    import json
+
+    from .. import sizing
+    from ..sizing.simulate import check_simulation, simulate
+
+    check_simulation(config, args.dtype, args.route_imbalance)
+    if not args.json:
+        print(_describe_model(config, args.model))
+        print(sizing.format_estimate(estimate), flush=True)
+    sim = simulate(config, args.world, sizes, args.replicate, sp=args.sp or 1, cp=args.cp or 1,
+                   route_imbalance=args.route_imbalance, **common)
+    if args.json:
+        print(json.dumps({"estimate": _estimate_dict(estimate),
+                          "simulated": sim.as_dict()}, indent=2))
+        return 0
+    print(f"  simulated on rank 0 of a fake {args.world}-rank world (real parallelize, one training step, "
+          f"{sim.seconds:.0f} s): {sim.routing}; {sim.device}")
+    for kind, nbytes in sim.by_kind.items():
+        print(f"    {kind:<40} {sizing.format_bytes(nbytes):>12}")
+    print(f"    {'peak':<40} {sizing.format_bytes(sim.peak_bytes):>12}")
+    print(f"  estimated / simulated peak: {estimate.peak_bytes / sim.peak_bytes:.2f}")
     return 0
 
 
@@ -306,6 +348,10 @@ def _add_size(sub) -> None:
                    "experts tensors)")
     p.add_argument("--suggest", action="store_true", help="rank the meshes that fit --world")
     p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
+    p.add_argument("--simulate", action="store_true", help="also run the real code on one rank of a fake --world "
+                   "world (fake tensors, torch's fake process group and memory tracker): the simulated peak by kind")
+    p.add_argument("--route-imbalance", type=float, default=1.0, metavar="F",
+                   help="with --simulate: this rank receives F x the mean routed tokens (default 1: balanced)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_size)
 
