@@ -48,7 +48,8 @@ def imports() -> None:
     from xpar_zoo.converters import export, to_dcp  # noqa: F401
 
     import xpar_zoo.checkpoint  # noqa: F401
-    from xpar_zoo.hub import loader, writer  # noqa: F401
+    from xpar_zoo import loader  # noqa: F401
+    from xpar_zoo.hub import writer  # noqa: F401
 
 
 def ours_export(ckpt: str, out: str, shard: str) -> None:
@@ -70,8 +71,8 @@ def torch_export(ckpt: str, out: str, shard: str) -> None:
         resolve_checkpoint,
     )
     from xpar_zoo.checkpoint.dcp_io import quiet_single_process
-    from xpar_zoo.hub.loader import build_meta
     from xpar_zoo.hub.writer import HubWriter, parse_size, revert_to_hub
+    from xpar_zoo.loader import build_meta
 
     step = resolve_checkpoint(ckpt)
     config = _config_from(read_checkpoint_metadata(step), None)
@@ -114,10 +115,10 @@ def lazy_to_dcp(hub: str, out: str, max_bytes: int = 1 << 30) -> None:
     from xpar_zoo.checkpoint.dcp_io import quiet_single_process
     from xpar_zoo.checkpoint.state import metadata_record
     from xpar_zoo.errors import ConvertError
-    from xpar_zoo.hub.loader import open_hub_checkpoint
     from xpar_zoo.hub.safetensors_files import SAFETENSORS_DTYPES
     from xpar_zoo.io.atomic_dir import StagingDir, durable_write
     from xpar_zoo.io.batching import byte_batches
+    from xpar_zoo.loader import open_hub_checkpoint
 
     class LazyPlanner(DefaultSavePlanner):
         """Planned on meta tensors; each tensor's data assembled when the writer asks for it, a batch at a time."""

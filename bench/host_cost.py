@@ -32,6 +32,7 @@ def _job(layers: int, steps: int, repeat: int) -> dict:
     import torch.distributed as dist
 
     import xpar_zoo
+    from xpar_zoo.parallel.state import parallel_state
     from xpar_zoo.parallelize import check_ready
     from xpar_zoo.testing import parity
 
@@ -44,7 +45,7 @@ def _job(layers: int, steps: int, repeat: int) -> dict:
 
     def forget(module, args):  # before issue 29: the check walked the model at every forward
         if before["on"]:
-            module._xpar.ready_at = None
+            parallel_state(module).ready_at = None
 
     model.register_forward_pre_hook(forget, prepend=True)
 
@@ -66,7 +67,7 @@ def _job(layers: int, steps: int, repeat: int) -> dict:
     model(input_ids=ids[0, rank], labels=ids[0, rank]).loss.backward()  # gradients to clip
 
     def walk():
-        model._xpar.ready_at = None
+        parallel_state(model).ready_at = None
         check_ready(model)
 
     huge = 1e9  # clipping then scales by 1: the gradients stay as they are between calls

@@ -69,7 +69,7 @@ def cpu_model() -> str:
 
 def _predicted(stack: str, seq: int, attention: str) -> float:
     """The sizer's activation peak of one forward+backward on a rank of ``stack`` (bytes)."""
-    from xpar_zoo.commands import sizing
+    from xpar_zoo import sizing
     from xpar_zoo.testing import parity
 
     cfg = parity.tiny_config("qwen3_moe", **CONFIG)

@@ -60,7 +60,7 @@ def export_to_hf(
     root) to ``out_dir`` in the hub's own format. ``model`` (hub id or directory) supplies generation / tokenizer
     files (and the config if the checkpoint lacks one); ``dtype`` casts floating tensors. A checkpoint of a PEFT
     model needs ``merge_adapter=True``: its adapter is merged into the weights
-    (:class:`xpar_zoo.integrations.peft_files.AdapterMerge`). Returns ``out_dir``."""
+    (:class:`xpar_zoo.hub.adapter_files.AdapterMerge`). Returns ``out_dir``."""
     cast = parse_dtype(dtype)
     shard_bytes = parse_size(max_shard_size)
     out_dir = Path(out_dir).expanduser().absolute()
@@ -87,7 +87,7 @@ def export_to_hf(
         raise ConvertError(f"--merge-adapter: {checkpoint} holds no PEFT adapter")
     merge = None
     if merge_adapter:
-        from xpar_zoo.integrations.peft_files import AdapterMerge
+        from xpar_zoo.hub.adapter_files import AdapterMerge
 
         merge = AdapterMerge(config, meta["peft"], specs, where=str(checkpoint))
         specs = {name: (shape, dt) for name, shape, dt in merge.outputs}

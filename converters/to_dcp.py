@@ -29,10 +29,10 @@ from xpar_zoo.checkpoint import (
 from xpar_zoo.checkpoint.dcp_io import MetadataUnpickler, quiet_single_process
 from xpar_zoo.checkpoint.state import metadata_record
 from xpar_zoo.errors import ConvertError
-from xpar_zoo.hub.loader import open_hub_checkpoint
 from xpar_zoo.hub.safetensors_files import SAFETENSORS_DTYPES
 from xpar_zoo.io.atomic_dir import StagingDir, check_apart, check_output, durable_write
 from xpar_zoo.io.batching import byte_batches
+from xpar_zoo.loader import open_hub_checkpoint
 from xpar_zoo.parallel.materialize import initialise_buffers
 
 DEFAULT_BATCH_BYTES = 1 << 30

@@ -72,7 +72,7 @@ def zoo_proofs(request, tmp_path_factory) -> dict:
     architecture per rank). ``{module name: JobResults}``: a job that fails fails only the tests that read its
     results (``results[arch, …]``); the run starts again after it (xpar_zoo.testing.launch.run_each)."""
     from xpar_zoo.testing import launch
-    from xpar_zoo.zoo.proofs import PROOF_WORLD
+    from xpar_zoo.testing.proofs import PROOF_WORLD
 
     items = [item for item in request.session.items if "zoo_proofs" in getattr(item, "fixturenames", ())]
     jobs, job_of = {}, {}

@@ -36,9 +36,9 @@ from .errors import (
     UnknownArchitectureError,
     XparError,
 )
-from .hub.loader import from_pretrained
+from .hub.adapter_files import save_adapter
 from .hub.weights_stream import iter_hub_weights
-from .integrations.peft_files import save_adapter
+from .loader import from_pretrained
 from .parallel.clip import clip_grad_norm_
 from .parallel.materialize import materialize
 from .parallel.mesh import Mesh

@@ -9,7 +9,7 @@ on them.
 Where we change an upstream object without a public extension point, it is said here, not hidden at the call site:
 
 - ``parallelize`` sets ``model.save_pretrained`` on the instance (:func:`xpar_zoo.hub.save_pretrained
-  .install_save_pretrained`, and a ``PeftModel``'s in :func:`xpar_zoo.integrations.peft_files.finish`):
+  .install_save_pretrained`, and a ``PeftModel``'s in :func:`xpar_zoo.hub.adapter_files.finish`):
   transformers' ``save_pretrained`` cannot write sharded DTensors and offers no hook to gather and write them.
 - ``parallelize`` sets two flags that transformers and accelerate read (:func:`mark_fsdp_managed`): no public switch
   says "this model is sharded by FSDP2 already".
@@ -20,6 +20,8 @@ Where we change an upstream object without a public extension point, it is said 
 - huggingface_hub: no private name is used.
 - The vocab styles read transformers' forward *source* (:mod:`xpar_zoo.zoo.forward_source`, ``check_head``): no
   public API says whether a forward reads the embedding weight directly or changes the logits after the head.
+- A multimodal processor is built without its video processor (:func:`processor_without_video`) where torchvision
+  does not load: transformers checks every part's class on construction and has no switch to leave one out.
 """
 
 from __future__ import annotations
@@ -276,3 +278,23 @@ def supports_attn_implementation(model: nn.Module, implementation: str) -> bool:
     flag = {"flex_attention": "_supports_flex_attn"}.get(
         implementation, "_supports_flash_attn" if implementation.startswith("flash_attention") else None)
     return flag is None or bool(getattr(model, flag, False))
+
+
+# ---- transformers processors ------------------------------------------------------------------------------------
+
+def processor_without_video(processor_class: type, parts: dict, **kwargs):
+    """An instance of a multimodal transformers processor class built from its parts (image processor, tokenizer,
+    …) with no video processor. transformers' ``ProcessorMixin.__init__`` checks every part's class through
+    ``check_argument_for_proper_class``, and the video processor classes need torchvision, which may not load
+    (its wheels are built against one torch); no public switch builds a processor without one. The subclass accepts
+    ``None`` for a video part only; everything else is the class's own (placeholder expansion, chat template)."""
+
+    class WithoutVideo(processor_class):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is None and "video" in argument_name:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    WithoutVideo.__name__ = WithoutVideo.__qualname__ = processor_class.__name__
+    videos = {name: None for name in processor_class.get_attributes() if "video" in name}
+    return WithoutVideo(**parts, **videos, **kwargs)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,17 +37,18 @@ from .compat import (
     mark_fsdp_managed,
 )
 from .errors import ModelStateError, PlanError
+from .hub.adapter_files import finish
 from .hub.save_pretrained import install_save_pretrained
-from .integrations.peft import base_of, prepare, uses_peft
-from .integrations.peft_files import finish
 from .loss.global_batch import install_global_loss
 from .parallel.fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout
 from .parallel.materialize import check_materialized, meta_tensors, unread_buffers
 from .parallel.mesh import Mesh, check_same_on_all_ranks
 from .parallel.options import ParallelOptions
+from .parallel.state import ParallelState, parallel_state, set_parallel_state
 from .styles.encoders import install_encoder_agreement
 from .styles.experts import EXPERTS_IMPLEMENTATION, install_expert_parallel
 from .styles.gathered import install_gathered
+from .styles.lora import base_of, prepare, uses_peft
 from .styles.planned import match_plan, whole_vocab_head_fusable
 from .styles.sequence import check_sequence_parallel, install_sequence_parallel
 from .styles.vocab import (
@@ -60,25 +60,6 @@ from .zoo.plan import Plan
 from .zoo.registry import plan_for
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ParallelState:
-    """What ``parallelize`` did, kept on the model as ``model._xpar``: the mesh, the plan, the planned modules and
-    the options the styles read."""
-
-    mesh: Mesh
-    plan: Plan
-    planned: list[PlannedModule] = field(default_factory=list)
-    options: ParallelOptions = field(default_factory=ParallelOptions)
-    unset_buffers: tuple[str, ...] = ()  # built on meta: buffers no checkpoint holds, until materialize()
-    # check_ready's last pass: the module-tree generation it saw, and the parameters no FSDP unit manages (frozen)
-    ready_at: int | None = None
-    frozen_unmanaged: tuple[nn.Parameter, ...] = ()
-
-    def planned_params(self) -> dict[str, str]:
-        """``{parameter FQN: plan name}`` for every planned parameter."""
-        return {f"{m.fqn}.{p}" if m.fqn else p: m.plan_name for m in self.planned for p in m.params}
 
 
 def plan_parameters(model: nn.Module, mesh: Mesh, plan: Plan) -> list[PlannedModule]:
@@ -242,7 +223,7 @@ def check_ready(model: nn.Module) -> None:
     module was registered on one of the model's modules (torch's global registration hooks) or while
     ``materialize`` is still due; in between, only the frozen parameters no FSDP unit manages are looked at (one
     made trainable fails the check)."""
-    state = getattr(model, "_xpar", None)
+    state = parallel_state(model)
     if (state is not None and state.ready_at == _tree_generation[0] and not state.unset_buffers
             and not any(p.requires_grad for p in state.frozen_unmanaged)):
         return
@@ -281,7 +262,7 @@ def set_parallel_options(model: nn.Module, options: ParallelOptions) -> None:
     """Run the parallelized ``model`` with ``options`` from its next forward on (the styles read them from its
     parallel state). A collective: every rank calls it with the same options (checked, one line on every rank).
     ``cpu_collectives`` was applied when ``parallelize`` sharded the model and cannot change here."""
-    state = getattr(model, "_xpar", None)
+    state = parallel_state(model)
     if state is None:
         raise ModelStateError(f"{type(model).__name__} is not parallelized; pass options to parallelize")
     if not isinstance(options, ParallelOptions):
@@ -350,12 +331,13 @@ def parallelize(
     apply_fsdp(model, mesh, fsdp_layout(model, plan, planned, sizes=mesh.active, shard_size=mesh.shard_size,
                                         reshard_after_forward=reshard_after_forward, prefetch=prefetch),
                cpu_collectives=options.cpu_collectives, **fsdp_kwargs)
-    model._xpar = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset, options=options)
+    set_parallel_state(model, ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset,
+                                            options=options))
     reshard_after_inference(model)
     install_global_loss(model, mesh.world_size)
     install_encoder_agreement(model, mesh.device_type)
     if inner_attention is not None:  # outermost: the global-batch loss counts this rank's split targets
-        install_sequence_parallel(model, mesh, inner_attention, model._xpar)
+        install_sequence_parallel(model, mesh, inner_attention, parallel_state(model))
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
     _watch_module_tree()
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)

@@ -96,18 +96,18 @@ def _watch_unpickling() -> None:
 def _load_job(dirs: dict, cases: list) -> dict:
     import torch.distributed as dist
 
-    import xpar_zoo.hub.loader
+    import xpar_zoo.loader
 
     rank = dist.get_rank()
     os.chdir(dirs["root"])  # relative names resolve there
-    xpar_zoo.hub.loader.safe_open = _counting_safe_open
-    real_parallelize = xpar_zoo.hub.loader.parallelize
+    xpar_zoo.loader.safe_open = _counting_safe_open
+    real_parallelize = xpar_zoo.loader.parallelize
 
     def counting_parallelize(*args, **kwargs):
         _Watch.parallelized += 1
         return real_parallelize(*args, **kwargs)
 
-    xpar_zoo.hub.loader.parallelize = counting_parallelize
+    xpar_zoo.loader.parallelize = counting_parallelize
     _watch_unpickling()
     out = {}
     for kind in cases:
@@ -179,7 +179,7 @@ JOB_BOUND_S = 90
 def _one_rank_fails_in_load(hub: str, how: str) -> None:
     import torch.distributed as dist
 
-    import xpar_zoo.hub.loader
+    import xpar_zoo.loader
 
     if dist.get_rank() == 1:
         def fail(*args, **kwargs):
@@ -187,7 +187,7 @@ def _one_rank_fails_in_load(hub: str, how: str) -> None:
                 os._exit(1)
             time.sleep(10 * RANK_TIMEOUT_S)  # hangs: never reaches the next collective
 
-        xpar_zoo.hub.loader.build_meta = fail
+        xpar_zoo.loader.build_meta = fail
     xpar_zoo.from_pretrained(hub, mesh=xpar_zoo.Mesh(ep=2), progress=False)
 
 

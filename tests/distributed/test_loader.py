@@ -108,9 +108,9 @@ class _CountingSafeOpen:
 def _job(out_dir: str, dirs: dict, loads: list, bad: list) -> dict:
     import torch.distributed as dist
 
-    import xpar_zoo.hub.loader
+    import xpar_zoo.loader
 
-    xpar_zoo.hub.loader.safe_open = _CountingSafeOpen
+    xpar_zoo.loader.safe_open = _CountingSafeOpen
     rank = dist.get_rank()
     results = {}
     for case, ckpt, mesh_kwargs, dtype, revision in loads:

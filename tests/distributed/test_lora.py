@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import xpar_zoo
-from xpar_zoo.commands import sizing
+from xpar_zoo import sizing
 from xpar_zoo.testing import launch, parity
 from xpar_zoo.testing.comm_bytes import count_sent_bytes
 
@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft")  # an optional extra: requirements-test.txt i
 from peft import PeftModel, get_peft_model  # noqa: E402
 from peft.utils import get_peft_model_state_dict  # noqa: E402
 
-from xpar_zoo.integrations.peft_files import adapter_state
+from xpar_zoo.hub.adapter_files import adapter_state
 
 WORLD, STEPS, SEED, MAX_NORM = 4, 3, 123, 0.5
 MESHES = {"fsdp": {}, "ep2": {"ep": 2}, "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2}}

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 import xpar_zoo
 from xpar_zoo.testing import modality, parity
-from xpar_zoo.zoo.proofs import AUTO_PROVED, proof_meshes, proved_architectures
-from xpar_zoo.zoo.proofs import PROOF_WORLD as WORLD
+from xpar_zoo.testing.proofs import AUTO_PROVED, proof_meshes, proved_architectures
+from xpar_zoo.testing.proofs import PROOF_WORLD as WORLD
 from xpar_zoo.zoo.registry import refused_architectures
 
 PROVED = proved_architectures()

@@ -9,8 +9,12 @@ import pytest
 import xpar_zoo
 from xpar_zoo.commands import model_cards
 from xpar_zoo.testing import parity
-from xpar_zoo.zoo.proofs import PROOF_WORLD as WORLD
-from xpar_zoo.zoo.proofs import describe_mesh, long_context_meshes, proved_architectures
+from xpar_zoo.testing.proofs import PROOF_WORLD as WORLD
+from xpar_zoo.testing.proofs import (
+    describe_mesh,
+    long_context_meshes,
+    proved_architectures,
+)
 
 PROVED = proved_architectures()
 

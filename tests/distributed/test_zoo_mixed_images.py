@@ -7,7 +7,7 @@ The jobs run in the zoo's one 4-rank run (``zoo_proofs`` in tests/conftest.py)."
 import pytest
 
 from xpar_zoo.testing import modality, parity
-from xpar_zoo.zoo.proofs import AUTO_PROVED, PROOF_WORLD, proof_meshes
+from xpar_zoo.testing.proofs import AUTO_PROVED, PROOF_WORLD, proof_meshes
 
 ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
 CASES = [(a, m) for a in ARCHS for m in proof_meshes(a) if m != "fsdp"]

@@ -1,13 +1,13 @@
 """The zoo with FSDP2 on dim 1: every architecture of tests/distributed/test_zoo.py (whose meshes leave planned slices
 divisible by their FSDP ranks, so FSDP2 shards them on dim 0) also trains exactly like single-process transformers when
-its planned slices do not divide and go on dim 1 (:func:`xpar_zoo.zoo.proofs.dim1_proof`: 6 experts, 130 vocab rows,
+its planned slices do not divide and go on dim 1 (:func:`xpar_zoo.testing.proofs.dim1_proof`: 6 experts, 130 vocab rows,
 its plans at size 2 on 4 gloo ranks, fp32, one SGD step). One 4-rank run holds them all (a job per architecture), with
 the one of tests/distributed/test_zoo.py (``zoo_proofs`` in tests/conftest.py)."""
 
 import pytest
 
 from xpar_zoo.testing import modality, parity
-from xpar_zoo.zoo.proofs import (
+from xpar_zoo.testing.proofs import (
     AUTO_PROVED,
     PROOF_WORLD,
     dim1_proof,

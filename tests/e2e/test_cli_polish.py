@@ -40,7 +40,7 @@ def test_errors_are_one_line_with_status_2(argv, fragments, capsys):
 
 
 def test_plan_names_the_model_it_sized(capsys):
-    from xpar_zoo.commands import sizing
+    from xpar_zoo import sizing
 
     assert cli.main(["size", "qwen3_moe", "--world", "8", "--ep", "2"]) == 0
     first = capsys.readouterr().out.splitlines()[0]

@@ -8,7 +8,7 @@ import pytest
 import xpar_zoo
 from xpar_zoo.commands import cli
 from xpar_zoo.commands.model_cards import render
-from xpar_zoo.zoo.proofs import proved_architectures
+from xpar_zoo.testing.proofs import proved_architectures
 from xpar_zoo.zoo.registry import refused_architectures
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

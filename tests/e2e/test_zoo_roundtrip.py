@@ -11,7 +11,7 @@ from safetensors import safe_open
 from xpar_zoo.checkpoint import iter_model_tensors
 from xpar_zoo.commands import cli
 from xpar_zoo.testing import parity
-from xpar_zoo.zoo.proofs import proved_architectures
+from xpar_zoo.testing.proofs import proved_architectures
 
 ARCHS = proved_architectures()
 

@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from xpar_zoo.errors import AdapterError  # noqa: E402
-from xpar_zoo.integrations.peft_files import attach_adapter  # noqa: E402
+from xpar_zoo.hub.adapter_files import attach_adapter  # noqa: E402
 from xpar_zoo.testing import parity  # noqa: E402
 from xpar_zoo.zoo.registry import build_meta  # noqa: E402
 

@@ -116,6 +116,8 @@ CHECKS = {
         for n in ("_supports_flash_attn", "_supports_flex_attn")),
     "transformers config view of _attn_implementation": lambda: compat.attn_implementation(
         compat.config_with_attn_implementation(_tiny_config(), "flash_attention_2")) == "flash_attention_2",
+    "transformers ProcessorMixin.check_argument_for_proper_class (a processor without its video processor)":
+        lambda: _processor_without_video(),
     "accelerate _is_accelerate_prepared": lambda: _source_mentions("accelerate.accelerator", "_is_accelerate_prepared"),
     # safetensors
     "safetensors.torch._TYPES": lambda: compat.SAFETENSORS_TYPES["BF16"] is torch.bfloat16,
@@ -125,6 +127,17 @@ CHECKS = {
     "trl VLLMGeneration._iter_named_params (its weight sync's walk)": lambda: _source_mentions(
         "trl.generation.vllm_generation", "self._iter_named_params()"),
 }
+
+
+def _processor_without_video() -> bool:
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    from xpar_zoo.train.tiny_vl import tiny_vl_tokenizer
+
+    processor = compat.processor_without_video(
+        Qwen3VLProcessor, {"image_processor": Qwen2VLImageProcessorPil(), "tokenizer": tiny_vl_tokenizer()})
+    return isinstance(processor, Qwen3VLProcessor) and processor.video_processor is None
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))

@@ -16,8 +16,7 @@ from support.placement_models import (  # noqa: F401
 )
 
 import xpar_zoo
-from xpar_zoo import get_plan
-from xpar_zoo.commands import sizing
+from xpar_zoo import get_plan, sizing
 from xpar_zoo.parallel.fsdp_layout import fsdp_layout, planned_shard_dim
 from xpar_zoo.styles.planned import match_plan
 from xpar_zoo.testing import parity

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import xpar_zoo
-from xpar_zoo.commands import sizing
+from xpar_zoo import sizing
 from xpar_zoo.errors import AdapterError, KernelError
 from xpar_zoo.testing import parity
 
@@ -16,8 +16,8 @@ peft = pytest.importorskip("peft")  # an optional extra: requirements-test.txt i
 from peft import get_peft_model
 from support.lora_setup import ATTENTION, EXPERTS, _config, lora_config  # noqa: E402,F401
 
-from xpar_zoo.integrations.peft import prepare, to_expert_major, to_peft_layout  # noqa: E402
-from xpar_zoo.integrations.peft_files import attach_adapter
+from xpar_zoo.hub.adapter_files import attach_adapter
+from xpar_zoo.styles.lora import prepare, to_expert_major, to_peft_layout  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ family of the pinned transformers is either proved or refused (a transformers up
 import pytest
 
 from xpar_zoo.commands.model_cards import family_status, render
-from xpar_zoo.zoo.proofs import (
+from xpar_zoo.testing.proofs import (
     AUTO_PROVED,
     describe_mesh,
     proof_meshes,

@@ -4,8 +4,8 @@ every read of the training command honours."""
 from pathlib import Path
 
 from xpar_zoo.commands import cli
+from xpar_zoo.testing.proofs import tiny_config, tiny_overrides
 from xpar_zoo.train.tiny import tiny_tokenizer
-from xpar_zoo.zoo.proofs import tiny_config, tiny_overrides
 
 SHIPPED = Path(__file__).parents[2] / "examples" / "data" / "tiny_chat.jsonl"
 

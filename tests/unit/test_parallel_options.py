@@ -167,12 +167,13 @@ def test_options_given_after_parallelize_reach_the_models_parallel_state():
     from torch import nn
 
     from xpar_zoo.errors import ModelStateError
+    from xpar_zoo.parallel.state import parallel_state, set_parallel_state
     from xpar_zoo.parallelize import set_parallel_options
 
     model = nn.Linear(2, 2)
-    model._xpar = types.SimpleNamespace(options=ParallelOptions())
+    set_parallel_state(model, types.SimpleNamespace(options=ParallelOptions()))
     set_parallel_options(model, ParallelOptions(mixer_recompute=False, attention_block_mib=1))
-    assert model._xpar.options == ParallelOptions(mixer_recompute=False, attention_block_mib=1)
+    assert parallel_state(model).options == ParallelOptions(mixer_recompute=False, attention_block_mib=1)
     with pytest.raises(PlanError, match="cpu_collectives='gloo': the model was parallelized with 'in_place'"):
         set_parallel_options(model, ParallelOptions(cpu_collectives="gloo"))
     with pytest.raises(ModelStateError, match="Linear is not parallelized"):

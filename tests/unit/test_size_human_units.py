@@ -2,7 +2,7 @@
 
 import pytest
 
-from xpar_zoo.commands.sizing import format_count
+from xpar_zoo.sizing import format_count
 
 
 @pytest.mark.parametrize("count, shown", [(0, "0"), (7, "7"), (999, "999"), (1000, "1.0K"), (12_345, "12.3K"),

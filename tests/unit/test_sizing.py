@@ -17,7 +17,7 @@ from support.sizing_models import (  # noqa: F401
     measured,
 )
 
-from xpar_zoo.commands import sizing
+from xpar_zoo import sizing
 from xpar_zoo.testing import parity
 
 

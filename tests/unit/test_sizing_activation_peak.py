@@ -1,7 +1,7 @@
 """The sizer's activation peak against the measured peak of live tensor bytes of one forward+backward, in one
 process (sp = cp = 1), fp32, with the fused whole-vocab head as ``parallelize`` gives it: what autograd keeps
-(:func:`~xpar_zoo.commands.sizing.activation_bytes`) plus what the fused head (:func:`~xpar_zoo.commands.sizing.fused_loss_temporaries`)
-and eager attention's backward (:func:`~xpar_zoo.commands.sizing.attention_temporaries`) hold only while they run.
+(:func:`~xpar_zoo.sizing.activation_bytes`) plus what the fused head (:func:`~xpar_zoo.sizing.fused_loss_temporaries`)
+and eager attention's backward (:func:`~xpar_zoo.sizing.attention_temporaries`) hold only while they run.
 
 Measured with the torch profiler's allocator accounting (:func:`xpar_zoo.testing.parity.live_peak_bytes`: the peak
 of live CPU tensor bytes above those live at the start, parameters excluded). sdpa: 0.99–1.01× the measured peak;
@@ -11,7 +11,7 @@ attention have freed their values when its backward runs. Bound: sdpa within ±1
 import pytest
 import torch
 
-from xpar_zoo.commands import sizing
+from xpar_zoo import sizing
 from xpar_zoo.testing import parity
 
 DIMS = dict(hidden_size=256, moe_intermediate_size=128, vocab_size=2048, num_attention_heads=8,

@@ -5,7 +5,7 @@ a score matrix that sdpa and flash do not; impossible sizes are one clear error 
 
 import pytest
 
-from xpar_zoo.commands import sizing
+from xpar_zoo import sizing
 from xpar_zoo.errors import BatchError, MeshError, PlanError
 from xpar_zoo.parallel.options import ParallelOptions
 from xpar_zoo.testing import parity

@@ -186,7 +186,7 @@ def test_direct_config_is_validated_the_same(tmp_path):
 def test_flash_without_kernels_is_one_line_before_the_model_loads(monkeypatch, attn):
     """Parsing takes flash (a dry run may plan a GPU run here); each rank refuses it before loading any weight when
     its machine has no flash kernels (this CPU machine has none)."""
-    from xpar_zoo.hub import loader
+    from xpar_zoo import loader
     from xpar_zoo.train import loop
 
     def loaded(*args, **kwargs):

@@ -2,7 +2,7 @@
 not overlap, and no proved type is refused."""
 
 import xpar_zoo
-from xpar_zoo.zoo.proofs import AUTO_PROVED, proved_architectures
+from xpar_zoo.testing.proofs import AUTO_PROVED, proved_architectures
 from xpar_zoo.zoo.registry import refused_architectures
 
 CURATED = xpar_zoo.supported_architectures()

@@ -6,7 +6,7 @@ import pytest
 from xpar_zoo.parallel.fsdp_layout import fsdp_layout
 from xpar_zoo.styles.planned import match_plan
 from xpar_zoo.testing import parity
-from xpar_zoo.zoo.proofs import (
+from xpar_zoo.testing.proofs import (
     PROOF_WORLD,
     dim1_proof,
     proof_meshes,
@@ -19,7 +19,7 @@ ARCHS = proved_architectures()
 
 def _placements(arch: str, mesh: dict, overrides: dict) -> set[tuple[int, int]]:
     """``(dim, FSDP ranks)`` of every planned tensor of ``arch`` under ``mesh`` (the layout on a meta model)."""
-    from xpar_zoo.commands import sizing
+    from xpar_zoo import sizing
 
     model = sizing.meta_model(parity.tiny_config(arch, **overrides))
     plan = plan_for(model)

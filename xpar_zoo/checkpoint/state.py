@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError, counted
 from ..io.integrity import nonfinite_names
 from ..parallel import distributed
+from ..parallel.state import parallel_state
 from .dcp_io import MODEL_KEY, NAMES_SHOWN, OPTIM_KEY, listing, plain_name
 from .json_state import from_json, to_json
 from .layout import FORMAT
@@ -144,7 +145,7 @@ def metadata_record(model: nn.Module, step: int, optimizer, scalars: dict, param
     except ImportError:  # pragma: no cover
         tf_version = None
     config = getattr(model, "config", None)
-    xpar = getattr(model, "_xpar", None)
+    xpar = parallel_state(model)
     plans: dict[str, list[str]] = {}
     if xpar is not None:
         for fqn, name in xpar.planned_params().items():
@@ -177,11 +178,11 @@ def metadata_record(model: nn.Module, step: int, optimizer, scalars: dict, param
 
 def _adapter_metadata(model: nn.Module) -> dict | None:
     """The PEFT adapter configs of a model that carries one (``xpar-zoo convert to-hf --merge-adapter`` reads them)."""
-    from ..integrations.peft import uses_peft
+    from ..styles.lora import uses_peft
 
     if not uses_peft(model):
         return None
-    from ..integrations.peft_files import adapter_metadata
+    from ..hub.adapter_files import adapter_metadata
 
     return adapter_metadata(model)
 

@@ -1,1 +1,2 @@
-"""The ``xpar-zoo`` command line: cli (the entry point), demo, sizing, model cards, publish."""
+"""The ``xpar-zoo`` command line: cli (the entry point, with the thin ``size`` command over :mod:`xpar_zoo.sizing`),
+demo, model cards, publish."""

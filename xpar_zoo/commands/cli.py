@@ -56,7 +56,7 @@ def load_model_config(name: str):
 
 def _describe_model(config, name: str) -> str:
     """``NAME: model_type, L layers, P parameters (E experts, top-k)`` of the model the sizer sizes."""
-    from . import sizing
+    from .. import sizing
 
     params = sum(p.numel() for p in sizing.meta_model(config).parameters())
     experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
@@ -69,7 +69,7 @@ def _describe_model(config, name: str) -> str:
 def _cmd_size(args: argparse.Namespace) -> int:
     import json
 
-    from . import sizing
+    from .. import sizing
 
     config = load_model_config(args.model)
     common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,

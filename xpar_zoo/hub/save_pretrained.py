@@ -37,7 +37,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     """Write a parallelized ``model`` to ``save_directory`` in the hub's own format (config, generation config,
     safetensors files + index) from its live shards; ``dtype`` casts floating tensors. A collective: every rank
     calls it, rank 0 writes (``is_main_process`` is accepted and ignored). ``merge``: an
-    :class:`~xpar_zoo.integrations.peft_files.AdapterMerge` of the model's live tensors, whose merged weights are
+    :class:`~xpar_zoo.hub.adapter_files.AdapterMerge` of the model's live tensors, whose merged weights are
     written instead (a PEFT model). Returns the directory."""
     from ..zoo.registry import build_meta
 

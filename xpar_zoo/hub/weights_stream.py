@@ -197,7 +197,7 @@ def _stream(meta_model: nn.Module, buckets: list[list[_Unit]], live: Mapping[str
 
 def _adapter_stream(model: nn.Module, bucket_bytes: int) -> Iterator[HubBucket]:
     """The adapter alone, in PEFT's file keys and layouts (every rank: rank 0's gather, broadcast)."""
-    from ..integrations.peft_files import adapter_state
+    from .adapter_files import adapter_state
 
     state = broadcast(adapter_state(model))
     for names in byte_batches(((k, _nbytes(v.shape, v.dtype)) for k, v in state.items()), bucket_bytes):
@@ -214,8 +214,8 @@ def iter_hub_weights(model: nn.Module, bucket_bytes: int | str = 512 << 20, *, d
     tensor) is gathered at a time, into one buffer that the next bucket overwrites: copy what you keep. ``dtype`` casts
     floating tensors. A PEFT model streams its merged weights, or with ``adapter_only=True`` its adapter in PEFT's
     own file keys and layouts."""
-    from ..integrations.peft_files import AdapterMerge, adapter_metadata
     from ..zoo.registry import build_meta
+    from .adapter_files import AdapterMerge, adapter_metadata
 
     cast = parse_dtype(dtype)
     limit = parse_size(bucket_bytes, "bucket_bytes")

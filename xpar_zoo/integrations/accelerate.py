@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import IntegrationError
+from ..parallel.state import parallelized_module as _parallelized
 
 # accelerate's distributed types that shard or wrap the model themselves (by name: accelerate is optional here)
 _SHARDING_TYPES = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
@@ -26,8 +27,7 @@ def parallelized_module(model: Any) -> nn.Module | None:
     PEFT model), or ``None`` when ``model`` is not an xpar_zoo model."""
     if not isinstance(model, nn.Module):
         return None
-    # ``vars``: PEFT's wrappers forward attribute lookups to the base model, so getattr would find it on them too
-    return next((m for m in model.modules() if "_xpar" in vars(m)), None)
+    return _parallelized(model)
 
 
 def check_accelerator(accelerator: Any) -> None:

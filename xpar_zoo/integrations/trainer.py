@@ -330,7 +330,7 @@ class XparTrainerMixin:
             raise IntegrationError("an xpar_zoo model is saved from its live shards; save_model takes no state_dict")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if is_peft_model(self.model):
-            from .peft_files import save_adapter
+            from ..hub.adapter_files import save_adapter
 
             save_adapter(self.model, output_dir, force=True)  # the Trainer's own directory: its files stay
         else:

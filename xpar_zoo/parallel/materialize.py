@@ -23,6 +23,7 @@ from torch import nn
 
 from ..compat import init_module_weights
 from ..errors import LoadError, ModelStateError, counted
+from .state import parallel_state
 
 
 def meta_tensors(model: nn.Module) -> list[str]:
@@ -80,7 +81,7 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
     no checkpoint holds with the model's own ``_init_weights``. Parameters and persistent buffers stay
     uninitialised until :func:`~xpar_zoo.load_checkpoint` fills them. Safe to call on a model that
     ``to_empty`` already moved off meta (its data is kept); returns ``model``."""
-    state = getattr(model, "_xpar", None)
+    state = parallel_state(model)
     if state is None:
         raise ModelStateError("materialize applies to a model that xpar_zoo.parallelize has parallelized")
     if meta_tensors(model):
@@ -101,7 +102,8 @@ def check_materialized(model: nn.Module, error: type[Exception] = ModelStateErro
         raise error(f"the model has {counted(len(on_meta), 'tensor')} on the meta device ({', '.join(on_meta[:4])}"
                     f"{', …' if len(on_meta) > 4 else ''}): call xpar_zoo.materialize(model) after parallelize, then "
                     "xpar_zoo.load_checkpoint (or load with xpar_zoo.from_pretrained)")
-    unset = getattr(getattr(model, "_xpar", None), "unset_buffers", ())
+    state = parallel_state(model)
+    unset = state.unset_buffers if state is not None else ()
     if unset:
         raise error(f"buffers {', '.join(sorted(unset)[:4])}{', …' if len(unset) > 4 else ''} were never initialised "
                     "(the model was built on meta and moved with to_empty): call xpar_zoo.materialize(model), which "

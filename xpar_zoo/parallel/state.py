@@ -1,7 +1,10 @@
-"""Views of a parallelized model: the whole model on rank 0 (:func:`full_state_dict`), and the global region of a
-tensor this rank holds (:func:`local_region`)."""
+"""What ``parallelize`` did to a model (:class:`ParallelState`, read with :func:`parallel_state`) and views of a
+parallelized model: the whole model on rank 0 (:func:`full_state_dict`), and the global region of a tensor this rank
+holds (:func:`local_region`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -13,7 +16,50 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..compat import StridedShard, shard_size_and_offsets
 from ..errors import LoadError
+from ..zoo.plan import Plan
 from .distributed import exact_gathers
+from .fsdp_layout import PlannedModule
+from .mesh import Mesh
+from .options import ParallelOptions
+
+
+@dataclass
+class ParallelState:
+    """What ``parallelize`` did, kept on the model (:func:`parallel_state` reads it): the mesh, the plan, the planned
+    modules and the options the styles read."""
+
+    mesh: Mesh
+    plan: Plan
+    planned: list[PlannedModule] = field(default_factory=list)
+    options: ParallelOptions = field(default_factory=ParallelOptions)
+    unset_buffers: tuple[str, ...] = ()  # built on meta: buffers no checkpoint holds, until materialize()
+    # check_ready's last pass: the module-tree generation it saw, and the parameters no FSDP unit manages (frozen)
+    ready_at: int | None = None
+    frozen_unmanaged: tuple[nn.Parameter, ...] = ()
+
+    def planned_params(self) -> dict[str, str]:
+        """``{parameter FQN: plan name}`` for every planned parameter."""
+        return {f"{m.fqn}.{p}" if m.fqn else p: m.plan_name for m in self.planned for p in m.params}
+
+
+_ATTRIBUTE = "_xpar"  # the one place that names it: everything else calls the functions below
+
+
+def parallel_state(model: nn.Module | None) -> ParallelState | None:
+    """What ``parallelize`` did to ``model`` (found through PEFT's wrappers, which forward attribute lookups to the
+    model they wrap), or ``None`` for a model ``parallelize`` has not seen."""
+    return getattr(model, _ATTRIBUTE, None)
+
+
+def set_parallel_state(model: nn.Module, state: ParallelState) -> None:
+    setattr(model, _ATTRIBUTE, state)
+
+
+def parallelized_module(model: nn.Module) -> nn.Module | None:
+    """The module ``parallelize`` was applied to inside ``model`` (``model`` itself, or the base model of a PEFT
+    model), or ``None``. Looks at each module's own attributes: PEFT's wrappers would answer a lookup for it too."""
+    return next((m for m in model.modules() if _ATTRIBUTE in vars(m)), None)
+
 
 Box = tuple[tuple[int, int], ...]  # one [start, stop) per dim
 

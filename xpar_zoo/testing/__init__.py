@@ -6,15 +6,8 @@
 - :mod:`~xpar_zoo.testing.parity`: tiny transformers models, data with unequal valid targets per rank, the
   single-process reference run, the parallel run, and the comparison with its tolerances (the one source of truth
   for "equals single-process transformers"), plus the memory measures the tests and benchmarks use.
-- ``xpar_zoo.testing.proofs`` (the module :mod:`xpar_zoo.zoo.proofs`, where it lives: ``xpar-zoo list`` reads it too):
-  the meshes each architecture of the zoo is proved on, the tiny configs (and
+- :mod:`~xpar_zoo.testing.proofs`: the meshes each architecture of the zoo is proved on, the tiny configs (and
   refused plans, inputs) of the automatically planned types, and the MoE families of the pinned transformers
-  (tests/distributed/test_zoo.py and MODEL_CARDS.md read them).
+  (tests/distributed/test_zoo.py, ``xpar-zoo list`` and MODEL_CARDS.md read them).
 - :mod:`~xpar_zoo.testing.modality`: image inputs of the tiny multimodal configs, one micro-batch per rank.
 """
-
-import sys as _sys
-
-from ..zoo import proofs
-
-_sys.modules[f"{__name__}.proofs"] = proofs

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..zoo.proofs import IMAGE_TOKENS  # noqa: F401  (the tiny configs' special token ids: one source)
+from .proofs import IMAGE_TOKENS  # noqa: F401  (the tiny configs' special token ids: one source)
 
 TEXT_VOCAB = 120
 _GRID = (1, 4, 4)  # one frame of 4×4 patches per image
@@ -133,7 +133,7 @@ def mixed_batches(inputs: str, config, world: int, rows: tuple[tuple[int, ...], 
     return ids, extra
 
 
-# The inputs a proof trains on (:attr:`xpar_zoo.zoo.proofs.Proof.inputs`): a builder and its arguments.
+# The inputs a proof trains on (:attr:`xpar_zoo.testing.proofs.Proof.inputs`): a builder and its arguments.
 INPUTS = {
     "image": (image_batches, {}),
     "image_row_newline": (image_batches, {"row_newline": True}),  # HY-V4-VL

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..zoo.proofs import build_model, tiny_config  # noqa: F401  (the harness's tiny models, kept by their names here)
+from .proofs import build_model, tiny_config  # noqa: F401  (the harness's tiny models, kept by their names here)
 
 # fp32 tolerances: loss |Δ| and each parameter's |Δ| relative to the norm of its own update.
 LOSS_TOL = 1e-5

@@ -97,6 +97,11 @@ class TrainConfig:
     eval_batches: int | None = None
     save_best: bool = False
     report_to: str | None = None
+    # image–text data (xpar_zoo.train.multimodal)
+    max_pixels: int | None = None
+    min_pixels: int | None = None
+    allow_absolute_paths: bool = False
+    freeze_vision: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The settings as JSON data (saved in checkpoints and printed at start)."""
@@ -470,9 +475,9 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_sequence_mesh(cfg: TrainConfig) -> None:
     """``--mesh sp=S,cp=C``: the packed rows of ``--seq-len`` tokens must split over the sequence group (the rule
-    of :func:`xpar_zoo.commands.sizing.sequence_parts`, checked at parse time, before any rank starts)."""
-    from ..commands.sizing import sequence_parts
+    of :func:`xpar_zoo.sizing.sequence_parts`, checked at parse time, before any rank starts)."""
     from ..errors import BatchError
+    from ..sizing import sequence_parts
 
     sp, cp = cfg.mesh.get("sp", 1), cfg.mesh.get("cp", 1)
     if sp * cp == 1:

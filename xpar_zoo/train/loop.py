@@ -49,10 +49,11 @@ from ..loss.balance import (
 from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
+from ..styles.encoders import document_positions
 from ..styles.sequence import ATTENTION_PREFIX, data_shard, set_inner_attention
 from . import sft_config
 from .agreement import check_same_settings, resume_changes
-from .chat import conversation_corpus, load_examples, pad_token_id
+from .chat import conversation_corpus, has_parts, load_examples, pad_token_id
 from .config import DTYPES, TrainConfig, parallel_options, validate
 from .data import (
     PackedCorpus,
@@ -66,6 +67,14 @@ from .data import (
 from .evaluate import Evaluator
 from .lora import export_adapter, export_merged, from_pretrained_kwargs, is_lora
 from .metrics import MetricsLog, peak_memory_bytes, read_metrics
+from .multimodal import (
+    copy_processor_files,
+    freeze_vision,
+    images_kwargs,
+    is_multimodal,
+    load_processor,
+    media_corpus,
+)
 from .outputs import (
     BEST,
     CHECKPOINTS,
@@ -77,7 +86,7 @@ from .outputs import (
 from .packing import EpochLimit, steps_for_epochs
 from .reporting import Reporter
 from .stop import StopOnSignal, Stopped
-from .tiny import resolve_model
+from .tiny_vl import resolve_model
 
 SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 # transformers' masking utilities build a block-causal mask from restarting position_ids for these (no attention
@@ -127,12 +136,20 @@ def _checkpoint_to_resume(cfg: TrainConfig) -> tuple[OutputPlan, list[str]]:
     return plan, changes
 
 
-def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None) -> tuple[PackedCorpus, Any]:
+def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None, model_config=None
+                ) -> tuple[PackedCorpus, Any]:
     """Every rank: read, tokenize and pack the data (``path``, default ``cfg.data``); the tokenizer (``None`` for
     pre-tokenized data without one). Conversations (``messages``, ``prompt``/``completion``) are packed whole
-    (:mod:`xpar_zoo.train.chat`, :mod:`xpar_zoo.train.packing`)."""
+    (:mod:`xpar_zoo.train.chat`, :mod:`xpar_zoo.train.packing`); for a multimodal model, conversations whose
+    content has parts (images) are rendered by its processor (:mod:`xpar_zoo.train.multimodal`)."""
     path = path or cfg.data
     conversations = load_examples(path)
+    if conversations is not None and is_multimodal(model_config) and any(map(has_parts, conversations[1])):
+        processor = load_processor(cfg.tokenizer or cfg.model, model_config)
+        corpus = media_corpus(Path(path), *conversations, processor, loss_on=cfg.loss_on, seq_len=cfg.seq_len,
+                              seed=cfg.seed, vocab_size=vocab_size, allow_absolute=cfg.allow_absolute_paths,
+                              settings=images_kwargs(cfg.max_pixels, cfg.min_pixels))
+        return corpus, processor.tokenizer
     if conversations is not None:
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         return conversation_corpus(path, *conversations, tokenizer, loss_on=cfg.loss_on, seq_len=cfg.seq_len,
@@ -185,8 +202,8 @@ def text_vocab_size(config) -> int:
 
 
 def _model_config(name: str):
-    from ..hub.loader import load_config
     from ..hub.resolve import resolve_config
+    from ..loader import load_config
 
     return load_config(resolve_config(name).parent)
 
@@ -357,12 +374,14 @@ def check_attention_here(name: str | None, device_type: str = "cuda") -> None:
 def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
     """The model from ``cfg.model`` on ``mesh`` (``peft``: ``from_pretrained``'s LoRA arguments), in training mode
     with the run's attention and recompute settings."""
-    from ..hub.loader import from_pretrained
+    from ..loader import from_pretrained
 
     check_attention_here(cfg.attn_implementation, getattr(mesh, "device_type", "cuda"))
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
                             mixed_precision=cfg.mixed_precision, options=parallel_options(cfg),
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
+    if cfg.freeze_vision:
+        freeze_vision(model)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
     if cfg.attn_implementation and mesh.sequence_size > 1:
@@ -383,6 +402,7 @@ def _forward_backward(run: _Run, batches: list[dict[str, torch.Tensor]], n_items
     extra = {"output_router_logits": True} if run.aux else {}
     for m, batch in enumerate(batches):
         run.model.set_requires_gradient_sync(m == len(batches) - 1)
+        batch = document_positions(run.model, batch)  # a multimodal model's 3-D RoPE, per packed document
         if run.flatten:
             batch = flatten_rows(batch)
         batch = {k: v.to(run.device) for k, v in batch.items()}
@@ -447,6 +467,8 @@ def _export(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int) -> None:
             model.save_pretrained(target.path, progress=cfg.progress and sys.stderr.isatty())  # every rank: rank 0 writes
         if rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(target.path)
+        if rank == 0 and is_multimodal(model.config):
+            copy_processor_files(cfg.model, target.path)
         target.commit()
     except BaseException:
         target.discard()
@@ -475,10 +497,10 @@ def quiet_other_ranks(rank: int) -> None:
 def check_mesh(cfg: TrainConfig, model_config, world: int) -> None:
     """Before the model loads: the mesh's plan names are the model's plans, and its sizes fit the world (on one
     process, said as such: start ranks, or train without the mesh); with ``sp``/``cp``, the model, its attention
-    and ``--seq-len`` can be split (:func:`xpar_zoo.commands.sizing.check_long_context`)."""
-    from ..commands.sizing import check_long_context
+    and ``--seq-len`` can be split (:func:`xpar_zoo.sizing.check_long_context`)."""
     from ..errors import MeshError
     from ..parallel.mesh import validate_sequence_sizes, validate_sizes
+    from ..sizing import check_long_context
     from ..styles.planned import check_plan_names
     from ..zoo.registry import get_plan
 
@@ -523,13 +545,15 @@ def _read_inputs(cfg: TrainConfig, world: int) -> _Inputs:
     cfg = dataclasses.replace(cfg, model=run_everywhere(lambda: resolve_model(cfg.model, output), rank0_only=True))
     model_config = run_everywhere(lambda: _model_config(cfg.model))
     run_everywhere(lambda: check_mesh(cfg, model_config, world), rank0_only=True)
-    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config)))
+    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config),
+                                                           model_config=model_config))
     cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
     run_everywhere(lambda: check_finished_resume(plan, cfg.steps), rank0_only=True)
     check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
     eval_corpus = None
     if cfg.eval_data:
-        eval_corpus = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config), cfg.eval_data)[0])
+        eval_corpus = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config), cfg.eval_data,
+                                                                  model_config=model_config)[0])
     if ckpt is not None:
         run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
     run_everywhere(plan.apply, rank0_only=True)  # --force over a run: only now that every input is checked
@@ -634,7 +658,7 @@ def _export_outputs(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int, lo
         log.message(f"exported the {'merged ' if is_lora(model) else ''}model in the hub's format to "
                     f"{cfg.export_hf}")
     if cfg.export_adapter:
-        export_adapter(model, cfg.export_adapter, tokenizer, rank)
+        export_adapter(model, cfg.export_adapter, tokenizer, rank, cfg.model)
         log.message(f"exported the LoRA adapter (PEFT's files) to {cfg.export_adapter}")
 
 

@@ -24,7 +24,7 @@ def from_pretrained_kwargs(cfg, model_config) -> dict:
         return {}
     from peft import LoraConfig
 
-    from ..integrations.peft import expert_parameters
+    from ..styles.lora import expert_parameters
     from ..zoo.registry import get_plan
 
     experts = expert_parameters(get_plan(model_config.model_type)) if cfg.lora_experts else []
@@ -43,19 +43,21 @@ def export_merged(model: nn.Module, directory: str | os.PathLike, progress: bool
     hub's own format, from the live shards. A collective; rank 0 writes."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from ..hub.adapter_files import AdapterMerge, adapter_metadata
     from ..hub.save_pretrained import save_pretrained
-    from ..integrations.peft_files import AdapterMerge, adapter_metadata
 
     specs = {n: (tuple(t.shape), t.dtype) for n, t in get_model_state_dict(model).items()}
     merge = AdapterMerge(model.config, adapter_metadata(model), specs)
     return save_pretrained(model, directory, merge=merge, progress=progress)
 
 
-def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, rank: int) -> Path:
-    """``--export-adapter``: PEFT's adapter files (and the tokenizer) in ``directory``, written into a staging
+def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, rank: int,
+                   cfg_model: str | None = None) -> Path:
+    """``--export-adapter``: PEFT's adapter files (and the tokenizer; a multimodal model's processor files from
+    ``cfg_model``) in ``directory``, written into a staging
     directory beside it that replaces it once complete (an existing one: ``--force``, checked at start). A
     collective."""
-    from ..integrations.peft_files import save_adapter
+    from ..hub.adapter_files import save_adapter
     from .outputs import ExportTarget
 
     target = ExportTarget(Path(directory))
@@ -63,6 +65,10 @@ def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, ra
         save_adapter(model, target.path, force=True)  # the staging directory: empty, ours
         if rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(target.path)
+        if rank == 0 and cfg_model is not None and getattr(model.config, "vision_config", None) is not None:
+            from .multimodal import copy_processor_files
+
+            copy_processor_files(cfg_model, target.path)
         target.commit()
     except BaseException:
         target.discard()

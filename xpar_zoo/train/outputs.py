@@ -32,7 +32,7 @@ from ..io.atomic_dir import StagingDir, clear_leftovers, remove_aside
 from ..parallel.distributed import broadcast, rank
 from .config import TrainConfig
 from .metrics import METRICS_FILE
-from .tiny import TINY_MODEL
+from .tiny_vl import TINY_MODELS
 
 CHECKPOINTS = "checkpoints"
 BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
@@ -178,7 +178,7 @@ def _own_leftover(output: Path, name: str) -> bool:
     logs, metrics without a step, checkpoint roots without a complete checkpoint, metrics moved aside by
     ``--force``): nothing of the user's, so it does not block the next start."""
     path = output / name
-    if name in (TINY_MODEL, "tensorboard") or MOVED_METRICS.fullmatch(name):
+    if name in (*TINY_MODELS, "tensorboard") or MOVED_METRICS.fullmatch(name):
         return True
     if name in (CHECKPOINTS, BEST):
         return path.is_dir() and not scan_root(path)[0]

@@ -27,19 +27,19 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from ..environment import launcher_local_rank
-from ..errors import LoadError
-from ..parallel import distributed
-from ..parallel.materialize import materialize
-from ..parallel.mesh import Mesh, check_same_on_all_ranks
-from ..parallel.state import local_region
-from ..parallelize import parallelize
-from ..zoo.plan import Plan
-from ..zoo.registry import build_meta, check_supported, plan_for
-from .layout import HubLayout, Read, map_hub_layout
-from .resolve import ResolvedModel, resolve
-from .safetensors_files import read_checkpoint_headers
-from .writer import dtype_named
+from .environment import launcher_local_rank
+from .errors import LoadError
+from .hub.layout import HubLayout, Read, map_hub_layout
+from .hub.resolve import ResolvedModel, resolve
+from .hub.safetensors_files import read_checkpoint_headers
+from .hub.writer import dtype_named
+from .parallel import distributed
+from .parallel.materialize import materialize
+from .parallel.mesh import Mesh, check_same_on_all_ranks
+from .parallel.state import local_region, parallel_state
+from .parallelize import parallelize
+from .zoo.plan import Plan
+from .zoo.registry import build_meta, check_supported, plan_for
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def load_config(directory: str | Path):
     """The transformers config in ``directory``, never running code from it
     (:func:`xpar_zoo.zoo.configs.load_config`); a missing, malformed or unrecognised ``config.json`` raises
     :class:`LoadError` naming the file."""
-    from ..zoo.configs import load_config as safe_load_config
+    from .zoo.configs import load_config as safe_load_config
 
     return safe_load_config(directory, LoadError)
 
@@ -230,7 +230,7 @@ def from_pretrained(
     Fine-tuning with PEFT LoRA: ``peft_config=LoraConfig(...)`` (a new adapter) or ``adapter=PATH`` (a saved PEFT
     adapter, loaded trainable) returns a ``peft.PeftModel`` whose frozen base is loaded shard-on-read as above and
     whose adapters (on dense linears, and on fused experts via ``target_parameters``, split by ``ep`` with their
-    experts) are the only trainable parameters; see :mod:`xpar_zoo.integrations.peft`."""
+    experts) are the only trainable parameters; see :mod:`xpar_zoo.styles.lora`."""
     from transformers import GenerationConfig
 
     dtype = _dtype_argument(dtype, torch_dtype)
@@ -239,7 +239,7 @@ def from_pretrained(
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         lora = None
         if peft_config is not None:
-            from ..integrations.peft_files import config_fingerprint
+            from .hub.adapter_files import config_fingerprint
 
             lora = config_fingerprint(peft_config)
         check_same_on_all_ranks((str(name), revision, str(dtype)), "from_pretrained arguments (name, revision, dtype)",
@@ -251,17 +251,18 @@ def from_pretrained(
     model, layout = hub.model, hub.layout
     outer, initial = model, None
     if peft_config is not None or adapter is not None:
-        from ..integrations.peft import unwrapped_name
-        from ..integrations.peft_files import attach_adapter
+        from .hub.adapter_files import attach_adapter
+        from .styles.lora import unwrapped_name
 
         outer, initial = attach_adapter(model, peft_config=peft_config, adapter=adapter, name_or_path=str(name))
     parallelize(outer, mesh, plan=hub.plan, **parallelize_kwargs)
-    model._xpar.unset_buffers = tuple(sorted(set(model._xpar.unset_buffers) | set(layout.init_buffers)))
+    state = parallel_state(model)
+    state.unset_buffers = tuple(sorted(set(state.unset_buffers) | set(layout.init_buffers)))
     materialize(model, device)
     names = {unwrapped_name(n): n for n in _live_tensors(model)} if initial is not None else None
     stats = fill_local_shards(model, layout, hub.directory, progress=progress, names=names)
     if initial is not None:
-        from ..integrations.peft_files import fill_adapter
+        from .hub.adapter_files import fill_adapter
 
         fill_adapter(outer, initial)
     if (hub.directory / "generation_config.json").is_file() and model.can_generate():

@@ -430,7 +430,7 @@ def estimate(
     plan = plan or get_plan(config.model_type)
     check_plan_names([n for n, s in sizes.items() if s > 1], plan)
     if lora_rank is not None:
-        from ..integrations.peft import lora_meta_model
+        from ..styles.lora import lora_meta_model
 
         model, plan = lora_meta_model(meta_model(config), plan, lora_rank, lora_modules, lora_parameters)
     model = model if model is not None else meta_model(config)

@@ -21,9 +21,7 @@ from ..errors import AdapterError, ModelStateError
 from ..io.atomic_dir import StagingDir
 from ..parallel.distributed import broadcast, exact_gathers, rank
 from ..parallel.state import local_region
-from ..zoo.plan import WRAPPED_ATTR
-from ..zoo.registry import build_meta
-from .peft import (
+from ..styles.lora import (
     FRESH_INITS,
     adapter_names,
     base_of,
@@ -38,6 +36,8 @@ from .peft import (
     unwrapped_name,
     uses_peft,
 )
+from ..zoo.plan import WRAPPED_ATTR
+from ..zoo.registry import build_meta
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

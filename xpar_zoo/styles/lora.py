@@ -1,13 +1,13 @@
 """PEFT LoRA on parallelized models: adapters on dense linears (``target_modules``) and on fused experts
 (``target_parameters``), with a frozen base loaded shard-on-read, and PEFT's own adapter files.
 
-- :func:`~xpar_zoo.integrations.peft_files.attach_adapter` applies PEFT to the meta model inside
+- :func:`~xpar_zoo.hub.adapter_files.attach_adapter` applies PEFT to the meta model inside
   ``xpar_zoo.from_pretrained(peft_config=…, adapter=…)``; or call ``peft.get_peft_model`` on a model built on meta
   and give it to :func:`xpar_zoo.parallelize`.
 - Expert adapters run inside the EP dispatch (:func:`xpar_zoo.styles.experts.install_expert_adapter`), stored expert-major
   (:func:`to_expert_major`) so the plan splits them with their experts.
-- :func:`~xpar_zoo.integrations.peft_files.save_adapter` and ``adapter=`` use PEFT's own files, at global shapes
-  (:mod:`xpar_zoo.integrations.peft_files`).
+- :func:`~xpar_zoo.hub.adapter_files.save_adapter` and ``adapter=`` use PEFT's own files, at global shapes
+  (:mod:`xpar_zoo.hub.adapter_files`).
 
 What is refused with an :class:`~xpar_zoo.errors.AdapterError` before any work, and why: ``docs/fine-tuning.md``
 and ``docs/design.md``, "Integrations".
@@ -110,7 +110,7 @@ def relayout(wrapper: nn.Module) -> None:
 def _expert_lora(wrapper: nn.Module):
     """The :data:`xpar_zoo.styles.experts.ExpertAdapter` of one ``ParamWrapper``: ``Σ s·(x A_eᵀ) B_eᵀ`` over its active
     adapters, in the rows' dtype (as PEFT folds the factors in the weight's), or ``None`` while disabled."""
-    from ..styles.experts import grouped_linear
+    from .experts import grouped_linear
 
     def adapter(x: torch.Tensor, counts: torch.Tensor, first: int, num: int) -> torch.Tensor | None:
         if wrapper.disable_adapters:
@@ -244,7 +244,7 @@ def prepare(model: nn.Module, plan: Plan) -> tuple[nn.Module, Plan]:
     """Make a model with PEFT layers ready for the core of ``parallelize``: checks (:func:`check_supported`), expert
     adapters stored per expert and run inside the experts path, the plan matched to PEFT's names
     (:func:`adapter_plan`). Returns the transformers model to parallelize and its plan."""
-    from ..styles.experts import install_expert_adapter
+    from .experts import install_expert_adapter
 
     check_supported(model)
     hf = base_of(model)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..compat import from_config
-from .registry import curated_plans, model_class, supported_architectures
+from ..zoo.registry import curated_plans, model_class, supported_architectures
 
 # Special token ids of the tiny multimodal configs (inside their 128-token vocab; the text tokens stay below them).
 IMAGE_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
