@@ -60,6 +60,40 @@ def default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``FakeTensor`` (shapes without data, as in the simulated world of
+    :mod:`xpar_zoo.sizing.simulate`): checks that read a tensor's values skip it; torch exposes the type only under
+    ``torch._subclasses``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def fake_process_group_store() -> dist.Store:
+    """The store of torch's fake process group (``init_process_group("fake", store=…)``: one process plays a rank of
+    a world of any size, every collective answering at once): registered and provided only by a testing module."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def fake_tensor_mode():
+    """A ``FakeTensorMode`` (tensors with shapes, dtypes and storages but no data) that also accepts the real tensors
+    a model was given before it (plan tables, integer constants): torch exposes it only under ``torch._subclasses``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """torch's memory tracker of FSDP2 models (``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``): live
+    tensor bytes by kind (sharded and unsharded parameters, gradients, optimizer states, activations, temporaries,
+    collective buffers) with their peak; torch has no public memory accounting that works on fake tensors."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    return FSDPMemTracker(model, optimizer)
+
+
 def assert_async(condition: torch.Tensor, message: str) -> None:
     """A check on the device without a host sync (``torch._assert_async``; no public equivalent)."""
     torch._assert_async(condition, message)

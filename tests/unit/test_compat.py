@@ -70,6 +70,20 @@ def _flash_slots_load() -> bool:
         compat.unload_flash_kernels()
 
 
+def _fake_tensors_are_told_apart() -> bool:
+    real = torch.empty(2)
+    with compat.fake_tensor_mode():
+        fake = torch.empty(2) + real  # real inputs accepted, fake results
+    return compat.is_fake(fake) and not compat.is_fake(real)
+
+
+def _fsdp_memory_tracker_api() -> bool:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    return all(callable(getattr(FSDPMemTracker, n, None)) for n in ("track_inputs", "reset_mod_stats",
+                                                                      "get_tracker_snapshot"))
+
+
 def _tiny_config():
     from transformers import AutoConfig
 
@@ -92,6 +106,10 @@ CHECKS = {
     "torch c10d _create_work_from_future": lambda: callable(compat.create_work_from_future()),
     "torch FileSystemReader._get_metadata_path": lambda: callable(
         importlib.import_module("torch.distributed.checkpoint").FileSystemReader._get_metadata_path),
+    "torch FakeTensor / FakeTensorMode (torch._subclasses)": _fake_tensors_are_told_apart,
+    "torch fake process group store (torch.testing._internal.distributed.fake_pg)": lambda: isinstance(
+        compat.fake_process_group_store(), torch.distributed.Store),
+    "torch FSDPMemTracker (torch.distributed._tools)": _fsdp_memory_tracker_api,
     # transformers
     "transformers _default_apply_gate": lambda: callable(compat.DEFAULT_APPLY_GATE) and compat.applies_default_gate(object),
     "transformers PreTrainedModel._can_set_experts_implementation": lambda: callable(

@@ -241,13 +241,13 @@ def test_suggest_ranks_long_context_meshes_first_when_only_they_fit():
     everything = sizing.suggest(cfg, 8, top=100, **common)
     comm = [e.comm_total for e in everything]
     assert comm == sorted(comm) and any(e.mesh.get("sp", 1) * e.mesh.get("cp", 1) == 1 for e in everything)
-    budget = sorted(e.memory_total for e in everything)[len(everything) // 4]
+    budget = sorted(e.peak_bytes for e in everything)[len(everything) // 4]
     fitting = sizing.suggest(cfg, 8, memory_budget=budget, top=100, **common)
-    assert fitting and all(e.memory_total <= budget for e in fitting)
+    assert fitting and all(e.peak_bytes <= budget for e in fitting)
     assert all(e.mesh.get("sp", 1) * e.mesh.get("cp", 1) > 1 for e in fitting)
     assert any(e.mesh.get("sp", 1) > 1 for e in fitting)
     closest = sizing.suggest(cfg, 8, memory_budget=1.0, top=3, **common)  # nothing fits: least memory first
-    assert [e.memory_total for e in closest] == sorted(e.memory_total for e in everything)[:3]
+    assert [e.peak_bytes for e in closest] == sorted(e.peak_bytes for e in everything)[:3]
 
 
 @pytest.mark.parametrize("sp,cp", [(1, 1), (4, 1), (1, 4), (2, 2)])
