@@ -638,8 +638,25 @@ def suggest(config, world: int, *, memory_budget: float | None = None, top: int 
                              cp=cand["cp"], **kwargs))
     fits = [e for e in ests if memory_budget is None or e.peak_bytes <= memory_budget]
     if not fits:
-        return sorted(ests, key=lambda e: (e.peak_bytes, e.comm_total))[:top]
-    return sorted(fits, key=lambda e: (e.comm_total, e.peak_bytes))[:top]
+        return _with_expert_mesh(sorted(ests, key=lambda e: (e.peak_bytes, e.comm_total)), top)
+    return _with_expert_mesh(sorted(fits, key=lambda e: (e.comm_total, e.peak_bytes)), top)
+
+
+def suggest_order(memory_budget: float | None, fits: bool = True) -> str:
+    """How :func:`suggest` ranks the meshes it shows, in words (the ``size --suggest`` header)."""
+    if memory_budget is not None and not fits:
+        return "no mesh fits the budget: ranked by peak memory per rank, then bytes sent per rank per step"
+    within = " among those within the budget" if memory_budget is not None else ""
+    return (f"ranked by bytes sent per rank per step, then peak memory per rank{within}; the best mesh with ep "
+            "is always shown for an MoE model")
+
+
+def _with_expert_mesh(ranked: list[Estimate], top: int) -> list[Estimate]:
+    """The first ``top`` of ``ranked``, the best one with an ``ep`` plan among them (last) when none made it."""
+    shown = ranked[:top]
+    if not any(e.mesh.get("ep", 1) > 1 for e in shown):
+        shown += next(([e] for e in ranked[top:] if e.mesh.get("ep", 1) > 1), [])
+    return shown
 
 
 def format_bytes(n: float) -> str:
