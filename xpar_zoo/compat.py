@@ -16,6 +16,7 @@ Where we change an upstream object without a public extension point, it is said 
 - ``XparTrainer`` overrides private ``Trainer`` methods (:data:`TRAINER_PRIVATE_OVERRIDES`): transformers' public
   overrides (``compute_loss``, ``create_optimizer``, callbacks) cannot change how the model is moved to a device,
   clipped, saved or resumed.
+- ``XparGRPOTrainer`` points TRL's vLLM weight sync at ``xpar_zoo.iter_hub_weights`` (:func:`stream_vllm_weights`).
 - huggingface_hub: no private name is used.
 - The vocab styles read transformers' forward *source* (:mod:`xpar_zoo.zoo.forward_source`, ``check_head``): no
   public API says whether a forward reads the embedding weight directly or changes the logits after the head.
@@ -238,6 +239,16 @@ def lora_swapped_in_out(layer: nn.Module) -> bool:
     """Whether PEFT's LoRA wrapper of a fused experts tensor stores it transposed (``_did_swap_in_out_features``):
     PEFT records it nowhere public."""
     return layer._did_swap_in_out_features
+
+
+# ---- trl ----------------------------------------------------------------------------------------------------------
+
+
+def stream_vllm_weights(generation, named_params) -> None:
+    """Make TRL's vLLM weight sync of ``generation`` (a ``VLLMGeneration``) read ``named_params()`` (an iterator of
+    ``(hub name, full tensor)``): both its colocate ``load_weights`` and its server ``update_named_params`` walk the
+    private ``_iter_named_params``, and nothing public lets a trainer say where the weights come from."""
+    generation._iter_named_params = named_params
 
 
 # ---- transformers' attention ------------------------------------------------------------------------------------

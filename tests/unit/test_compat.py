@@ -141,6 +141,9 @@ CHECKS = {
     "safetensors.torch._TYPES": lambda: compat.SAFETENSORS_TYPES["BF16"] is torch.bfloat16,
     # peft
     "peft _did_swap_in_out_features": lambda: _source_mentions("peft.tuners.lora.layer", "_did_swap_in_out_features"),
+    # trl
+    "trl VLLMGeneration._iter_named_params (its weight sync's walk)": lambda: _source_mentions(
+        "trl.generation.vllm_generation", "self._iter_named_params()"),
 }
 
 
@@ -175,12 +178,12 @@ def test_xpar_trainer_overrides_exactly_the_listed_private_methods():
     assert overridden == set(compat.TRAINER_PRIVATE_OVERRIDES)
 
 
-_UPSTREAM = ("torch", "transformers", "safetensors", "huggingface_hub", "peft", "accelerate")
+_UPSTREAM = ("torch", "transformers", "safetensors", "huggingface_hub", "peft", "accelerate", "trl")
 _PRIVATE_ATTRS = {
     "_apply_gate", "_assert_async", "_foreach_mul_", "_attn_implementation", "_can_set_experts_implementation",
     "_create_work_from_future", "_did_swap_in_out_features", "_experts_implementation", "_from_config",
     "_fsdp_param_group", "_get_default_group", "_get_default_store", "_get_fsdp_state", "_get_metadata_path",
-    "_init_weights", "_is_accelerate_prepared", "_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected", "_is_fsdp_managed_module", "_is_hf_initialized", "_model_mapping",
+    "_init_weights", "_is_accelerate_prepared", "_iter_named_params", "_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected", "_is_fsdp_managed_module", "_is_hf_initialized", "_model_mapping",
     "_no_split_modules", "_parameters", "_tied_weights_keys", "_unsharded_param",
 }
 

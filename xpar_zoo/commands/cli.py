@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..environment import launcher_rank
 from ..errors import XparError, counted
 from ..parallel.options import ParallelOptions
 
@@ -106,6 +107,10 @@ def _cmd_size(args: argparse.Namespace) -> int:
               f"{args.dtype} compute, {args.attention} attention, {args.optimizer}"
               + (", activation checkpointing" if args.recompute else "")
               + (f", LoRA rank {args.lora_rank} (frozen base)" if args.lora_rank else ""))
+        if args.suggest and len(estimates) > 1:
+            budget = args.memory_gib * 2**30 if args.memory_gib else None
+            print("meshes " + sizing.suggest_order(budget, fits=budget is None or any(e.peak_bytes <= budget
+                                                                                       for e in estimates)))
         for e in estimates:
             print(sizing.format_estimate(e))
             group = e.mesh.get("sp", 1) * e.mesh.get("cp", 1)
@@ -211,19 +216,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from ..train.launcher import launch, launched_by_us
     from ..train.stop import StopAtOnce, Stopped
 
-    cfg = config_from_args(args)  # every setting checked before any rank starts
+    rank = launcher_rank()
+    with StopAtOnce(rank, "while starting"):
+        cfg = config_from_args(args)  # every setting checked before any rank starts
     if args.dry_run:
         from ..train.dry_run import dry_run
 
         report = dry_run(cfg, world=args.nproc_per_node * args.nnodes if args.nproc_per_node else None)
-        if os.environ.get("RANK", "0") == "0":
+        if launcher_rank() == 0:
             print(report)
         return 0
     if args.nproc_per_node is not None and not launched_by_us():
         return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
                       args.master_port)
     try:
-        with StopAtOnce(int(os.environ.get("RANK", "0") or 0)):
+        with StopAtOnce(rank, "while starting", cfg.output):
             run(cfg)
     except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
         return e.code
@@ -358,15 +365,30 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    code = _run_command(args)
+    if code and args.command == "train" and launcher_rank() == 0:
+        from ..train.launcher import under_torchrun
+
+        if under_torchrun():  # torchrun prints its own report of the ranks' exits after this
+            print("xpar-zoo: torchrun's report of the ranks' exit statuses follows; `xpar-zoo train "
+                  "--nproc-per-node N` starts the ranks itself and ends with the line above", file=sys.stderr,
+                  flush=True)
+    return code
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """The command's exit status; interrupts, a closed pipe and bad input as one line (rank 0 says it)."""
     try:
         return args.func(args)
     except KeyboardInterrupt:
+        if launcher_rank() == 0:
+            print("xpar-zoo: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 141
     except XparError as e:  # bad input: the message names the problem; no traceback
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank raises it: rank 0 says it once
+        if launcher_rank() == 0:  # under torchrun every rank raises it: rank 0 says it once
             print(f"xpar-zoo: error: {e}", file=sys.stderr)
         return 2
 

@@ -85,7 +85,7 @@ from .outputs import (
 )
 from .packing import EpochLimit, steps_for_epochs
 from .reporting import Reporter
-from .stop import StopOnSignal, Stopped
+from .stop import StopAtOnce, StopOnSignal, Stopped
 from .tiny_vl import resolve_model
 
 SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
@@ -132,7 +132,7 @@ def _checkpoint_to_resume(cfg: TrainConfig) -> tuple[OutputPlan, list[str]]:
     if plan.resume_from is None:
         return plan, []
     changes = resume_changes(plan.saved, cfg, plan.step)
-    check_finished_resume(plan, cfg.steps)  # (None with --epochs: checked once the data gives the steps)
+    check_finished_resume(plan, cfg.steps, cfg)  # (None with --epochs: checked once the data gives the steps)
     return plan, changes
 
 
@@ -548,7 +548,7 @@ def _read_inputs(cfg: TrainConfig, world: int) -> _Inputs:
     corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config),
                                                            model_config=model_config))
     cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
-    run_everywhere(lambda: check_finished_resume(plan, cfg.steps), rank0_only=True)
+    run_everywhere(lambda: check_finished_resume(plan, cfg.steps, cfg), rank0_only=True)
     check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
     eval_corpus = None
     if cfg.eval_data:
@@ -624,7 +624,7 @@ def _run_steps(run: _Run, log: MetricsLog, report: Reporter, evaluator: Evaluato
     cfg, model, optimizer = run.cfg, run.model, run.optimizer
     output, last_step = Path(cfg.output), cfg.stop_after or cfg.steps
     record = None
-    with StopOnSignal(announce=log.message) as stop:
+    with StopOnSignal(announce=log.message, output=output) as stop:
         while step < last_step:
             record = {"step": step + 1, **optimizer_step(run, position)}
             step, position = record["step"], record["data_position"]
@@ -675,9 +675,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     quiet_other_ranks(rank)
     check_same_settings(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    inputs = _read_inputs(cfg, world)
-    cfg, output = inputs.cfg, Path(inputs.cfg.output)
-    run, mesh, step, position = _build_run(inputs, device, rank, world)
+    with StopAtOnce(rank, "before step 1 (reading the data, loading the model)", cfg.output):
+        inputs = _read_inputs(cfg, world)
+        cfg, output = inputs.cfg, Path(inputs.cfg.output)
+        run, mesh, step, position = _build_run(inputs, device, rank, world)
     sinks = sft_config.reporters(cfg)
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
                      tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
@@ -694,7 +695,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     try:
         step, record = _run_steps(run, log, report, evaluator, best, step, position)
         if step == cfg.steps:
-            _export_outputs(cfg, run.model, inputs.tokenizer, rank, log)
+            with StopAtOnce(rank, "while exporting (nothing exported: the unfinished export is removed)", output):
+                _export_outputs(cfg, run.model, inputs.tokenizer, rank, log)
     finally:
         run.load.remove()
         log.close()

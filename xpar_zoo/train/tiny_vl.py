@@ -134,13 +134,24 @@ def save_tiny_files(name: str, directory: str | os.PathLike) -> None:
 
 def resolve_model(name: str, output: str | os.PathLike) -> str:
     """``name``, or for a tiny model built in code (:data:`TINY_MODELS`) the directory ``OUTPUT/<name>`` it is
-    saved in (written by the caller's rank 0 when missing)."""
+    saved in (written by the caller's rank 0 when missing, whole or not at all: an interrupted start leaves no
+    half-written model)."""
     save = {TINY_MODEL: save_tiny_model, TINY_VL_MODEL: save_tiny_vl_model}.get(name)
     if save is None:
         return name
     directory = Path(output) / name
-    if not (directory / "config.json").is_file():
-        save(directory)
+    if not (directory / "config.json").is_file():  # written into a staging directory, then moved in place
+        import shutil
+        import tempfile
+
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory.parent))
+        try:
+            save(staging)
+            shutil.rmtree(directory, ignore_errors=True)  # an older, incomplete one
+            os.replace(staging, directory)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return str(directory)
 
 
