@@ -32,6 +32,7 @@ from ..styles.sequence import (
     kv_repeat,
     recurrent_layers,
 )
+from ..styles.sequence_indexed import INDEXED_LAYER_TYPES, indexed_attention_bytes, indexed_layer_count
 from ..styles.sequence_mixers import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
@@ -181,9 +182,11 @@ def sequence_refusal(config, attention: str = "sdpa", model: nn.Module | None = 
 
 def whole_row_layers(config) -> int:
     """How many layers of ``config`` are sequence mixers that run on the whole rows of the group under sp/cp
-    (:mod:`xpar_zoo.styles.sequence_mixers`): their ``config.layer_types`` other than attention or MLP/MoE."""
+    (:mod:`xpar_zoo.styles.sequence_mixers`): their ``config.layer_types`` other than attention (indexed attention
+    too) or MLP/MoE."""
     kinds = getattr(config, "layer_types", None) or ()
-    return sum(1 for k in kinds if k not in ATTENTION_LAYER_TYPES and k not in CHANNEL_LAYER_TYPES)
+    attention = ATTENTION_LAYER_TYPES | CHANNEL_LAYER_TYPES | INDEXED_LAYER_TYPES
+    return sum(1 for k in kinds if k not in attention)
 
 
 def check_long_context(config, world: int, replicate: int, seq: int, sp: int = 1, cp: int = 1,
@@ -524,6 +527,13 @@ def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, size
                                         options=options)
     if temporaries:
         est.memory["eager backward temporaries (seq²)"] = temporaries
+    indexed = indexed_layer_count(config)
+    if indexed:  # DSA: the indexer's scores (no gradient: a transient) and each indexed layer's top-k mask
+        transient, kept = indexed_attention_bytes(config, rows // seq, seq, pbytes, sp, cp, attention == "eager",
+                                                  options.block_budget(None))
+        est.memory["indexer scores (one layer's, transient)"] = transient
+        if kept:
+            est.memory["indexed attention masks (seq², kept per indexed layer)"] = kept * indexed
 
 
 def _fsdp_comm(est: Estimate, units: list, world: int, pbytes: int, rbytes: int) -> None:
@@ -638,8 +648,25 @@ def suggest(config, world: int, *, memory_budget: float | None = None, top: int 
                              cp=cand["cp"], **kwargs))
     fits = [e for e in ests if memory_budget is None or e.peak_bytes <= memory_budget]
     if not fits:
-        return sorted(ests, key=lambda e: (e.peak_bytes, e.comm_total))[:top]
-    return sorted(fits, key=lambda e: (e.comm_total, e.peak_bytes))[:top]
+        return _with_expert_mesh(sorted(ests, key=lambda e: (e.peak_bytes, e.comm_total)), top)
+    return _with_expert_mesh(sorted(fits, key=lambda e: (e.comm_total, e.peak_bytes)), top)
+
+
+def suggest_order(memory_budget: float | None, fits: bool = True) -> str:
+    """How :func:`suggest` ranks the meshes it shows, in words (the ``size --suggest`` header)."""
+    if memory_budget is not None and not fits:
+        return "no mesh fits the budget: ranked by peak memory per rank, then bytes sent per rank per step"
+    within = " among those within the budget" if memory_budget is not None else ""
+    return (f"ranked by bytes sent per rank per step, then peak memory per rank{within}; the best mesh with ep "
+            "is always shown for an MoE model")
+
+
+def _with_expert_mesh(ranked: list[Estimate], top: int) -> list[Estimate]:
+    """The first ``top`` of ``ranked``, the best one with an ``ep`` plan among them (last) when none made it."""
+    shown = ranked[:top]
+    if not any(e.mesh.get("ep", 1) > 1 for e in shown):
+        shown += next(([e] for e in ranked[top:] if e.mesh.get("ep", 1) > 1), [])
+    return shown
 
 
 def format_bytes(n: float) -> str:

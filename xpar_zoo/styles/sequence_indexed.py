@@ -124,6 +124,32 @@ def indexer_block_rows(rows: int, heads: int, queries: int, keys: int, budget: f
     return max(1, int(budget // per_query))
 
 
+def indexed_layer_count(config) -> int:
+    """How many layers of ``config`` attend through a DSA indexer's top-k (its ``indexed_attention`` layer types)."""
+    if not getattr(config, "index_topk", None):
+        return 0
+    return sum(kind in INDEXED_LAYER_TYPES for kind in getattr(config, "layer_types", None) or ())
+
+
+def indexed_attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, eager: bool,
+                            budget: float) -> tuple[float, float]:
+    """What DSA adds on one rank for ``rows`` rows of ``seq`` tokens: ``(the indexer's transient, the selection mask
+    one indexed layer keeps for backward)``. Without sp/cp transformers' own: the whole row's scores
+    (:func:`indexer_query_bytes` per query) and its ``[b, 1, S, S]`` mask with the top-k folded in (boolean for sdpa,
+    additive for eager). Under sp/cp: the indexer's ``S/(sp·cp)`` queries a block at a time under ``budget``, and
+    the layer's ``[b, 1, S/cp, S]`` additive mask where it fits the budget (beyond it, one block's, transient)."""
+    heads = getattr(config, "index_n_heads", None) or 1
+    per_query = indexer_query_bytes(rows, heads, seq)
+    if sp * cp == 1:
+        return float(per_query * seq), float(rows * seq * seq * (dtype_bytes if eager else 1))
+    local = seq // (sp * cp)
+    block = indexer_block_rows(rows, heads, local, seq, budget)
+    q_heads = config.num_attention_heads // sp
+    per_attention = attention_query_bytes(rows, q_heads, seq, dtype_bytes, eager) + rows * seq * (1 + dtype_bytes)
+    kept = rows * (seq // cp) * seq * dtype_bytes if (seq // cp) * per_attention <= budget else 0
+    return float((block or local) * per_query), float(kept)
+
+
 class _RowKeys:
     """The cache the wrapped indexer is handed: ``update_indexer(k)`` gathers this rank's indexer keys over the
     sequence group once and returns the whole row's (in row order), or none while only gathering."""
