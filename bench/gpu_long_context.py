@@ -18,6 +18,7 @@ Prints one JSON line per part and writes ``$OUT/long_context.json`` when ``OUT``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -139,7 +140,7 @@ def speed(a, dtype, device) -> None:
             scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), q_row, k_row, v_row))
     for name, run in _runners(a).items():
         try:
-            _record(f"speed/{name}/cp{a.cp}_rank0/S{a.seq}", _measure(lambda q, k, v: run(batch, q, k, v), q, k, v))
+            _record(f"speed/{name}/cp{a.cp}_rank0/S{a.seq}", _measure(functools.partial(run, batch), q, k, v))
         except Exception as e:
             _record(f"speed/{name}", f"{type(e).__name__}: {e}"[:300])
 

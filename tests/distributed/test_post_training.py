@@ -60,8 +60,9 @@ def _weights(root: Path) -> dict:
     """Every rank: the stream of a trained model, a LoRA model (merged) and its adapter against the files
     ``convert to-hf`` / ``save_adapter`` write, and of an HSDP model (replicas) against transformers' own save;
     rank 0's result holds every rank's."""
-    from support.lora_setup import lora_config
     from xpar_zoo.converters.export import export_to_hf
+
+    from support.lora_setup import lora_config
 
     rank = dist.get_rank()
     cfg = _config()

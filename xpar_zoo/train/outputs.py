@@ -187,6 +187,12 @@ def _own_leftover(output: Path, name: str) -> bool:
     return False
 
 
+def blocks_a_new_run(output: Path) -> bool:
+    """Whether ``output`` holds anything that is not a leftover of a start that never trained (a new run there
+    would need ``--force``)."""
+    return any(not n.startswith(".") and not _own_leftover(output, n) for n in _non_empty(output, limit=None))
+
+
 def _records(path: Path) -> list[dict]:
     out = []
     for line in path.read_bytes().split(b"\n"):
@@ -293,8 +299,7 @@ def plan_outputs(cfg: TrainConfig) -> OutputPlan:
                                    f"and cannot be resumed ({why}); move it aside to continue from "
                                    f"{plan.newest.name}, or pass --resume to do so")
         plan.resume_from = plan.newest
-    found = [n for n in _non_empty(output, limit=None) if not n.startswith(".")]
-    blocking = [n for n in found if not _own_leftover(output, n)]
+    blocking = [n for n in _non_empty(output, limit=None) if not n.startswith(".") and not _own_leftover(output, n)]
     if blocking and plan.newest is None and not cfg.resume and not cfg.force:
         raise TrainConfigError(f"--output {output} is not empty ({', '.join(blocking[:3])}) and holds no "
                                "checkpoint: choose another --output, or pass --force to train into it "
