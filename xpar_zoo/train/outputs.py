@@ -229,6 +229,8 @@ def _replacement(cfg: TrainConfig, plan: OutputPlan, inputs: list[tuple[str, str
     keep = [Path(p) for _, p in inputs] + [p for _, p in exports(cfg)]
     named = [Path(plan.saved[k]) for k in ("export_hf", "export_adapter") if plan.saved.get(k)]
     candidates = [output / CHECKPOINTS, output / BEST, output / "tensorboard", *named]
+    if plan.newest is None:  # no run to replace (train into the folder, metrics appended): only a best checkpoint
+        candidates = [output / BEST]  # that this run's --save-best would otherwise collide with
     for path in candidates:
         if not (path.exists() or path.is_symlink()) or path in plan.remove:
             continue
@@ -238,7 +240,7 @@ def _replacement(cfg: TrainConfig, plan: OutputPlan, inputs: list[tuple[str, str
             continue
         plan.remove.append(path)
     metrics = output / METRICS_FILE
-    if metrics.is_file() and any(r.get("step") for r in _records(metrics)):
+    if plan.newest is not None and metrics.is_file() and any(r.get("step") for r in _records(metrics)):
         stamp = time.strftime("%Y%m%dT%H%M%S")
         plan.moves.append((metrics, output / f"metrics.before-{stamp}.jsonl"))
 
