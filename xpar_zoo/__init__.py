@@ -5,6 +5,9 @@
 # ``import xpar_zoo.moe`` works and patching one reaches the code.
 import sys as _sys  # noqa: E402
 
+from . import interrupts as _interrupts
+
+_interrupts.quiet_while_importing()  # the command's first seconds: a Ctrl-C is one line, not a traceback
 from .checkpoint import (
     CheckpointFuture,
     latest_checkpoint,
@@ -57,6 +60,7 @@ from .zoo.registry import get_plan, supported_architectures
 for _name, _module in {"moe": moe, "registry": registry, "vocab": vocab}.items():
     _sys.modules[f"{__name__}.{_name}"] = _module
 del _name, _module
+_interrupts.end_quiet_import()
 
 __all__ = [
     # errors and warnings

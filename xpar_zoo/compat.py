@@ -16,9 +16,12 @@ Where we change an upstream object without a public extension point, it is said 
 - ``XparTrainer`` overrides private ``Trainer`` methods (:data:`TRAINER_PRIVATE_OVERRIDES`): transformers' public
   overrides (``compute_loss``, ``create_optimizer``, callbacks) cannot change how the model is moved to a device,
   clipped, saved or resumed.
+- ``XparGRPOTrainer`` points TRL's vLLM weight sync at ``xpar_zoo.iter_hub_weights`` (:func:`stream_vllm_weights`).
 - huggingface_hub: no private name is used.
 - The vocab styles read transformers' forward *source* (:mod:`xpar_zoo.zoo.forward_source`, ``check_head``): no
   public API says whether a forward reads the embedding weight directly or changes the logits after the head.
+- A multimodal processor is built without its video processor (:func:`processor_without_video`) where torchvision
+  does not load: transformers checks every part's class on construction and has no switch to leave one out.
 """
 
 from __future__ import annotations
@@ -55,6 +58,40 @@ def redistribute_logger() -> logging.Logger:
 def default_store() -> dist.Store:
     """The default process group's store: the checkpoint rendezvous meets there (torch has no public getter)."""
     return dist.distributed_c10d._get_default_store()
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``FakeTensor`` (shapes without data, as in the simulated world of
+    :mod:`xpar_zoo.sizing.simulate`): checks that read a tensor's values skip it; torch exposes the type only under
+    ``torch._subclasses``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def fake_process_group_store() -> dist.Store:
+    """The store of torch's fake process group (``init_process_group("fake", store=…)``: one process plays a rank of
+    a world of any size, every collective answering at once): registered and provided only by a testing module."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def fake_tensor_mode():
+    """A ``FakeTensorMode`` (tensors with shapes, dtypes and storages but no data) that also accepts the real tensors
+    a model was given before it (plan tables, integer constants): torch exposes it only under ``torch._subclasses``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """torch's memory tracker of FSDP2 models (``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``): live
+    tensor bytes by kind (sharded and unsharded parameters, gradients, optimizer states, activations, temporaries,
+    collective buffers) with their peak; torch has no public memory accounting that works on fake tensors."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    return FSDPMemTracker(model, optimizer)
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:
@@ -204,6 +241,16 @@ def lora_swapped_in_out(layer: nn.Module) -> bool:
     return layer._did_swap_in_out_features
 
 
+# ---- trl ----------------------------------------------------------------------------------------------------------
+
+
+def stream_vllm_weights(generation, named_params) -> None:
+    """Make TRL's vLLM weight sync of ``generation`` (a ``VLLMGeneration``) read ``named_params()`` (an iterator of
+    ``(hub name, full tensor)``): both its colocate ``load_weights`` and its server ``update_named_params`` walk the
+    private ``_iter_named_params``, and nothing public lets a trainer say where the weights come from."""
+    generation._iter_named_params = named_params
+
+
 # ---- transformers' attention ------------------------------------------------------------------------------------
 
 class _ConfigView:
@@ -265,3 +312,23 @@ def supports_attn_implementation(model: nn.Module, implementation: str) -> bool:
     flag = {"flex_attention": "_supports_flex_attn"}.get(
         implementation, "_supports_flash_attn" if implementation.startswith("flash_attention") else None)
     return flag is None or bool(getattr(model, flag, False))
+
+
+# ---- transformers processors ------------------------------------------------------------------------------------
+
+def processor_without_video(processor_class: type, parts: dict, **kwargs):
+    """An instance of a multimodal transformers processor class built from its parts (image processor, tokenizer,
+    …) with no video processor. transformers' ``ProcessorMixin.__init__`` checks every part's class through
+    ``check_argument_for_proper_class``, and the video processor classes need torchvision, which may not load
+    (its wheels are built against one torch); no public switch builds a processor without one. The subclass accepts
+    ``None`` for a video part only; everything else is the class's own (placeholder expansion, chat template)."""
+
+    class WithoutVideo(processor_class):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is None and "video" in argument_name:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    WithoutVideo.__name__ = WithoutVideo.__qualname__ = processor_class.__name__
+    videos = {name: None for name in processor_class.get_attributes() if "video" in name}
+    return WithoutVideo(**parts, **videos, **kwargs)

@@ -23,6 +23,10 @@ from xpar_zoo.testing import parity
 SEQ = 16
 QWEN3_MOE = ("qwen3_moe", {})
 QWEN3_NEXT = ("qwen3_next", {})
+# indexed sparse attention (DSA): the indexer keeps 4 of a row's 16 keys per query, so the top-k over the whole row
+# decides what each query sees; glm_moe_dsa's middle layer reuses the first layer's top-k ("FSF")
+DSA_V32 = ("deepseek_v32", {"index_topk": 4})
+DSA_GLM = ("glm_moe_dsa", {"index_topk": 4, "index_topk_pattern": "FSF"})
 CASES = {
     # name: ((model_type, config overrides), mesh, rows: plain (False), packed (True) or right-"padded")
     "qwen3_moe_sp2": (QWEN3_MOE, {"sp": 2}, False),
@@ -68,6 +72,24 @@ CASES = {
     "padded_granitemoehybrid_mamba_cp2_ep2": (("granitemoehybrid", {}), {"cp": 2, "ep": 2}, "padded"),
     "padded_lfm2_moe_conv_sp2_cp2": (("lfm2_moe", {}), {"sp": 2, "cp": 2}, "padded"),
     "padded_kimi_linear_delta_sp2_cp2": (("kimi_linear", {}), {"sp": 2, "cp": 2}, "padded"),
+    # indexed sparse attention: the indexer scores this rank's queries against the whole row's keys, the attention
+    # masks every key a query did not select (xpar_zoo.styles.sequence_indexed)
+    "dsa_deepseek_v32_sp2_ep2": (DSA_V32, {"sp": 2, "ep": 2}, False),
+    "packed_dsa_deepseek_v32_sp2_ep2": (DSA_V32, {"sp": 2, "ep": 2}, True),
+    "dsa_deepseek_v32_cp2": (DSA_V32, {"cp": 2}, False),
+    "packed_dsa_deepseek_v32_cp2": (DSA_V32, {"cp": 2}, True),
+    "dsa_deepseek_v32_cp2_ep2": (DSA_V32, {"cp": 2, "ep": 2}, False),
+    "packed_dsa_deepseek_v32_cp2_ep2": (DSA_V32, {"cp": 2, "ep": 2}, True),
+    "dsa_deepseek_v32_sp2_cp2": (DSA_V32, {"sp": 2, "cp": 2}, False),
+    "packed_dsa_deepseek_v32_sp2_cp2": (DSA_V32, {"sp": 2, "cp": 2}, True),
+    "dsa_glm_moe_dsa_sp2_ep2": (DSA_GLM, {"sp": 2, "ep": 2}, False),
+    "packed_dsa_glm_moe_dsa_sp2_ep2": (DSA_GLM, {"sp": 2, "ep": 2}, True),
+    "dsa_glm_moe_dsa_cp2": (DSA_GLM, {"cp": 2}, False),
+    "packed_dsa_glm_moe_dsa_cp2": (DSA_GLM, {"cp": 2}, True),
+    "dsa_glm_moe_dsa_cp2_ep2": (DSA_GLM, {"cp": 2, "ep": 2}, False),
+    "packed_dsa_glm_moe_dsa_cp2_ep2": (DSA_GLM, {"cp": 2, "ep": 2}, True),
+    "dsa_glm_moe_dsa_sp2_cp2": (DSA_GLM, {"sp": 2, "cp": 2}, False),
+    "packed_dsa_glm_moe_dsa_sp2_cp2": (DSA_GLM, {"sp": 2, "cp": 2}, True),
 }
 # cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
 # that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES
@@ -88,6 +110,10 @@ BLOCKED = {
     "blocked_padded_qwen3_moe_sp2_ep2_sdpa": (("qwen3_moe", SDPA), {"sp": 2, "ep": 2}, "padded"),
     "blocked_mixtral_window4_sp2_cp2": (("mixtral", {"sliding_window": 4}), {"sp": 2, "cp": 2}, True),
     "blocked_gpt_oss_sinks_cp2_sp2": (("gpt_oss", {}), {"cp": 2, "sp": 2}, False),
+    # the indexer a query or two at a time too (its scores over the budget), and the selection per block
+    "blocked_packed_dsa_deepseek_v32_sp2_cp2_sdpa": (("deepseek_v32", {**DSA_V32[1], **SDPA}), {"sp": 2, "cp": 2},
+                                                     True),
+    "blocked_packed_dsa_glm_moe_dsa_cp2_ep2": (DSA_GLM, {"cp": 2, "ep": 2}, True),
 }
 # flash_attention_2 as the inner attention, on CPU through a reference of the flash kernels' contract
 # (xpar_zoo.testing.flash_reference, pure torch: no mask, causal aligned bottom-right, window_size, softcap, sinks,
@@ -124,6 +150,8 @@ VARIANTS = {
     "qwen3_moe_sp2_ep2_adamw3_clipped": ("packed_qwen3_moe_sp2_ep2", {"optimizer": "adamw", "steps": 3,
                                                                      "max_norm": 0.5}),
     "qwen3_next_gdn_sp2_cp2_checkpointing": ("packed_qwen3_next_gdn_sp2_cp2", {"checkpointing": True}),
+    "blocked_dsa_glm_moe_dsa_sp2_cp2_checkpointing": ("packed_dsa_glm_moe_dsa_sp2_cp2",
+                                                      {"checkpointing": True, "attention_block_mib": BLOCK_MIB}),
 }
 
 
@@ -187,7 +215,7 @@ def _cases(world: int) -> dict:
     import torch.distributed as dist
 
     from xpar_zoo.parallel.options import ParallelOptions
-    from xpar_zoo.styles import sequence
+    from xpar_zoo.styles import sequence, sequence_indexed
     from xpar_zoo.testing import flash_reference
 
     rank = dist.get_rank()
@@ -197,8 +225,16 @@ def _cases(world: int) -> dict:
     runs.update({name: (case, {"cp_attention": "lower_right"}) for name, case in LOWER_RIGHT.items()})
     runs.update({name: (case, {"attention_block_mib": BLOCK_MIB}) for name, case in BLOCKED.items()})
     runs.update({name: (case, {"inner": "flash_attention_2"}) for name, case in FLASH_CASES.items()})
-    calls = {"lower_right": 0, "blocked": 0}
+    calls = {"lower_right": 0, "blocked": 0, "indexer_blocked": 0}
     plain, blocked = sequence.lower_right_attention, sequence.blocked_attention
+    indexer_rows = sequence_indexed.indexer_block_rows
+
+    def counting_rows(*args):  # the indexer's queries per call: None (all at once) or a block
+        rows = indexer_rows(*args)
+        calls["indexer_blocked"] += rows is not None
+        return rows
+
+    sequence_indexed.indexer_block_rows = counting_rows
 
     def counting(name, fn):
         def counted(*args, **kwargs):
@@ -220,7 +256,7 @@ def _cases(world: int) -> dict:
             refs[key] = (parity.train_reference(_config(model_type, overrides), data, optimizer, max_norm,
                                                 labels=labels, extra=extra), parity.build_model(config).state_dict())
         inner = options.get("inner")
-        calls.update(lower_right=0, blocked=0)
+        calls.update(lower_right=0, blocked=0, indexer_blocked=0)
         sequence.lower_right_attention = counting("lower_right", plain)
         sequence.blocked_attention = counting("blocked", blocked)
         try:
@@ -233,7 +269,9 @@ def _cases(world: int) -> dict:
             ref, before = refs[key]
             results[name] = {"loss": (rec.losses, ref.losses), "norm": (rec.grad_norms, ref.grad_norms),
                              "errors": parity.param_errors(rec.params, ref.params, before),
-                             "lower_right_calls": calls["lower_right"], "blocked_calls": calls["blocked"]}
+                             "lower_right_calls": calls["lower_right"], "blocked_calls": calls["blocked"],
+                             "indexer_blocked_calls": calls["indexer_blocked"]}
+    sequence_indexed.indexer_block_rows = indexer_rows
     return results
 
 
@@ -418,13 +456,19 @@ def test_cp_on_plain_rows_runs_sdpa_without_a_mask_on_the_lower_right_path(resul
     assert not any(row["lower_right_calls"] for name, row in results["cases"].items() if name not in LOWER_RIGHT)
 
 
-@pytest.mark.parametrize("case", [*BLOCKED, "blocked_qwen3_moe_sp2_cp2_checkpointing"])
+BLOCKED_VARIANTS = ("blocked_qwen3_moe_sp2_cp2_checkpointing", "blocked_dsa_glm_moe_dsa_sp2_cp2_checkpointing")
+
+
+@pytest.mark.parametrize("case", [*BLOCKED, *BLOCKED_VARIANTS])
 def test_a_mask_over_the_block_budget_runs_a_block_of_queries_at_a_time(results, case):
     """The cases under a tiny block budget ran their masked attention blocked (the values above: exact), and the
     others (a whole mask of a few KiB, within the default 16 MiB) built the whole mask once per forward."""
     assert results["cases"][case]["blocked_calls"] > 0, case
-    blocked = {*BLOCKED, "blocked_qwen3_moe_sp2_cp2_checkpointing"}
+    blocked = {*BLOCKED, *BLOCKED_VARIANTS}
     assert not any(row["blocked_calls"] for name, row in results["cases"].items() if name not in blocked)
+    indexed = "_dsa_" in case
+    assert (results["cases"][case]["indexer_blocked_calls"] > 0) == indexed, case  # its indexer in blocks too
+    assert not any(row["indexer_blocked_calls"] for name, row in results["cases"].items() if name not in blocked)
 
 
 def test_data_shard_gives_the_ranks_of_a_sequence_group_one_index(results):

@@ -5,7 +5,11 @@
   of one bucket plus one hub tensor, never a whole fused experts tensor;
 - ``XparDPOTrainer``: loss, grad_norm and the reward metrics of 3 steps equal single-process TRL's on ``{ep:2}`` and
   ``{ep:2, emb:2, head:2}``, with a second xpar_zoo model as the reference, with precomputed reference
-  log-probabilities, and with a LoRA policy whose disabled adapter is the reference."""
+  log-probabilities, and with a LoRA policy whose disabled adapter is the reference;
+- ``XparGRPOTrainer`` on ``{ep:2}`` (a prompt's 4 completions on two ranks): with the completions recorded from the
+  sharded run and replayed in one process, loss and grad_norm of 2 steps equal single-process TRL's; greedy
+  generation gives one process's completions; TRL's vLLM weight sync (a fake colocated engine) loads the hub tensors
+  ``iter_hub_weights`` streams; options that cannot hold are refused in one line."""
 
 import sys
 from pathlib import Path
@@ -161,10 +165,69 @@ def _dpo(root: Path) -> dict:
     return out
 
 
+# ---- GRPO ---------------------------------------------------------------------------------------------------------
+def _recording_trainer():
+    from xpar_zoo.integrations.grpo import XparGRPOTrainer
+
+    class Recording(XparGRPOTrainer):
+        """Records every generation call's prompt and completion ids."""
+
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            self.recorded.append(([list(p) for p in prompt_ids], [list(c) for c in out[0]]))
+            return out
+
+    return Recording
+
+
+def _fake_vllm(trainer) -> dict[str, torch.Tensor]:
+    """TRL's colocated vLLM weight sync run against a fake engine; what its ``load_weights`` received."""
+    from types import SimpleNamespace
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    loaded = {}
+
+    class EngineModel:
+        def load_weights(self, weights):
+            loaded.update((name, tensor.clone()) for name, tensor in weights)
+
+    runner = SimpleNamespace(model=EngineModel())
+    generation = VLLMGeneration.__new__(VLLMGeneration)  # TRL's object, without starting vLLM
+    generation.mode, generation.enable_sleep_mode, generation.accelerator = "colocate", False, trainer.accelerator
+    generation.llm = SimpleNamespace(reset_prefix_cache=lambda: None, llm_engine=SimpleNamespace(
+        model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner))))
+    trainer.stream_weights_to(generation)
+    generation.sync_weights()
+    return loaded
+
+
+def _grpo(root: Path) -> dict:
+    """Every rank: a sampled GRPO run and a greedy one on {ep:2}, recording their completions, and the weight sync;
+    rank 0's result holds every rank's records."""
+    from datasets import Dataset
+
+    recording = _recording_trainer()
+    out = {}
+    for name, overrides in (("sampled", {}), ("greedy", {"max_steps": 1, "generation_kwargs": {"do_sample": False}})):
+        model = xpar_zoo.parallelize(parity.build_model(_config()), xpar_zoo.Mesh(ep=2))
+        trainer = recording(model=model, reward_funcs=[preference.vowels], processing_class=preference.tokenizer(),
+                            train_dataset=Dataset.from_dict(preference.prompts()),
+                            args=preference.grpo_args(root / f"grpo_{name}", WORLD, **overrides))
+        trainer.recorded = []
+        trainer.train()
+        records = [None] * WORLD
+        dist.all_gather_object(records, trainer.recorded)
+        out[name] = {"log": preference.grpo_log(trainer), "records": records}
+    loaded = _fake_vllm(trainer)
+    out["vllm"] = {"differ": _differ(loaded, _streamed(trainer.model)), "keys": sorted(loaded)}
+    return out
+
+
 def _job(root: str) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/support on the ranks
     root = Path(root)
-    return {"weights": _weights(root), "dpo": _dpo(root)}
+    return {"weights": _weights(root), "dpo": _dpo(root), "grpo": _grpo(root)}
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +283,66 @@ def test_dpo_losses_rewards_and_grad_norms_equal_single_process_trl(results, dpo
 @pytest.mark.parametrize("case", ["ref_ep2", "ref_full"])
 def test_dpo_reference_model_stays_frozen(results, case):
     assert results["dpo"][case + "_frozen"] == []
+
+
+def _replayed(root: Path, records: list) -> list[dict]:
+    """Single-process TRL's GRPO on the global batches, each generation call answered with the completions the
+    ranks recorded (rank by rank: the global batch's order)."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    calls = [([p for rank in records for p in rank[i][0]], [c for rank in records for c in rank[i][1]])
+             for i in range(len(records[0]))]
+
+    class Replay(GRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            prompts, completions = calls[self.replayed]
+            assert [list(p) for p in prompt_ids] == prompts, "the global batch's prompts are not the ranks' in order"
+            self.replayed += 1
+            return completions, None
+
+    trainer = Replay(model=parity.build_model(_config(), experts_implementation="eager"), train_dataset=Dataset.from_dict(
+        preference.prompts()), reward_funcs=[preference.vowels], processing_class=preference.tokenizer(),
+        args=preference.grpo_args(root / "grpo_replay", 1))
+    trainer.replayed = 0
+    trainer.train()
+    assert trainer.replayed == len(calls)
+    return preference.grpo_log(trainer)
+
+
+def test_grpo_with_recorded_completions_equals_single_process_trl(results, root):
+    got = results["grpo"]["sampled"]["log"]
+    want = _replayed(root, results["grpo"]["sampled"]["records"])
+    assert len(got) == len(want) == 2
+    for step, (g, w) in enumerate(zip(got, want), 1):
+        for key in ("loss", "grad_norm", "reward"):
+            _close(g[key], w[key], 0.0, f"GRPO step {step} {key}")
+
+
+def test_grpo_greedy_generation_on_ep2_equals_one_process(results):
+    from trl.trainer.utils import pad
+
+    model = parity.build_model(_config(), experts_implementation="eager").eval()
+    tok = preference.tokenizer()
+    for rank, calls in enumerate(results["grpo"]["greedy"]["records"]):
+        for prompts, completions in calls:
+            ids = pad([torch.tensor(p) for p in prompts], padding_value=tok.pad_token_id, padding_side="left")
+            mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompts], padding_value=0, padding_side="left")
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
+            want = [row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row for row in out.tolist()]
+            assert completions == want, f"rank {rank}"
+
+
+def test_grpo_vllm_weight_sync_loads_the_streamed_hub_tensors(results):
+    row = results["grpo"]["vllm"]
+    assert row["differ"] == []
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in row["keys"], row["keys"][:8]
+
+
+@pytest.mark.parametrize("option", [{"beta": 0.1}, {"use_transformers_continuous_batching": True}])
+def test_grpo_options_that_cannot_hold_are_refused_before_training(option, tmp_path):
+    from xpar_zoo.integrations.grpo import check_grpo_args
+
+    with pytest.raises(xpar_zoo.IntegrationError, match=next(iter(option))):
+        check_grpo_args(parity.build_model(_config()), preference.grpo_args(tmp_path, 1, **option))

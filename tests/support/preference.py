@@ -42,3 +42,30 @@ LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/ma
 def log(trainer) -> list[dict]:
     """The per-step metrics of a trained DPO trainer that the tests compare."""
     return [{k: h[k] for k in LOGGED if k in h} for h in trainer.state.log_history if "loss" in h]
+
+
+def prompts(n: int = 8) -> dict[str, list[str]]:
+    """``n`` plain-text prompts of 3 to 7 characters."""
+    text = TEXT * 2
+    return {"prompt": [text[3 * i:3 * i + 3 + i % 5] for i in range(n)]}
+
+
+def vowels(completions, **kwargs) -> list[float]:
+    """A verifiable reward: the number of vowels in each completion."""
+    return [float(sum(c in "aeiou" for c in text)) for text in completions]
+
+
+def grpo_args(out, world: int, total: int = 8, **overrides):
+    """GRPOConfig for a global batch of ``total`` completions (groups of 4: a prompt's completions on two ranks of
+    4) over ``world`` ranks, 2 steps, every step logged."""
+    from trl import GRPOConfig
+
+    base = dict(output_dir=str(out), per_device_train_batch_size=total // world, num_generations=4,
+                max_completion_length=8, max_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+                report_to="none", disable_tqdm=True, use_cpu=True, seed=0, bf16=False)
+    return GRPOConfig(**{**base, **overrides})
+
+
+def grpo_log(trainer) -> list[dict]:
+    return [{k: h[k] for k in ("loss", "grad_norm", "reward") if k in h} for h in trainer.state.log_history
+            if "loss" in h]

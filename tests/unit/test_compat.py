@@ -70,6 +70,20 @@ def _flash_slots_load() -> bool:
         compat.unload_flash_kernels()
 
 
+def _fake_tensors_are_told_apart() -> bool:
+    real = torch.empty(2)
+    with compat.fake_tensor_mode():
+        fake = torch.empty(2) + real  # real inputs accepted, fake results
+    return compat.is_fake(fake) and not compat.is_fake(real)
+
+
+def _fsdp_memory_tracker_api() -> bool:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    return all(callable(getattr(FSDPMemTracker, n, None)) for n in ("track_inputs", "reset_mod_stats",
+                                                                      "get_tracker_snapshot"))
+
+
 def _tiny_config():
     from transformers import AutoConfig
 
@@ -92,6 +106,10 @@ CHECKS = {
     "torch c10d _create_work_from_future": lambda: callable(compat.create_work_from_future()),
     "torch FileSystemReader._get_metadata_path": lambda: callable(
         importlib.import_module("torch.distributed.checkpoint").FileSystemReader._get_metadata_path),
+    "torch FakeTensor / FakeTensorMode (torch._subclasses)": _fake_tensors_are_told_apart,
+    "torch fake process group store (torch.testing._internal.distributed.fake_pg)": lambda: isinstance(
+        compat.fake_process_group_store(), torch.distributed.Store),
+    "torch FSDPMemTracker (torch.distributed._tools)": _fsdp_memory_tracker_api,
     # transformers
     "transformers _default_apply_gate": lambda: callable(compat.DEFAULT_APPLY_GATE) and compat.applies_default_gate(object),
     "transformers PreTrainedModel._can_set_experts_implementation": lambda: callable(
@@ -116,12 +134,28 @@ CHECKS = {
         for n in ("_supports_flash_attn", "_supports_flex_attn")),
     "transformers config view of _attn_implementation": lambda: compat.attn_implementation(
         compat.config_with_attn_implementation(_tiny_config(), "flash_attention_2")) == "flash_attention_2",
+    "transformers ProcessorMixin.check_argument_for_proper_class (a processor without its video processor)":
+        lambda: _processor_without_video(),
     "accelerate _is_accelerate_prepared": lambda: _source_mentions("accelerate.accelerator", "_is_accelerate_prepared"),
     # safetensors
     "safetensors.torch._TYPES": lambda: compat.SAFETENSORS_TYPES["BF16"] is torch.bfloat16,
     # peft
     "peft _did_swap_in_out_features": lambda: _source_mentions("peft.tuners.lora.layer", "_did_swap_in_out_features"),
+    # trl
+    "trl VLLMGeneration._iter_named_params (its weight sync's walk)": lambda: _source_mentions(
+        "trl.generation.vllm_generation", "self._iter_named_params()"),
 }
+
+
+def _processor_without_video() -> bool:
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    from xpar_zoo.train.tiny_vl import tiny_vl_tokenizer
+
+    processor = compat.processor_without_video(
+        Qwen3VLProcessor, {"image_processor": Qwen2VLImageProcessorPil(), "tokenizer": tiny_vl_tokenizer()})
+    return isinstance(processor, Qwen3VLProcessor) and processor.video_processor is None
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
@@ -144,12 +178,12 @@ def test_xpar_trainer_overrides_exactly_the_listed_private_methods():
     assert overridden == set(compat.TRAINER_PRIVATE_OVERRIDES)
 
 
-_UPSTREAM = ("torch", "transformers", "safetensors", "huggingface_hub", "peft", "accelerate")
+_UPSTREAM = ("torch", "transformers", "safetensors", "huggingface_hub", "peft", "accelerate", "trl")
 _PRIVATE_ATTRS = {
     "_apply_gate", "_assert_async", "_foreach_mul_", "_attn_implementation", "_can_set_experts_implementation",
     "_create_work_from_future", "_did_swap_in_out_features", "_experts_implementation", "_from_config",
     "_fsdp_param_group", "_get_default_group", "_get_default_store", "_get_fsdp_state", "_get_metadata_path",
-    "_init_weights", "_is_accelerate_prepared", "_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected", "_is_fsdp_managed_module", "_is_hf_initialized", "_model_mapping",
+    "_init_weights", "_is_accelerate_prepared", "_iter_named_params", "_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected", "_is_fsdp_managed_module", "_is_hf_initialized", "_model_mapping",
     "_no_split_modules", "_parameters", "_tied_weights_keys", "_unsharded_param",
 }
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # or a lower one.
 LAYERS: dict[str, int] = {
     # 0: the base everything may use
-    "xpar_zoo.errors": 0, "xpar_zoo.compat": 0, "xpar_zoo.version": 0, "xpar_zoo.environment": 0,
+    "xpar_zoo.errors": 0, "xpar_zoo.compat": 0, "xpar_zoo.version": 0, "xpar_zoo.environment": 0, "xpar_zoo.interrupts": 0,
     # 1: facts and ranks: plans as data, meshes and coordination
     "xpar_zoo.zoo": 1, "xpar_zoo.plans": 1, "xpar_zoo.parallel": 1,
     # 2: what parallelize installs (styles incl. LoRA, losses, kernels), durable files, the hub format and adapter files

@@ -23,6 +23,12 @@ from xpar_zoo.styles.sequence import (
     lower_right_attention,
     token_layout,
 )
+from xpar_zoo.styles.sequence_indexed import (
+    indexed_attention_modules,
+    indexer_block_rows,
+    indexer_query_bytes,
+    served_indexed_layer_types,
+)
 from xpar_zoo.styles.sequence_mixers import sequence_mixers
 from xpar_zoo.testing import parity
 
@@ -290,9 +296,33 @@ def test_hybrid_models_run_their_sequence_mixers_on_whole_rows(model_type, mixer
     assert check_sequence_parallel(model, types.SimpleNamespace(sp=1, cp=2)) == "eager"
 
 
+@pytest.mark.parametrize("model_type, attention", [
+    ("deepseek_v32", ["model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.2.self_attn"]),
+    ("glm_moe_dsa", ["model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.2.self_attn"]),
+    # layer 2: sliding and dense (no indexer; given the mask placeholder only)
+    ("dots3_note_text", ["model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.2.self_attn"]),
+])
+def test_indexed_sparse_attention_is_served_with_its_indexer_on_whole_rows(model_type, attention):
+    """sp/cp take DSA models: each indexed attention module (its indexer, or none on a layer that reuses the
+    previous layer's top-k) is wrapped, and the indexed layer type counts as attention."""
+    model = _meta_model(model_type, index_topk_pattern="FSF") if model_type == "glm_moe_dsa" else _meta_model(
+        model_type)
+    assert list(indexed_attention_modules(model)) == attention
+    assert served_indexed_layer_types(model, model.config) == {"indexed_attention"}
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
+
+
+def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
+    per_query = indexer_query_bytes(1, 64, 131072)  # 64 float32 score heads and their ReLU against 128k keys
+    assert per_query == 131072 * (8 * 64 + 9)
+    assert indexer_block_rows(1, 64, 100, 131072, 256 * 2 ** 20) == (256 * 2 ** 20) // per_query
+    assert indexer_block_rows(1, 2, 8, 16, 16 * 2 ** 20) is None  # all at once where they fit
+    assert indexer_block_rows(1, 64, 8, 131072, 1.0) == 1  # never fewer than one query
+
+
 @pytest.mark.parametrize("model_type, why", [
-    ("deepseek_v32", "layer type 'indexed_attention': sparse attention whose indexer picks keys over the whole "
-                     "sequence inside the attention module"),
+    ("qwen4_exp_text", ("layer type 'indexed_attention': sparse attention whose indexer picks keys over the whole "
+                        "sequence inside the attention module")),
     ("inkling_text", "InklingShortConvolution (model.layers.0.self_attn.k_sconv): not a module that takes the "
                      "layer's hidden states [b, s, H]"),
     ("zaya", "layer type 'hybrid': its layers hold no sequence mixer module that takes the layer's hidden states"),

@@ -97,7 +97,9 @@ def test_prompt_completion_records(tokenizer):
     ({"messages": [{"role": "bot", "content": "hi"}]}, "f:7: messages[0] has role 'bot'; roles: system, user"),
     ({"messages": []}, "f:7: 'messages' must be a non-empty list"),
     ({"messages": [{"role": "user", "content": ["part"]}, {"role": "assistant", "content": "x"}]},
-     "f:7: messages[0] (user) has content of type list"),
+     "f:7: messages[0].content[0] is not a part of type text, image, video"),
+    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]},
+     "f:7: messages[0] (user) has content of type int"),
     ({"prompt": "a", "completion": ""}, "f:7: the completion is empty"),
     ({"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}, "must both be text or both be lists"),
 ])

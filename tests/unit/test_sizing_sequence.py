@@ -241,13 +241,13 @@ def test_suggest_ranks_long_context_meshes_first_when_only_they_fit():
     everything = sizing.suggest(cfg, 8, top=100, **common)
     comm = [e.comm_total for e in everything]
     assert comm == sorted(comm) and any(e.mesh.get("sp", 1) * e.mesh.get("cp", 1) == 1 for e in everything)
-    budget = sorted(e.memory_total for e in everything)[len(everything) // 4]
+    budget = sorted(e.peak_bytes for e in everything)[len(everything) // 4]
     fitting = sizing.suggest(cfg, 8, memory_budget=budget, top=100, **common)
-    assert fitting and all(e.memory_total <= budget for e in fitting)
+    assert fitting and all(e.peak_bytes <= budget for e in fitting)
     assert all(e.mesh.get("sp", 1) * e.mesh.get("cp", 1) > 1 for e in fitting)
     assert any(e.mesh.get("sp", 1) > 1 for e in fitting)
     closest = sizing.suggest(cfg, 8, memory_budget=1.0, top=3, **common)  # nothing fits: least memory first
-    assert [e.memory_total for e in closest] == sorted(e.memory_total for e in everything)[:3]
+    assert [e.peak_bytes for e in closest] == sorted(e.peak_bytes for e in everything)[:3]
 
 
 @pytest.mark.parametrize("sp,cp", [(1, 1), (4, 1), (1, 4), (2, 2)])
@@ -264,3 +264,22 @@ def test_the_size_command_offers_every_attention_the_sizer_models(attention):
 
     args = cli.build_parser().parse_args(["size", "qwen3_moe", "--world", "4", "--attention", attention])
     assert args.attention == attention
+
+
+@pytest.mark.parametrize("sp,cp", [(1, 1), (1, 4), (2, 2)])
+def test_the_sizer_counts_the_dsa_indexer_scores_and_its_masks(sp, cp):
+    """deepseek_v32: without sp/cp transformers' indexer scores the whole row (``[b, S, heads, S]`` float32, its ReLU,
+    the summed scores and the mask) and every layer keeps its ``[b, 1, S, S]`` mask with the top-k folded in; under
+    sp/cp the indexer runs a block of queries at a time under the budget, and a layer's mask beyond it is a block's."""
+    from xpar_zoo.styles.sequence_indexed import indexer_query_bytes
+
+    config = parity.tiny_config("deepseek_v32", index_n_heads=4, num_hidden_layers=2, layer_types=None)
+    seq = 8192
+    est = sizing.estimate(config, 4, {}, micro_batch=1, seq=seq, sp=sp, cp=cp, param_dtype="fp32")
+    transient = est.memory["indexer scores (one layer's, transient)"]
+    if sp * cp == 1:
+        assert transient == indexer_query_bytes(1, 4, seq) * seq  # 8·heads + 9 bytes per query and key
+        assert est.memory["indexed attention masks (seq², kept per indexed layer)"] == 2 * seq * seq  # sdpa: bool
+    else:
+        assert transient <= ParallelOptions().block_budget(None)
+        assert "indexed attention masks (seq², kept per indexed layer)" not in est.memory

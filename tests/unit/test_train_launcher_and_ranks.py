@@ -97,4 +97,4 @@ def test_a_signal_outside_the_loop_stops_at_once_and_says_so(capsys):
             for _ in range(1000):  # the handler runs between bytecodes
                 pass
     assert e.value.code == 143 and signal.getsignal(signal.SIGTERM) is before
-    assert capsys.readouterr().out == "SIGTERM: stopped (nothing trained since the last checkpoint is lost)\n"
+    assert capsys.readouterr().out == "SIGTERM: stopped; rerun the command to start again\n"

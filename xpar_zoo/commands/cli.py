@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..environment import launcher_rank
 from ..errors import XparError, counted
 from ..parallel.options import ParallelOptions
 
@@ -72,13 +73,22 @@ def _cmd_size(args: argparse.Namespace) -> int:
     from .. import sizing
 
     config = load_model_config(args.model)
-    common = dict(micro_batch=args.micro_batch, seq=args.seq, param_dtype=args.dtype, optimizer=args.optimizer,
-                  recompute=args.recompute, attention=args.attention, options=ParallelOptions.from_env())
+    common = {"micro_batch": args.micro_batch, "seq": args.seq, "param_dtype": args.dtype, "optimizer": args.optimizer,
+                  "recompute": args.recompute, "attention": args.attention, "options": ParallelOptions.from_env()}
     if args.lora_rank is not None:
         parameters = args.lora_parameters
         modules = args.lora_modules.split(",") if args.lora_modules else None
         common.update(lora_rank=args.lora_rank, lora_modules=modules,
                       lora_parameters=None if parameters is None else [p for p in parameters.split(",") if p != "none"])
+    if args.simulate:  # the estimate of what the simulation runs: a GPU's choices where the device decides
+        from ..sizing.simulate import gpu_path_options
+
+        common["options"] = gpu_path_options(common["options"])
+    if args.simulate and args.suggest:
+        from ..errors import PlanError
+
+        raise PlanError("--simulate runs one mesh: give it (--ep, --emb, --head, --sp, --cp, --replicate) instead "
+                        "of --suggest")
     if (args.ep is not None or args.emb or args.head or args.sp or args.cp or args.replicate != 1
             or not args.suggest):
         sizes = {k: v for k, v in (("ep", args.ep), ("emb", args.emb), ("head", args.head)) if v and v > 1}
@@ -87,23 +97,60 @@ def _cmd_size(args: argparse.Namespace) -> int:
     else:
         budget = args.memory_gib * 2**30 if args.memory_gib else None
         estimates = sizing.suggest(config, args.world, memory_budget=budget, **common)
+    if args.simulate:
+        return _print_simulation(args, config, estimates[0], sizes, common)
     if args.json:
-        print(json.dumps([{"mesh": e.mesh, "placement": e.placement, "tokens_per_rank": e.tokens_per_rank,
-                           "memory": e.memory, "comm": e.comm} for e in estimates], indent=2))
+        print(json.dumps([_estimate_dict(e) for e in estimates], indent=2))
     else:
         print(_describe_model(config, args.model))
         print(f"{config.model_type}: {counted(args.world, 'rank')}, micro-batch {args.micro_batch} x {args.seq} tokens, "
               f"{args.dtype} compute, {args.attention} attention, {args.optimizer}"
               + (", activation checkpointing" if args.recompute else "")
               + (f", LoRA rank {args.lora_rank} (frozen base)" if args.lora_rank else ""))
+        if args.suggest and len(estimates) > 1:
+            budget = args.memory_gib * 2**30 if args.memory_gib else None
+            print("meshes " + sizing.suggest_order(budget, fits=budget is None or any(e.peak_bytes <= budget
+                                                                                       for e in estimates)))
         for e in estimates:
             print(sizing.format_estimate(e))
             group = e.mesh.get("sp", 1) * e.mesh.get("cp", 1)
             if group > 1:
                 print(f"  sequence: the {group} ranks of an sp x cp group share each micro-batch; "
                       f"{e.tokens_per_rank} tokens per rank outside attention")
-            if args.memory_gib and e.memory_total > args.memory_gib * 2**30:
+            if args.memory_gib and e.peak_bytes > args.memory_gib * 2**30:
                 print(f"  (over the {args.memory_gib:g} GiB budget: no mesh of {counted(args.world, 'rank')} fits)")
+    return 0
+
+
+def _estimate_dict(e) -> dict:
+    return {"mesh": e.mesh, "placement": e.placement, "tokens_per_rank": e.tokens_per_rank, "memory": e.memory,
+            "peak_bytes": e.peak_bytes, "comm": e.comm}
+
+
+def _print_simulation(args: argparse.Namespace, config, estimate, sizes: dict, common: dict) -> int:
+    """``size --simulate``: the estimate, then one rank of the fake world running the real step
+    (:mod:`xpar_zoo.sizing.simulate`), side by side."""
+    import json
+
+    from .. import sizing
+    from ..sizing.simulate import check_simulation, simulate
+
+    check_simulation(config, args.dtype, args.route_imbalance)
+    if not args.json:
+        print(_describe_model(config, args.model))
+        print(sizing.format_estimate(estimate), flush=True)
+    sim = simulate(config, args.world, sizes, args.replicate, sp=args.sp or 1, cp=args.cp or 1,
+                   route_imbalance=args.route_imbalance, **common)
+    if args.json:
+        print(json.dumps({"estimate": _estimate_dict(estimate),
+                          "simulated": sim.as_dict()}, indent=2))
+        return 0
+    print(f"  simulated on rank 0 of a fake {args.world}-rank world (real parallelize, one training step, "
+          f"{sim.seconds:.0f} s): {sim.routing}; {sim.device}")
+    for kind, nbytes in sim.by_kind.items():
+        print(f"    {kind:<40} {sizing.format_bytes(nbytes):>12}")
+    print(f"    {'peak':<40} {sizing.format_bytes(sim.peak_bytes):>12}")
+    print(f"  estimated / simulated peak: {estimate.peak_bytes / sim.peak_bytes:.2f}")
     return 0
 
 
@@ -169,19 +216,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from ..train.launcher import launch, launched_by_us
     from ..train.stop import StopAtOnce, Stopped
 
-    cfg = config_from_args(args)  # every setting checked before any rank starts
+    rank = launcher_rank()
+    with StopAtOnce(rank, "while starting"):
+        cfg = config_from_args(args)  # every setting checked before any rank starts
     if args.dry_run:
         from ..train.dry_run import dry_run
 
         report = dry_run(cfg, world=args.nproc_per_node * args.nnodes if args.nproc_per_node else None)
-        if os.environ.get("RANK", "0") == "0":
+        if launcher_rank() == 0:
             print(report)
         return 0
     if args.nproc_per_node is not None and not launched_by_us():
         return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
                       args.master_port)
     try:
-        with StopAtOnce(int(os.environ.get("RANK", "0") or 0)):
+        with StopAtOnce(rank, "while starting", cfg.output):
             run(cfg)
     except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
         return e.code
@@ -303,6 +352,10 @@ def _add_size(sub) -> None:
                    "experts tensors)")
     p.add_argument("--suggest", action="store_true", help="rank the meshes that fit --world")
     p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
+    p.add_argument("--simulate", action="store_true", help="also run the real code on one rank of a fake --world "
+                   "world (fake tensors, torch's fake process group and memory tracker): the simulated peak by kind")
+    p.add_argument("--route-imbalance", type=float, default=1.0, metavar="F",
+                   help="with --simulate: this rank receives F x the mean routed tokens (default 1: balanced)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_size)
 
@@ -312,15 +365,30 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    code = _run_command(args)
+    if code and args.command == "train" and launcher_rank() == 0:
+        from ..train.launcher import under_torchrun
+
+        if under_torchrun():  # torchrun prints its own report of the ranks' exits after this
+            print("xpar-zoo: torchrun's report of the ranks' exit statuses follows; `xpar-zoo train "
+                  "--nproc-per-node N` starts the ranks itself and ends with the line above", file=sys.stderr,
+                  flush=True)
+    return code
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """The command's exit status; interrupts, a closed pipe and bad input as one line (rank 0 says it)."""
     try:
         return args.func(args)
     except KeyboardInterrupt:
+        if launcher_rank() == 0:
+            print("xpar-zoo: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 141
     except XparError as e:  # bad input: the message names the problem; no traceback
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank raises it: rank 0 says it once
+        if launcher_rank() == 0:  # under torchrun every rank raises it: rank 0 says it once
             print(f"xpar-zoo: error: {e}", file=sys.stderr)
         return 2
 

@@ -32,12 +32,18 @@ from ..styles.sequence import (
     kv_repeat,
     recurrent_layers,
 )
+from ..styles.sequence_indexed import INDEXED_LAYER_TYPES, indexed_attention_bytes, indexed_layer_count
 from ..styles.sequence_mixers import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+GRADIENTS = "gradients (fp32 shards)"
+# the memory terms the optimizer step holds: the weights (or the frozen base and the adapters), gradients, states
+WEIGHT_TERMS = ("parameters", "frozen base", "adapters", "gradients", "optimizer states")
 
 
 @dataclass
@@ -75,6 +81,15 @@ class Estimate:
     @property
     def memory_total(self) -> float:
         return sum(self.memory.values())
+
+    @property
+    def peak_bytes(self) -> float:
+        """The per-rank peak of a training step: the larger of forward/backward's (every term but the gradients,
+        which ``zero_grad`` frees and backward makes only as it frees the activations) and the optimizer step's
+        (weights, gradients and optimizer states)."""
+        grads = self.memory.get(GRADIENTS, 0.0)
+        weights = sum(v for k, v in self.memory.items() if k.startswith(WEIGHT_TERMS))
+        return max(self.memory_total - grads, weights)
 
     @property
     def comm_total(self) -> float:
@@ -167,9 +182,11 @@ def sequence_refusal(config, attention: str = "sdpa", model: nn.Module | None = 
 
 def whole_row_layers(config) -> int:
     """How many layers of ``config`` are sequence mixers that run on the whole rows of the group under sp/cp
-    (:mod:`xpar_zoo.styles.sequence_mixers`): their ``config.layer_types`` other than attention or MLP/MoE."""
+    (:mod:`xpar_zoo.styles.sequence_mixers`): their ``config.layer_types`` other than attention (indexed attention
+    too) or MLP/MoE."""
     kinds = getattr(config, "layer_types", None) or ()
-    return sum(1 for k in kinds if k not in ATTENTION_LAYER_TYPES and k not in CHANNEL_LAYER_TYPES)
+    attention = ATTENTION_LAYER_TYPES | CHANNEL_LAYER_TYPES | INDEXED_LAYER_TYPES
+    return sum(1 for k in kinds if k not in attention)
 
 
 def check_long_context(config, world: int, replicate: int, seq: int, sp: int = 1, cp: int = 1,
@@ -256,7 +273,10 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     else:
         mlp = h + 4 * config.intermediate_size
     attn, scores, mask = _attention_bytes(config, rows, seq, dtype_bytes, sp, cp, attention, options)
-    layer = local * (4 * h + outside + mlp) * dtype_bytes + attn  # bytes one layer keeps (scores apart)
+    # RMSNorm computes in fp32: below fp32 it keeps an fp32 copy of its input beside its normalised output
+    upcast = 4 - dtype_bytes if dtype_bytes < 4 else 0
+    norms = upcast * (2 * h + (q_width + kv_width if qk_norm else 0))
+    layer = local * ((4 * h + outside + mlp) * dtype_bytes + norms) + attn  # bytes one layer keeps (scores apart)
     # a sequence mixer on the group's whole rows (sp/cp): its gathered input, its input and projections as wide as
     # the attention's (a proxy) for every token of the rows; recomputed in backward by default (mixer_recompute),
     # so a mixer layer keeps its local values and one mixer's whole rows are a transient
@@ -271,7 +291,7 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
         kept = mixer - whole if options.mixer_recompute else mixer
         values = (layers - mixers) * layer + mixers * kept + (whole if mixers and options.mixer_recompute else 0)
         scores_kept = (layers - mixers) * scores
-    values += local * 2 * h * dtype_bytes  # the final norm
+    values += local * h * (2 * dtype_bytes + upcast)  # the final norm
     s = fused_head
     if s == 0:
         loss = local * config.vocab_size * 4
@@ -464,7 +484,7 @@ def _weight_memory(est: Estimate, model: nn.Module, units: list, lora_rank: int 
         est.memory["adapters (fp32 shards)"] = trainable * 4
     else:
         est.memory["parameters (fp32 shards)"] = shard_numel * 4
-    est.memory["gradients (fp32 shards)"] = trainable * 4
+    est.memory[GRADIENTS] = trainable * 4
     states = f"optimizer states ({optimizer}, adapters)" if lora_rank else f"optimizer states ({optimizer})"
     est.memory[states] = trainable * 4 * OPTIMIZER_STATES[optimizer]
     biggest = max((u.numel_padded for u in units if not u.root), default=0)
@@ -507,6 +527,13 @@ def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, size
                                         options=options)
     if temporaries:
         est.memory["eager backward temporaries (seq²)"] = temporaries
+    indexed = indexed_layer_count(config)
+    if indexed:  # DSA: the indexer's scores (no gradient: a transient) and each indexed layer's top-k mask
+        transient, kept = indexed_attention_bytes(config, rows // seq, seq, pbytes, sp, cp, attention == "eager",
+                                                  options.block_budget(None))
+        est.memory["indexer scores (one layer's, transient)"] = transient
+        if kept:
+            est.memory["indexed attention masks (seq², kept per indexed layer)"] = kept * indexed
 
 
 def _fsdp_comm(est: Estimate, units: list, world: int, pbytes: int, rbytes: int) -> None:
@@ -619,10 +646,27 @@ def suggest(config, world: int, *, memory_budget: float | None = None, top: int 
         sizes = {"ep": cand["ep"]} if cand["ep"] > 1 else {}
         ests.append(estimate(config, world, sizes, cand["replicate"], plan=plan, model=model, sp=cand["sp"],
                              cp=cand["cp"], **kwargs))
-    fits = [e for e in ests if memory_budget is None or e.memory_total <= memory_budget]
+    fits = [e for e in ests if memory_budget is None or e.peak_bytes <= memory_budget]
     if not fits:
-        return sorted(ests, key=lambda e: (e.memory_total, e.comm_total))[:top]
-    return sorted(fits, key=lambda e: (e.comm_total, e.memory_total))[:top]
+        return _with_expert_mesh(sorted(ests, key=lambda e: (e.peak_bytes, e.comm_total)), top)
+    return _with_expert_mesh(sorted(fits, key=lambda e: (e.comm_total, e.peak_bytes)), top)
+
+
+def suggest_order(memory_budget: float | None, fits: bool = True) -> str:
+    """How :func:`suggest` ranks the meshes it shows, in words (the ``size --suggest`` header)."""
+    if memory_budget is not None and not fits:
+        return "no mesh fits the budget: ranked by peak memory per rank, then bytes sent per rank per step"
+    within = " among those within the budget" if memory_budget is not None else ""
+    return (f"ranked by bytes sent per rank per step, then peak memory per rank{within}; the best mesh with ep "
+            "is always shown for an MoE model")
+
+
+def _with_expert_mesh(ranked: list[Estimate], top: int) -> list[Estimate]:
+    """The first ``top`` of ``ranked``, the best one with an ``ep`` plan among them (last) when none made it."""
+    shown = ranked[:top]
+    if not any(e.mesh.get("ep", 1) > 1 for e in shown):
+        shown += next(([e] for e in ranked[top:] if e.mesh.get("ep", 1) > 1), [])
+    return shown
 
 
 def format_bytes(n: float) -> str:
@@ -656,6 +700,7 @@ def format_estimate(est: Estimate) -> str:
     lines.append("  memory per rank:")
     lines += [f"    {k:<40} {format_bytes(v):>12}" for k, v in est.memory.items()]
     lines.append(f"    {'total':<40} {format_bytes(est.memory_total):>12}")
+    lines.append(f"    {'peak (gradients freed by zero_grad)':<40} {format_bytes(est.peak_bytes):>12}")
     lines.append("  communication per step (bytes sent per rank):")
     lines += [f"    {k:<40} {format_bytes(v):>12}" for k, v in est.comm.items() if v]
     lines.append(f"    {'total':<40} {format_bytes(est.comm_total):>12}")

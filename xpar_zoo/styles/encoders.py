@@ -140,3 +140,44 @@ def install_encoder_agreement(model: nn.Module, device_type: str) -> bool:
 
     wrap_forward(model, forward)
     return True
+
+
+def _runs(types: torch.Tensor, value: int) -> int:
+    """How many runs of consecutive ``value`` tokens ``types`` holds (one per image, or per video frame)."""
+    hit = (types == value).to(torch.int8)
+    return int(((hit[1:] - hit[:-1]) == 1).sum()) + int(hit[:1].sum()) if len(hit) else 0
+
+
+def _take_videos(grids: list[torch.Tensor], frames: int) -> list[torch.Tensor]:
+    taken = []
+    while frames > 0 and grids:
+        taken.append(grids.pop(0))
+        frames -= int(taken[-1][0])
+    return taken
+
+
+def document_positions(model: nn.Module, batch: dict) -> dict:
+    """``batch`` with multimodal RoPE positions where the model uses them (a module with ``get_rope_index``, and
+    ``mm_token_type_ids`` in the batch): ``position_ids`` ``[4, batch, seq]``, the text positions (which restart at
+    every packed document: transformers' packed-document mask reads them) over the model's own 3-D positions, each
+    document's computed alone by ``get_rope_index`` from its tokens and its images' grids. Otherwise unchanged."""
+    host = next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+    types = batch.get("mm_token_type_ids")
+    text = batch.get("position_ids")
+    if host is None or types is None or text is None or text.dim() != 2:
+        return batch
+    ids = batch["input_ids"]
+    images = list(batch.get("image_grid_thw", ()))
+    videos = list(batch.get("video_grid_thw", ()))
+    rope = torch.zeros(3, *ids.shape, dtype=torch.int64, device=ids.device)
+    for b in range(ids.shape[0]):
+        starts = (text[b] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        for s, e in zip(starts[:-1], starts[1:]):
+            kinds = types[b, s:e]
+            mine = [images.pop(0) for _ in range(_runs(kinds, 1))]
+            clips = _take_videos(videos, _runs(kinds, 2))
+            pos, _ = host.get_rope_index(ids[b:b + 1, s:e], kinds[None],
+                                         image_grid_thw=torch.stack(mine) if mine else None,
+                                         video_grid_thw=torch.stack(clips) if clips else None)
+            rope[:, b, s:e] = pos[:, 0]
+    return {**batch, "position_ids": torch.cat([text[None].to(rope.device), rope])}

@@ -288,18 +288,37 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _source_major_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
-    """Rows arrive as ``[source rank][local expert]`` blocks of sizes ``recv[s, e]``; the index that reorders them
-    as ``[local expert][source rank]``."""
+def _source_major_to_expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows arrive as ``[source rank][local expert]`` blocks of sizes ``recv[s, e]`` (``total`` rows); the index that
+    reorders them as ``[local expert][source rank]``."""
     sizes = recv.reshape(-1)
     starts = torch.cumsum(sizes, 0) - sizes
     order = torch.arange(sizes.numel(), device=recv.device).view_as(recv).t().reshape(-1)
     sizes_e, starts_e = sizes[order], starts[order]
-    total = int(sizes.sum())
     # position p inside the output block b maps to starts_e[b] + (p - block_start_e[b])
     block_start_e = torch.cumsum(sizes_e, 0) - sizes_e
     shift = torch.repeat_interleave(starts_e - block_start_e, sizes_e, output_size=total)
     return torch.arange(total, device=recv.device) + shift
+
+
+def _route_counts(module: nn.Module, flat: torch.Tensor, num_experts: int, ep: PlanShard | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, list[int], list[int]]:
+    """``(rows per expert, [source rank, local expert] rows received, send splits, receive splits)`` of the routed
+    (token, k) pairs ``flat``: counted (with EP, exchanged: one host sync), or where the module has fixed routes
+    (:class:`~xpar_zoo.styles.routes.Routes`, a simulated run) taken from them."""
+    routes = getattr(module, "_xpar_routes", None)
+    size, local = (ep.size, ep.rows) if ep else (1, num_experts)
+    if routes is not None:
+        counts, recv = routes.expert_counts(flat.numel(), size, local)
+        device = flat.device
+        return (torch.tensor(counts, device=device), torch.tensor(recv, device=device) if ep else None,
+                [sum(counts[i * local:(i + 1) * local]) for i in range(size)], [sum(r) for r in recv])
+    counts = torch.bincount(flat, minlength=num_experts)
+    if ep is None:
+        return counts, None, [], []
+    send = counts.view(ep.size, ep.rows)
+    recv = all_to_all_counts(send, ep.group)
+    return counts, recv, send.sum(1).tolist(), recv.sum(1).tolist()
 
 
 def experts_forward(
@@ -319,16 +338,13 @@ def experts_forward(
         return out.to(hidden_states.dtype)
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts, recv, send_splits, recv_splits = _route_counts(self, flat, num_experts, ep)
     rows = hidden_states[order // top_k]
     if ep is None:
         out = _experts_mlp(self, rows, counts, 0, num_experts)
     else:
-        send = counts.view(ep.size, ep.rows)
-        recv = all_to_all_counts(send, ep.group)
-        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         received = all_to_all(rows, recv_splits, send_splits, ep.group)
-        regroup = _source_major_to_expert_major(recv)
+        regroup = _source_major_to_expert_major(recv, sum(recv_splits))
         if triton_path is not None:  # the regrouping happens inside the GEMMs' loads and stores
             out = _experts_mlp(self, received, recv.sum(0), ep.offset, ep.rows, triton_path, tiles, perm=regroup)
         else:

@@ -33,8 +33,10 @@ positions.
 lightning attention, mamba mixers) run those layers on the whole rows of the sequence group
 (:mod:`xpar_zoo.styles.sequence_mixers`: the hidden states are all-gathered around the real module, which runs
 unchanged; the rank keeps its tokens of the output). Exact, but their compute is repeated over the group and their
-activation memory is not divided. Sequence mixing that is not such a module (a convolution inside the attention,
-an indexer inside indexed sparse attention) is refused, naming it and why.
+activation memory is not divided. **Indexed sparse attention** (DSA indexers: deepseek_v32, glm_moe_dsa, …) scores
+this rank's queries against the whole row's indexer keys and masks the keys a query did not select
+(:mod:`xpar_zoo.styles.sequence_indexed`). Sequence mixing that is none of these (a convolution inside the
+attention, another kind of indexer or compressor) is refused, naming it and why.
 
 ``generate`` (a KV cache) is refused on an sp/cp mesh with one line: decoding one token at a time has nothing to
 split. Parameters are placed exactly as without sp/cp, so checkpoints are unchanged.
@@ -62,6 +64,12 @@ from ..errors import BatchError, ModelStateError, PlanError
 from ..parallel.mesh import Mesh, PlanShard
 from ..parallel.options import ParallelOptions
 from ..parallel.state import ParallelState, parallel_state, parallelized_module
+from .sequence_indexed import (
+    check_indexed_inner,
+    install_indexers,
+    selected_attention,
+    served_indexed_layer_types,
+)
 
 # The layout, the masks and the inner paths live in their own modules; the names other modules, tests and bench
 # scripts import from here are imported here too. SequenceParallel calls lower_right_attention and blocked_attention
@@ -266,6 +274,9 @@ class SequenceParallel:
         if batch is None:
             raise ModelStateError("sp/cp attention ran outside a forward of the parallelized model")
         heads, kv_heads = query.shape[1], key.shape[1]
+        selected = kwargs.pop("indices", None)  # a DSA indexer's top-k (global row positions of the keys)
+        if selected is not None:
+            check_indexed_inner(module, self.inner)
         overrides = {}
         if self.sp > 1:
             if heads % self.sp:
@@ -289,13 +300,16 @@ class SequenceParallel:
             out = OWN_MASK_INNER[self.inner](batch, self.inner_view(module, overrides), query, key, value, causal,
                                              dropout, scaling, sliding_window, _global_kwargs(kwargs))
             return (sequence_to_heads(out, self.sp_group, self.sp) if self.sp > 1 else out), None
-        if (self.cp > 1 and self.inner == "sdpa" and self.options.cp_lower_right(query.device.type)
-                and batch.causal_only(causal, sliding_window, key.shape[2])
+        if (selected is None and self.cp > 1 and self.inner == "sdpa"
+                and self.options.cp_lower_right(query.device.type) and batch.causal_only(causal, sliding_window, key.shape[2])
                 and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None):
             out = lower_right_attention(query, key, value, batch, dropout, scaling)
         else:
             call = self.inner_call(module, overrides, dropout, scaling, sliding_window, kwargs)
-            if self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
+            if selected is not None:
+                out = selected_attention(self, call, query, key, value, causal, sliding_window, selected,
+                                         blocked_attention)
+            elif self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
                 out = call(query, key, value, None)  # sdpa's own is_causal over the whole row (flash kernels on GPU)
             else:
                 out = self.masked_attention(call, query, key, value, causal, sliding_window)
@@ -322,7 +336,8 @@ def _text_config(config):
 def recurrent_layers(model: nn.Module) -> list[str]:
     """Sequence mixing of ``model`` outside the ``AttentionInterface`` that sp/cp cannot run on whole rows (the
     mixers :func:`~xpar_zoo.styles.sequence_mixers.sequence_mixers` finds run gathered), one ``"what: why"`` each."""
-    return unserved_mixers(model, _text_config(model.config))
+    config = _text_config(model.config)
+    return unserved_mixers(model, config, served_indexed_layer_types(model, config))
 
 
 def attention_outside_interface(model: nn.Module) -> str | None:
@@ -423,7 +438,8 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
         raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
     for module in model.modules():
         module.__dict__["_xpar_seq"] = state
-    install_sequence_mixers(model, state)  # linear-attention / SSM mixers: on the group's whole rows
+    install_sequence_mixers(model, state, served_indexed_layer_types(model, model.config.get_text_config()))
+    install_indexers(model, state)  # DSA indexers: this rank's queries against the whole row's keys
     original = model.forward
     signature = inspect.signature(original)
     var_kw = next(p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD)

@@ -28,8 +28,8 @@ head-sliced projection weights and convolutions inside the modules, i.e. copied 
 modeling code, so the mixers run whole.
 
 **Refused** (:func:`unserved_mixers` names them, with the reason): sequence mixing that is not such a module,
-e.g. a short convolution inside the attention module on the key projections (inkling), indexed / compressed sparse
-attention whose indexer runs inside the attention module over the whole sequence (deepseek_v32, glm_moe_dsa, …),
+e.g. a short convolution inside the attention module on the key projections (inkling), compressed sparse attention
+or an indexer other than DSA's (:mod:`xpar_zoo.styles.sequence_indexed` serves those) inside the attention module,
 or a layer type whose layers hold no such module.
 """
 
@@ -105,16 +105,17 @@ def _layer_type_reason(kind: str) -> str:
     return f"layer type {kind!r}: {why}"
 
 
-def unserved_mixers(model: nn.Module, config) -> list[str]:
+def unserved_mixers(model: nn.Module, config, attention_types: frozenset[str] = frozenset()) -> list[str]:
     """Sequence mixing of ``model`` that neither the sp/cp attention nor :func:`sequence_mixers` serves, one
-    ``"what: why"`` each (empty: sp/cp can run the model)."""
+    ``"what: why"`` each (empty: sp/cp can run the model). ``attention_types``: further layer types the sp/cp
+    attention serves (indexed attention)."""
     mixers = sequence_mixers(model)
     owners = {id(m) for name, m in model.named_modules() if any(k.startswith(name + ".") for k in mixers)}
     types = list(getattr(config, "layer_types", None) or ())
     layers = decoder_layers(model)
     served: dict[str, bool] = {}
     for i, kind in enumerate(types):
-        if kind not in ATTENTION_LAYER_TYPES and kind not in CHANNEL_LAYER_TYPES:
+        if kind not in ATTENTION_LAYER_TYPES and kind not in CHANNEL_LAYER_TYPES and kind not in attention_types:
             ok = len(layers) == len(types) and id(layers[i]) in owners
             served[kind] = served.get(kind, True) and ok
     found = [_layer_type_reason(kind) for kind, ok in served.items() if not ok]
@@ -213,11 +214,12 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
     return forward
 
 
-def install_sequence_mixers(model: nn.Module, state) -> list[str]:
+def install_sequence_mixers(model: nn.Module, state, attention_types: frozenset[str] = frozenset()) -> list[str]:
     """Wrap the forward of every :func:`sequence_mixers` module of ``model`` to run on the whole rows of ``state``'s
-    sequence group (a :class:`~xpar_zoo.styles.sequence.SequenceParallel`); returns their names."""
+    sequence group (a :class:`~xpar_zoo.styles.sequence.SequenceParallel`); returns their names.
+    ``attention_types``: as for :func:`unserved_mixers`."""
     mixers = sequence_mixers(model)
-    missed = unserved_mixers(model, model.config.get_text_config())
+    missed = unserved_mixers(model, model.config.get_text_config(), attention_types)
     if missed:  # checked before parallelize; found again here, or the model would run them on its shard alone
         raise ModelStateError(f"sp/cp: sequence mixing not wrapped after parallelize: {'; '.join(missed)}")
     modules = dict(model.named_modules())

@@ -47,13 +47,18 @@ def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     weight = to_local(self.weight)  # [V/s, H]: this rank's rows (FSDP has gathered them)
     vocab = shard.rows * shard.size
     flat = input.reshape(-1)
-    ids, inverse = torch.unique(flat, return_inverse=True)  # sorted, hence grouped by owner
-    lo, hi = ids[[0, -1]].tolist() if ids.numel() else (0, 0)  # sorted: the ends bound every id; one host sync
-    if lo < 0 or hi >= vocab:
-        raise BatchError(f"token id out of range [0, {vocab}) in the vocab-parallel embedding (ids {lo} … {hi})")
-    send = torch.bincount(ids // shard.rows, minlength=shard.size)
-    recv = all_to_all_counts(send, shard.group)
-    send_splits, recv_splits = send.tolist(), recv.tolist()
+    routes = getattr(self, "_xpar_routes", None)
+    if routes is not None:  # a simulated run (no values): every id distinct, spread evenly over the owners
+        ids, inverse = flat, torch.arange(flat.numel(), device=flat.device)
+        send_splits, recv_splits = routes.splits(flat.numel(), shard.size)
+    else:
+        ids, inverse = torch.unique(flat, return_inverse=True)  # sorted, hence grouped by owner
+        lo, hi = ids[[0, -1]].tolist() if ids.numel() else (0, 0)  # sorted: the ends bound every id; one host sync
+        if lo < 0 or hi >= vocab:
+            raise BatchError(f"token id out of range [0, {vocab}) in the vocab-parallel embedding (ids {lo} … {hi})")
+        send = torch.bincount(ids // shard.rows, minlength=shard.size)
+        recv = all_to_all_counts(send, shard.group)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
     asked = all_to_all(ids, recv_splits, send_splits, shard.group) - shard.offset
     pad = self.padding_idx
     local_pad = pad - shard.offset if pad is not None and 0 <= pad - shard.offset < shard.rows else None
@@ -301,6 +306,15 @@ def install_fused_loss(model: nn.Module, *, chunk_elements: int | None = None, k
     check_head(model, module)  # before reading its weight
     install_vocab_lm_head(model, module, whole_vocab(module.weight), chunk_elements, kernels)
     return model
+
+
+def set_loss_chunk(model: nn.Module, chunk_elements: int) -> int:
+    """Make every fused head of ``model`` (vocab-parallel or whole-vocab) compute at most ``chunk_elements`` logits at
+    once, whatever its device's default (:data:`CE_CHUNK_ELEMENTS`); returns how many heads it set."""
+    heads = [m._xpar_head for m in model.modules() if hasattr(m, "_xpar_head")]
+    for state in heads:
+        state.chunk_elements = chunk_elements
+    return len(heads)
 
 
 @contextlib.contextmanager

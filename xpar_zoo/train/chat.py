@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import DataError, counted
 
 ROLES = ("system", "user", "assistant", "tool")
+PART_TYPES = ("text", "image", "video")
 GENERATION_MARKER = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # as transformers detects it
 
 
@@ -63,11 +64,39 @@ def _check_messages(where: str, messages: object, what: str = "messages") -> lis
             raise DataError(f"{where}: {what}[{i}] has role {m['role']!r}; roles: {', '.join(ROLES)}")
         content = m.get("content")
         calls = m["role"] == "assistant" and bool(m.get("tool_calls"))
-        if not (isinstance(content, str) or (content is None and calls)):
+        if isinstance(content, list):
+            _check_parts(f"{where}: {what}[{i}]", content)
+        elif not (isinstance(content, str) or (content is None and calls)):
             raise DataError(f"{where}: {what}[{i}] ({m['role']}) has content of type {type(content).__name__}; "
-                            "text content is supported (an assistant turn with tool_calls may have none)")
+                            "text, or a list of text / image / video parts (an assistant turn with tool_calls may "
+                            "have none)")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
+
+
+def _check_parts(where: str, parts: list) -> None:
+    """A message's content as parts: ``{"type": "text", "text": …}``, ``{"type": "image", "image": PATH}`` or
+    ``{"type": "video", "video": PATH}``."""
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in PART_TYPES:
+            raise DataError(f"{where}.content[{j}] is not a part of type {', '.join(PART_TYPES)}"
+                            + (f" (type {kind!r})" if kind is not None else ""))
+        value = part.get(kind)
+        if not isinstance(value, str) or (kind != "text" and not value):
+            raise DataError(f"{where}.content[{j}]: a {kind} part needs {kind!r}: "
+                            + ("its text" if kind == "text" else "the file's path (relative to the data file)"))
+
+
+def media_parts(ex: "Example") -> list[dict]:
+    """The image and video parts of an example's messages, in order."""
+    return [part for m in ex.messages or () if isinstance(m.get("content"), list)
+            for part in m["content"] if part["type"] in ("image", "video")]
+
+
+def has_parts(ex: "Example") -> bool:
+    """Whether any message of the example holds its content as a list of parts."""
+    return any(isinstance(m.get("content"), list) for m in ex.messages or ())
 
 
 def to_example(where: str, record: dict) -> Example:
@@ -136,7 +165,7 @@ def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool = Fa
                                          add_generation_prompt=generation_prompt)
 
 
-def _spans_to_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
+def spans_to_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
     """Tokens overlapping a character span (transformers' rule for ``assistant_masks``)."""
     bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     mask = np.zeros(len(bounds), dtype=bool)
@@ -167,7 +196,7 @@ def prefix_spans(tokenizer, ex: Example, text: str, first: int = 0) -> list[tupl
     return spans
 
 
-def _trim_after_eos(ids: Sequence[int], mask: np.ndarray, eos: int | None) -> np.ndarray:
+def trim_after_eos(ids: Sequence[int], mask: np.ndarray, eos: int | None) -> np.ndarray:
     """Each run of targets ends at its last end-of-sequence token (template glue after it is not generated)."""
     if eos is None:
         return mask
@@ -215,7 +244,7 @@ def render(tokenizer, ex: Example, loss_on: str, markers: bool | None = None) ->
         mask = np.asarray(hf["assistant_masks"], dtype=bool)
     else:
         first = ex.completion_from if loss_on == "completion" else 0
-        mask = _trim_after_eos(ids, _spans_to_mask(offsets, prefix_spans(tokenizer, ex, text, first)), eos)
+        mask = trim_after_eos(ids, spans_to_mask(offsets, prefix_spans(tokenizer, ex, text, first)), eos)
     if loss_on == "completion":
         prompt = _render(tokenizer, ex.messages[:ex.completion_from], ex.tools, generation_prompt=True)
         if not text.startswith(prompt):
@@ -329,6 +358,10 @@ def conversation_corpus(path: str | Path, kind: str, examples: list[Example], to
     fitted to ``seq_len`` and packed whole; its ``summary`` says what was counted, truncated or dropped."""
     from .packing import ConversationCorpus
 
+    parts = next((ex for ex in examples if has_parts(ex)), None)
+    if parts is not None:
+        raise DataError(f"{parts.where}: message content as a list of parts (images, videos) is read for "
+                        "multimodal models (with a processor); this model is text-only: give content as text")
     if kind == "messages" or any(ex.messages is not None for ex in examples):
         check_chat_template(tokenizer, str(path))
     loss_on = loss_on or ("assistant" if kind == "messages" else "completion")

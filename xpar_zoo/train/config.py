@@ -97,6 +97,11 @@ class TrainConfig:
     eval_batches: int | None = None
     save_best: bool = False
     report_to: str | None = None
+    # image–text data (xpar_zoo.train.multimodal)
+    max_pixels: int | None = None
+    min_pixels: int | None = None
+    allow_absolute_paths: bool = False
+    freeze_vision: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The settings as JSON data (saved in checkpoints and printed at start)."""

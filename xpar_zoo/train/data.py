@@ -381,5 +381,13 @@ def micro_batches(corpus: PackedCorpus, position: int, rank: int, world: int, mi
 def flatten_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A micro-batch ``[B, S]`` as one row ``[1, B·S]``: transformers' flash-attention kernels separate packed
     documents (varlen, from ``position_ids``) only in a batch of one row; row starts are document starts (position
-    0, label ``-100``), so the loss and every gradient are those of the ``[B, S]`` batch."""
-    return {k: v.reshape(1, -1) for k, v in batch.items()}
+    0, label ``-100``), so the loss and every gradient are those of the ``[B, S]`` batch. Per-token inputs are
+    flattened alike; per-image inputs (pixels) stay as they are."""
+    rows = batch["input_ids"].shape
+    out = dict(batch)
+    for k, v in batch.items():
+        if v.shape == rows:
+            out[k] = v.reshape(1, -1)
+        elif v.dim() == 3 and v.shape[1:] == rows:  # multimodal RoPE positions [k, B, S]
+            out[k] = v.reshape(v.shape[0], 1, -1)
+    return out

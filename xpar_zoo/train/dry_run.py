@@ -15,11 +15,12 @@ from .outputs import check_finished_resume, plan_outputs
 
 
 def _model_config(cfg: TrainConfig):
-    """The model's config (no weights): ``tiny-qwen3-moe`` built in memory, else the config file."""
-    from .tiny import TINY_MODEL, tiny_config, tiny_tokenizer
+    """The model's config (no weights): a tiny model's built in memory, else the config file."""
+    from .tiny_vl import tiny_model_config
 
-    if cfg.model == TINY_MODEL:
-        return tiny_config(len(tiny_tokenizer()))
+    tiny = tiny_model_config(cfg.model)
+    if tiny is not None:
+        return tiny
     from ..hub.resolve import resolve_config
     from ..loader import load_config
 
@@ -33,17 +34,17 @@ def _read_data(cfg: TrainConfig, config, world: int):
     import tempfile
 
     from .loop import load_corpus, resolve_epochs, text_vocab_size
-    from .tiny import TINY_MODEL, tiny_tokenizer
+    from .tiny_vl import TINY_MODELS, save_tiny_files
 
     held = None
     with tempfile.TemporaryDirectory() as tmp:
         data_cfg = cfg
-        if cfg.model == TINY_MODEL and not cfg.tokenizer:  # its tokenizer, built in memory too
-            tiny_tokenizer().save_pretrained(tmp)
+        if cfg.model in TINY_MODELS and not cfg.tokenizer:  # its tokenizer (and processor), built in memory too
+            save_tiny_files(cfg.model, tmp)
             data_cfg = dataclasses.replace(cfg, tokenizer=tmp)
-        corpus, tokenizer = load_corpus(data_cfg, text_vocab_size(config))
+        corpus, tokenizer = load_corpus(data_cfg, text_vocab_size(config), model_config=config)
         if cfg.eval_data:
-            held = load_corpus(data_cfg, text_vocab_size(config), cfg.eval_data)[0]
+            held = load_corpus(data_cfg, text_vocab_size(config), cfg.eval_data, model_config=config)[0]
     cfg, corpus = resolve_epochs(cfg, corpus, tokenizer, world)
     return cfg, corpus, held
 

@@ -29,6 +29,11 @@ def launched_by_us() -> bool:
     return os.environ.get(LAUNCHED) == "1"
 
 
+def under_torchrun() -> bool:
+    """Whether torchrun (torch.distributed.elastic) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def under_other_launcher() -> bool:
     return not launched_by_us() and ("TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", 1)) > 1)
 

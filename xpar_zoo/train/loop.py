@@ -46,10 +46,11 @@ from ..loss.balance import (
 from ..loss.global_batch import count_targets, global_count
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.distributed import run_everywhere
+from ..styles.encoders import document_positions
 from ..styles.sequence import ATTENTION_PREFIX, data_shard, set_inner_attention
 from . import sft_config
 from .agreement import check_same_settings, resume_changes
-from .chat import conversation_corpus, load_examples, pad_token_id
+from .chat import conversation_corpus, has_parts, load_examples, pad_token_id
 from .checkpointer import Checkpointer, check_resumable
 from .config import DTYPES, TrainConfig, parallel_options, validate
 from .data import (
@@ -64,6 +65,14 @@ from .data import (
 from .evaluate import Evaluator
 from .lora import export_adapter, export_merged, from_pretrained_kwargs, is_lora
 from .metrics import MetricsLog, peak_memory_bytes
+from .multimodal import (
+    copy_processor_files,
+    freeze_vision,
+    images_kwargs,
+    is_multimodal,
+    load_processor,
+    media_corpus,
+)
 from .optim import build_optimizer, build_scheduler
 from .outputs import (
     ExportTarget,
@@ -74,8 +83,8 @@ from .outputs import (
 from .packing import EpochLimit, steps_for_epochs
 from .reporting import Reporter
 from .router_loss import RouterAux, router_aux
-from .stop import StopOnSignal, Stopped
-from .tiny import resolve_model
+from .stop import StopAtOnce, StopOnSignal, Stopped
+from .tiny_vl import resolve_model
 
 # transformers' masking utilities build a block-causal mask from restarting position_ids for these (no attention
 # mask, no cache); its flash-attention kernels run packed rows as varlen from position_ids in a batch of one row.
@@ -119,16 +128,24 @@ def _checkpoint_to_resume(cfg: TrainConfig) -> tuple[OutputPlan, list[str]]:
     if plan.resume_from is None:
         return plan, []
     changes = resume_changes(plan.saved, cfg, plan.step)
-    check_finished_resume(plan, cfg.steps)  # (None with --epochs: checked once the data gives the steps)
+    check_finished_resume(plan, cfg.steps, cfg)  # (None with --epochs: checked once the data gives the steps)
     return plan, changes
 
 
-def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None) -> tuple[PackedCorpus, Any]:
+def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None, model_config=None
+                ) -> tuple[PackedCorpus, Any]:
     """Every rank: read, tokenize and pack the data (``path``, default ``cfg.data``); the tokenizer (``None`` for
     pre-tokenized data without one). Conversations (``messages``, ``prompt``/``completion``) are packed whole
-    (:mod:`xpar_zoo.train.chat`, :mod:`xpar_zoo.train.packing`)."""
+    (:mod:`xpar_zoo.train.chat`, :mod:`xpar_zoo.train.packing`); for a multimodal model, conversations whose
+    content has parts (images) are rendered by its processor (:mod:`xpar_zoo.train.multimodal`)."""
     path = path or cfg.data
     conversations = load_examples(path)
+    if conversations is not None and is_multimodal(model_config) and any(map(has_parts, conversations[1])):
+        processor = load_processor(cfg.tokenizer or cfg.model, model_config)
+        corpus = media_corpus(Path(path), *conversations, processor, loss_on=cfg.loss_on, seq_len=cfg.seq_len,
+                              seed=cfg.seed, vocab_size=vocab_size, allow_absolute=cfg.allow_absolute_paths,
+                              settings=images_kwargs(cfg.max_pixels, cfg.min_pixels))
+        return corpus, processor.tokenizer
     if conversations is not None:
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         return conversation_corpus(path, *conversations, tokenizer, loss_on=cfg.loss_on, seq_len=cfg.seq_len,
@@ -231,6 +248,8 @@ def _load_model(cfg: TrainConfig, mesh, rank: int, **peft) -> nn.Module:
     model = from_pretrained(cfg.model, mesh=mesh, dtype=DTYPES.get(cfg.dtype) if cfg.dtype else None,
                             mixed_precision=cfg.mixed_precision, options=parallel_options(cfg),
                             progress=cfg.progress and rank == 0 and sys.stderr.isatty(), **peft)
+    if cfg.freeze_vision:
+        freeze_vision(model)
     model.train()
     model.config.use_cache = False  # with a cache transformers would not build the packed-document mask
     if cfg.attn_implementation and mesh.sequence_size > 1:
@@ -251,6 +270,7 @@ def _forward_backward(run: _Run, batches: list[dict[str, torch.Tensor]], n_items
     extra = {"output_router_logits": True} if run.aux else {}
     for m, batch in enumerate(batches):
         run.model.set_requires_gradient_sync(m == len(batches) - 1)
+        batch = document_positions(run.model, batch)  # a multimodal model's 3-D RoPE, per packed document
         if run.flatten:
             batch = flatten_rows(batch)
         batch = {k: v.to(run.device) for k, v in batch.items()}
@@ -312,6 +332,8 @@ def _export(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int) -> None:
             model.save_pretrained(target.path, progress=cfg.progress and sys.stderr.isatty())  # every rank: rank 0 writes
         if rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(target.path)
+        if rank == 0 and is_multimodal(model.config):
+            copy_processor_files(cfg.model, target.path)
         target.commit()
     except BaseException:
         target.discard()
@@ -388,13 +410,15 @@ def _read_inputs(cfg: TrainConfig, world: int) -> _Inputs:
     cfg = dataclasses.replace(cfg, model=run_everywhere(lambda: resolve_model(cfg.model, output), rank0_only=True))
     model_config = run_everywhere(lambda: _model_config(cfg.model))
     run_everywhere(lambda: check_mesh(cfg, model_config, world), rank0_only=True)
-    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config)))
+    corpus, tokenizer = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config),
+                                                           model_config=model_config))
     cfg, corpus = run_everywhere(lambda: resolve_epochs(cfg, corpus, tokenizer, world))
-    run_everywhere(lambda: check_finished_resume(plan, cfg.steps), rank0_only=True)
+    run_everywhere(lambda: check_finished_resume(plan, cfg.steps, cfg), rank0_only=True)
     check_same_settings(cfg, data_fingerprint=corpus.fingerprint())  # also proves the fingerprint can be saved
     eval_corpus = None
     if cfg.eval_data:
-        eval_corpus = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config), cfg.eval_data)[0])
+        eval_corpus = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config), cfg.eval_data,
+                                                                  model_config=model_config)[0])
     if ckpt is not None:
         run_everywhere(lambda: check_resumable(ckpt, corpus), rank0_only=True)
     run_everywhere(plan.apply, rank0_only=True)  # --force over a run: only now that every input is checked
@@ -471,7 +495,7 @@ def _run_steps(run: _Run, log: MetricsLog, report: Reporter, step: int, position
     Returns the last step and its record."""
     last_step = run.cfg.stop_after or run.cfg.steps
     record = None
-    with StopOnSignal(announce=log.message) as stop:
+    with StopOnSignal(announce=log.message, output=run.cfg.output) as stop:
         while step < last_step:
             record = {"step": step + 1, **optimizer_step(run, position)}
             step, position = record["step"], record["data_position"]
@@ -498,7 +522,7 @@ def _export_outputs(cfg: TrainConfig, model: nn.Module, tokenizer, rank: int, lo
         log.message(f"exported the {'merged ' if is_lora(model) else ''}model in the hub's format to "
                     f"{cfg.export_hf}")
     if cfg.export_adapter:
-        export_adapter(model, cfg.export_adapter, tokenizer, rank)
+        export_adapter(model, cfg.export_adapter, tokenizer, rank, cfg.model)
         log.message(f"exported the LoRA adapter (PEFT's files) to {cfg.export_adapter}")
 
 
@@ -515,9 +539,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     quiet_other_ranks(rank)
     check_same_settings(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    inputs = _read_inputs(cfg, world)
-    cfg, output = inputs.cfg, Path(inputs.cfg.output)
-    run, mesh, step, position = _build_run(inputs, device, rank, world)
+    with StopAtOnce(rank, "before step 1 (reading the data, loading the model)", cfg.output):
+        inputs = _read_inputs(cfg, world)
+        cfg, output = inputs.cfg, Path(inputs.cfg.output)
+        run, mesh, step, position = _build_run(inputs, device, rank, world)
     sinks = sft_config.reporters(cfg)
     log = MetricsLog(output, active=rank == 0, start_step=step, total_steps=cfg.steps,
                      tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
@@ -531,7 +556,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     try:
         step, record = _run_steps(run, log, report, step, position)
         if step == cfg.steps:
-            _export_outputs(cfg, run.model, inputs.tokenizer, rank, log)
+            with StopAtOnce(rank, "while exporting (nothing exported: the unfinished export is removed)", output):
+                _export_outputs(cfg, run.model, inputs.tokenizer, rank, log)
     finally:
         run.load.remove()
         log.close()

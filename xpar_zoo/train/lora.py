@@ -51,8 +51,10 @@ def export_merged(model: nn.Module, directory: str | os.PathLike, progress: bool
     return save_pretrained(model, directory, merge=merge, progress=progress)
 
 
-def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, rank: int) -> Path:
-    """``--export-adapter``: PEFT's adapter files (and the tokenizer) in ``directory``, written into a staging
+def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, rank: int,
+                   cfg_model: str | None = None) -> Path:
+    """``--export-adapter``: PEFT's adapter files (and the tokenizer; a multimodal model's processor files from
+    ``cfg_model``) in ``directory``, written into a staging
     directory beside it that replaces it once complete (an existing one: ``--force``, checked at start). A
     collective."""
     from ..hub.adapter_files import save_adapter
@@ -63,6 +65,10 @@ def export_adapter(model: nn.Module, directory: str | os.PathLike, tokenizer, ra
         save_adapter(model, target.path, force=True)  # the staging directory: empty, ours
         if rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(target.path)
+        if rank == 0 and cfg_model is not None and getattr(model.config, "vision_config", None) is not None:
+            from .multimodal import copy_processor_files
+
+            copy_processor_files(cfg_model, target.path)
         target.commit()
     except BaseException:
         target.discard()

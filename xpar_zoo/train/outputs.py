@@ -33,7 +33,7 @@ from ..io.atomic_dir import StagingDir, clear_leftovers, remove_aside
 from ..parallel.distributed import broadcast, rank
 from .config import TrainConfig
 from .metrics import METRICS_FILE
-from .tiny import TINY_MODEL
+from .tiny_vl import TINY_MODELS
 
 BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
 RUN_ENTRIES = (CHECKPOINTS, METRICS_FILE, "tensorboard")
@@ -178,7 +178,7 @@ def _own_leftover(output: Path, name: str) -> bool:
     logs, metrics without a step, checkpoint roots without a complete checkpoint, metrics moved aside by
     ``--force``): nothing of the user's, so it does not block the next start."""
     path = output / name
-    if name in (TINY_MODEL, "tensorboard") or MOVED_METRICS.fullmatch(name):
+    if name in (*TINY_MODELS, "tensorboard") or MOVED_METRICS.fullmatch(name):
         return True
     if name in (CHECKPOINTS, BEST):
         return path.is_dir() and not scan_root(path)[0]
@@ -237,10 +237,13 @@ def _replacement(cfg: TrainConfig, plan: OutputPlan, inputs: list[tuple[str, str
         plan.moves.append((metrics, output / f"metrics.before-{stamp}.jsonl"))
 
 
-def check_finished_resume(plan: OutputPlan, steps: int | None) -> None:
+def check_finished_resume(plan: OutputPlan, steps: int | None, cfg: TrainConfig | None = None) -> None:
     """Refuse ``--resume`` of a run whose last step is done when ``steps`` (this run's, once known: ``--epochs``
-    gives them once the data is read) adds none."""
+    gives them once the data is read) adds none and every export ``cfg`` names is there (a resume that only
+    writes a missing export, e.g. after an interrupted one, goes on)."""
     if plan.resume_from is None or steps is None or plan.step is None or steps > plan.step:
+        return
+    if cfg is not None and any(not _non_empty(path) for _, path in exports(cfg)):
         return
     raise TrainConfigError(f"--resume: the run in {plan.output} is at {plan.newest.name} and --steps {steps} adds no "
                            f"step: pass --steps above {plan.step} to train on, or rerun without --resume and with "

@@ -143,7 +143,12 @@ class EpochLimit:
         parts = [self.corpus.rows(first, real)] if real else []
         if real < count:
             parts.append(padding_rows(count - real, self.corpus.seq_len, self.pad_id))
-        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        out = {}
+        for k in dict.fromkeys(k for p in parts for k in p):
+            per_token = [p[k] if k in p else torch.zeros_like(p["input_ids"]) for p in parts]
+            out[k] = torch.cat(per_token if parts[0][k].shape == parts[0]["input_ids"].shape
+                               else [p[k] for p in parts if k in p])  # per image (pixels): the real rows'
+        return out
 
 
 def steps_for_epochs(epochs: int, rows_per_epoch: int, rows_per_step: int) -> int:

@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="keep the checkpoint with the lowest eval_loss in OUTPUT/best")
     a("--report-to", default=S, help="tensorboard, wandb or none, comma-separated (default: tensorboard when "
                                      "installed)")
+    a("--max-pixels", type=int, default=S, help="image–text data: the processor's largest image in pixels (its "
+                                                  "max_pixels; default: the processor's own)")
+    a("--min-pixels", type=int, default=S, help="image–text data: the processor's smallest image in pixels")
+    a("--allow-absolute-paths", action=argparse.BooleanOptionalAction, default=S,
+      help="image–text data: read images outside the data file's folder (absolute paths, '..')")
+    a("--freeze-vision", action=argparse.BooleanOptionalAction, default=S,
+      help="multimodal models: keep the vision tower and its projector frozen (train the language model only)")
     a("--dry-run", action="store_true", default=False,
       help="print the resolved settings, the mesh, the data's token and target counts and the memory estimate, "
            "then exit without loading weights")
@@ -67,6 +74,12 @@ def validate(cfg) -> None:
         raise TrainConfigError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {cfg.loss_on!r}")
     if cfg.truncate is not None and cfg.truncate not in TRUNCATE:
         raise TrainConfigError(f"truncate must be one of {', '.join(TRUNCATE)}, got {cfg.truncate!r}")
+    for name in ("max_pixels", "min_pixels"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise TrainConfigError(f"{name} must be at least 1, got {value}")
+    if cfg.max_pixels is not None and cfg.min_pixels is not None and cfg.min_pixels > cfg.max_pixels:
+        raise TrainConfigError(f"min_pixels ({cfg.min_pixels}) is above max_pixels ({cfg.max_pixels})")
     _validate_lora(cfg)
     _validate_eval(cfg)
     _validate_report(cfg)

@@ -1,7 +1,9 @@
 """Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM (SLURM preemption, ``kill``, our launcher forwarding
 either): the signal only sets a flag; after each step every rank learns whether any rank got one (one all-reduce of
 an integer), so all ranks stop after the same step, save a checkpoint there and exit with 128 + the signal
-(130, 143). A second signal stops at once (``KeyboardInterrupt``), saving nothing."""
+(130, 143). A second signal stops at once, saving nothing. Outside the loop (starting, loading, exporting) a signal
+stops at once. Every way ends with one line on rank 0 saying what is saved and what to type next
+(:func:`saved_hint`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,21 @@ import torch
 import torch.distributed as dist
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def saved_hint(output) -> str:
+    """What a stopped run leaves and how to go on: the newest complete checkpoint in ``OUTPUT/checkpoints`` and
+    ``--resume``, or that nothing is saved and the same command starts again."""
+    from pathlib import Path
+
+    from ..checkpoint.layout import RUN_CHECKPOINTS, scan_root
+
+    if output is None:
+        return "rerun the command to start again"
+    complete, _ = scan_root(Path(output) / RUN_CHECKPOINTS)
+    if complete:
+        return f"the run is saved at {complete[-1][1].name}: rerun with --resume to continue"
+    return "no checkpoint was saved yet: rerun the same command to start again"
 
 
 class Stopped(Exception):
@@ -49,15 +66,18 @@ class StopOnSignal(_SignalHandlers):
     :meth:`agreed` is the largest signal number any rank received (0: none). Outside the main thread it does
     nothing (signals are delivered to the main thread only)."""
 
-    def __init__(self, announce=print) -> None:
+    def __init__(self, announce=print, output=None) -> None:
         self.signum = 0
         self._announce = announce
+        self._output = output
         self._old: dict[int, object] = {}
 
     def _handler(self, signum, frame) -> None:
         if self.signum:  # the second one: stop now
             self.__exit__(None, None, None)
-            raise KeyboardInterrupt
+            name = signal.Signals(signum).name
+            self._announce(f"{name} again: stopped at once without saving this step; {saved_hint(self._output)}")
+            raise Stopped(signum, f"stopped by a second {name}")
         self.signum = signum
         self._announce(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                        "(send it again to stop without saving)")
@@ -72,16 +92,25 @@ class StopOnSignal(_SignalHandlers):
 
 
 class StopAtOnce(_SignalHandlers):
-    """Outside the training loop (loading, exporting): SIGINT or SIGTERM stops the run at once with
-    :class:`Stopped` (no step is in flight: nothing trained since the last checkpoint is lost), said on rank 0; the
-    loop's :class:`StopOnSignal` takes over while it runs."""
+    """Outside the training loop (starting, loading, exporting: ``phase``): SIGINT or SIGTERM stops the run at once
+    with :class:`Stopped` (no step is in flight: nothing trained since the last checkpoint is lost; a half-written
+    export or checkpoint is a staging directory, removed), said on rank 0 in one line with :func:`saved_hint` for
+    ``output``; the loop's :class:`StopOnSignal` takes over while it runs. A second signal while the first is
+    being handled is ignored (the first already stops the run)."""
 
-    def __init__(self, rank: int = 0) -> None:
+    def __init__(self, rank: int = 0, phase: str = "", output=None) -> None:
         self.rank = rank
+        self.phase = phase
+        self.output = output
+        self._stopping = False
         self._old: dict[int, object] = {}
 
     def _handler(self, signum, frame) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
         name = signal.Signals(signum).name
         if self.rank == 0:
-            print(f"{name}: stopped (nothing trained since the last checkpoint is lost)", flush=True)
+            where = f" {self.phase}" if self.phase else ""
+            print(f"{name}: stopped{where}; {saved_hint(self.output)}", flush=True)
         raise Stopped(signum, f"stopped by {name}")

@@ -38,8 +38,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer():
-    """The byte-level chat tokenizer of ``tiny-qwen3-moe`` (a ``PreTrainedTokenizerFast``, 259 tokens)."""
+def tiny_tokenizer(extra_special: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE):
+    """The byte-level chat tokenizer of ``tiny-qwen3-moe`` (a ``PreTrainedTokenizerFast``, 259 tokens; more with
+    ``extra_special`` tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,9 +48,9 @@ def tiny_tokenizer():
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(SPECIAL_TOKENS) + list(extra_special))
     out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    out.chat_template = CHAT_TEMPLATE
+    out.chat_template = chat_template
     return out
 
 
@@ -85,17 +86,6 @@ def save_tiny_model(directory: str | os.PathLike, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
-
-
-def resolve_model(name: str, output: str | os.PathLike) -> str:
-    """``name``, or for :data:`TINY_MODEL` the directory ``OUTPUT/tiny-qwen3-moe`` it is saved in (written by the
-    caller's rank 0 when missing)."""
-    if name != TINY_MODEL:
-        return name
-    directory = Path(output) / TINY_MODEL
-    if not (directory / "config.json").is_file():
-        save_tiny_model(directory)
-    return str(directory)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,207 @@
+"""``xpar-zoo size … --simulate``: the real code on one rank of a simulated world of N ranks, in one process.
+
+torch's fake process group stands in for the N-rank world (every collective returns at once, with the right
+shapes), the model is built on the meta device from the real config, ``parallelize`` runs with the requested mesh,
+the model is materialised as fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no data) and one
+training step (forward and backward on ``micro_batch × seq`` tokens, :func:`~xpar_zoo.clip_grad_norm_`, AdamW)
+runs twice under torch's FSDP memory tracker; the second step's peak is the simulated per-rank peak (the first
+makes the optimizer's states).
+
+What a world of fake tensors cannot run, and how it is handled (docs/design.md, "Sizing"): the router's choices
+and the token ids have no values, so the EP and ``emb`` all-to-alls take fixed routes
+(:class:`~xpar_zoo.styles.routes.Routes`: balanced, or the busiest rank receiving ``route_imbalance`` times the mean);
+the tensors live on the CPU device (torch's CPU build aborts on fake CUDA tensors inside sdpa), so the CPU's
+choices that depend on the device hold (the fused loss's chunk, the sp/cp attention's block budget), while
+FSDP2's own collectives (the GPU's path) replace the CPU's in-place gloo ones; torch's fake ``grouped_mm`` takes
+bf16 only, so routed experts simulate in bf16 or fp16 compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..compat import fake_process_group_store, fake_tensor_mode, fsdp_memory_tracker
+from ..errors import PlanError
+from ..loss.fused import CE_CHUNK_ELEMENTS
+from ..parallel.options import ATTENTION_BLOCK_MIB_ACCELERATOR, ParallelOptions
+from ..styles.routes import Routes, install_routes
+from . import estimator as sizing
+
+# sdpa on plain rows, as a real run has it: transformers cannot tell from fake position ids that the rows are not
+# packed and would build a block-causal mask (and repeat the key/value heads for it); under a name of its own that
+# has no mask function, it builds none and sdpa runs causal, as on real plain rows
+PLAIN_ROWS_SDPA = "xpar_zoo_simulated_sdpa"
+AttentionInterface.register(PLAIN_ROWS_SDPA, sdpa_attention_forward)
+
+KINDS = ("parameters", "gradients", "optimizer states", "activations", "temporaries")
+# torch's tracker categories (torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType values) by our kind
+TRACKER_KINDS = {
+    "Sharded Param": "parameters", "Unsharded Param": "parameters", "Buffer": "parameters",
+    "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "OptState": "optimizer states",
+    "Activation": "activations", "Inputs": "activations",
+    "Temp": "temporaries", "All Gather": "temporaries", "Reduce Scatter": "temporaries",
+}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEVICE_NOTE = ("fake tensors on the CPU device (torch's CPU build cannot run sdpa on fake CUDA tensors), with a "
+               "GPU's choices: FSDP2's own collectives, the fused loss's chunk, the sp/cp attention's block budget and "
+               "lower-right cp")
+
+
+def gpu_path_options(options: ParallelOptions | None = None) -> ParallelOptions:
+    """``options`` with a GPU's defaults where they leave the choice to the device (the block budget, cp's
+    lower-right sdpa) and FSDP2's own collectives: what the simulation runs and the estimate beside it sizes."""
+    options = options or ParallelOptions()
+    return options.replace(cpu_collectives="gloo", cp_attention=options.cp_attention or "lower_right",
+                           attention_block_mib=options.attention_block_mib or ATTENTION_BLOCK_MIB_ACCELERATOR)
+
+
+@dataclass
+class Simulation:
+    """The simulated per-rank peak of one training step (bytes), by kind (:data:`KINDS`), and how it was made."""
+
+    peak_bytes: int
+    by_kind: dict[str, int]
+    routing: str
+    device: str = DEVICE_NOTE
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "by_kind": self.by_kind, "routing": self.routing,
+                "device": self.device, "seconds": round(self.seconds, 1), "notes": self.notes}
+
+
+def routing_description(imbalance: float) -> str:
+    if imbalance == 1.0:
+        return "routing simulated as balanced (every rank receives the tokens it sends, spread evenly over experts)"
+    return f"routing simulated as imbalanced: this rank is the busiest, receiving {imbalance:g}x the mean tokens"
+
+
+def fake_world(world: int) -> None:
+    """Make this process rank 0 of a fake process group of ``world`` ranks, reusing one of that size (torch caches
+    DTensor layouts by mesh equality while ``fully_shard`` wants the very mesh objects: a second group of the same
+    size would meet the first one's meshes); a fake group of another size is replaced."""
+    if dist.is_initialized():
+        if dist.get_world_size() == world:
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=world)
+
+
+def check_simulation(config, param_dtype: str, route_imbalance: float) -> None:
+    """One line before any work for what the simulation cannot run."""
+    if route_imbalance < 1.0:
+        raise PlanError(f"--route-imbalance {route_imbalance:g}: the busiest rank receives at least the mean (>= 1)")
+    experts = getattr(config, "num_experts_per_tok", 0)
+    if experts and param_dtype == "fp32":
+        raise PlanError("--simulate with --dtype fp32: torch's fake grouped_mm (the routed experts' GEMM) takes bf16 "
+                        "only; simulate with --dtype bf16 (the estimate alone sizes fp32)")
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        raise PlanError("--simulate runs its own fake world of ranks: call it in a process without a process group")
+
+
+def simulate(config, world: int, sizes: dict[str, int] | None = None, replicate: int = 1, *, micro_batch: int = 1,
+             seq: int = 4096, param_dtype: str = "bf16", optimizer: str = "adamw", recompute: bool = False,
+             attention: str = "sdpa", sp: int = 1, cp: int = 1, lora_rank: int | None = None,
+             lora_modules: list[str] | str | None = None, lora_parameters: list[str] | None = None,
+             options: ParallelOptions | None = None, route_imbalance: float = 1.0) -> Simulation:
+    """Run one rank (rank 0) of a ``world``-rank mesh (``sizes``, ``replicate``, ``sp``/``cp``) on ``config``'s model
+    for one training step under fake tensors and torch's FSDP memory tracker; the arguments are
+    :func:`~xpar_zoo.sizing.estimate`'s (checked the same way first); ``options`` as
+    :func:`gpu_path_options` completes them. See the module docstring."""
+    sizes = {k: v for k, v in (sizes or {}).items() if v > 1}
+    options = gpu_path_options(options)
+    sizing.estimate(config, world, sizes, replicate, micro_batch=micro_batch, seq=seq, param_dtype=param_dtype,
+                    sp=sp, cp=cp, attention=attention, options=options)  # its checks: one line before any work
+    check_simulation(config, param_dtype, route_imbalance)
+    if optimizer not in ("adamw", "adam", "sgd", "sgd_momentum"):
+        raise PlanError(f"optimizer {optimizer!r} is not one of adamw, adam, sgd, sgd_momentum")
+    start = time.perf_counter()
+    fake_world(world)
+    model = _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute,
+                            lora_rank, lora_modules, lora_parameters, options)
+    install_routes(model, Routes(route_imbalance))
+    by_kind = _tracked_steps(model, config, micro_batch, seq, optimizer)
+    peak = by_kind.pop("total")
+    return Simulation(peak, by_kind, routing_description(route_imbalance), seconds=time.perf_counter() - start)
+
+
+def _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute, lora_rank, lora_modules,
+                    lora_parameters, options) -> nn.Module:
+    """The model as ``xpar-zoo train`` builds it, on meta: fp32 master weights, the compute dtype by FSDP2's mixed
+    precision, the attention and recompute settings, LoRA where asked."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ..parallel.mesh import Mesh
+    from ..parallelize import parallelize
+    from ..styles.sequence import set_inner_attention
+    from ..styles.vocab import set_loss_chunk
+    from ..zoo.registry import get_plan
+
+    model = sizing.meta_model(config)
+    plan = get_plan(config.model_type, config)
+    if lora_rank is not None:
+        from ..styles.lora import lora_meta_model
+
+        model, plan = lora_meta_model(model, plan, lora_rank, lora_modules, lora_parameters)
+    if sp * cp == 1:
+        model.set_attn_implementation(PLAIN_ROWS_SDPA if attention == "sdpa" else attention)
+    compute = COMPUTE_DTYPES[param_dtype]
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else False
+    mesh = Mesh(extra=sizes, replicate=replicate, sp=sp, cp=cp, device_type="cpu")
+    model = parallelize(model, mesh, mixed_precision=policy, options=options)
+    set_loss_chunk(model, CE_CHUNK_ELEMENTS["cuda"])
+    model.train()
+    model.config.use_cache = False
+    if sp * cp > 1:
+        set_inner_attention(model, attention)
+    if recompute:
+        model.activation_checkpointing_enable()
+    return model
+
+
+def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name in ("adamw", "adam"):
+        return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if name == "sgd_momentum" else 0.0, foreach=False)
+
+
+def _tracked_steps(model: nn.Module, config, micro_batch: int, seq: int, optimizer: str) -> dict[str, int]:
+    """Materialise ``model`` as fake tensors and run two training steps under torch's FSDP memory tracker; the
+    second step's peak (``"total"``) and its parts by kind."""
+    from ..parallel.clip import clip_grad_norm_
+    from ..parallel.materialize import materialize
+
+    with fake_tensor_mode():
+        materialize(model, device="cpu")
+        opt = _optimizer(model, optimizer)
+        ids = torch.zeros(micro_batch, seq, dtype=torch.long)
+        tracker = fsdp_memory_tracker(model, opt)
+        tracker.track_inputs((ids,))
+
+        def step() -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        with tracker:
+            step()  # the optimizer's states are made here
+            tracker.reset_mod_stats()
+            step()
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    out = dict.fromkeys(KINDS, 0)
+    for category, nbytes in peak.items():
+        name = getattr(category, "value", category)
+        if name in TRACKER_KINDS:
+            out[TRACKER_KINDS[name]] += int(nbytes)
+    out["total"] = int(peak.get("Total", sum(out.values())))
+    return out

@@ -1,0 +1,301 @@
+"""Indexed sparse attention under sp/cp (DeepSeek Sparse Attention: deepseek_v32, glm_moe_dsa, axk2, hy_v4,
+dots3_note, mistral_large4), with the real transformers modules.
+
+**The indexer.** A DSA *indexer* (its own module, ``self_attn.indexer``) scores each query against every key of
+the row with its own small heads and keeps the top-k keys per query; transformers' attention then lets a query see
+only those. Under sp/cp the indexer's ``forward`` is wrapped (:func:`install_indexers`): it runs on this rank's
+own ``S/(sp·cp)`` tokens as queries (the sequence split, not a head split: its heads need not divide by ``sp``, and
+no all-to-all is needed) against the **whole row's** indexer keys. The keys reach it through the module's own cache
+protocol: the wrapper hands it a cache whose ``update_indexer(k)`` all-gathers this rank's keys (computed by the
+module's own code) over the sequence group and returns the whole row's, in row order, so the scores, the top-k and
+its tie order are those of one process. The mask the indexer scores under is built from the global positions
+(causal, packed documents, padding: :meth:`~xpar_zoo.styles.sequence_masks._Forward.block_mask`).
+
+**In blocks.** transformers' indexer holds per-head float32 scores ``[b, q, heads, S]`` for its ``q`` queries; the
+wrapper calls it a block of queries at a time so that a block's scores fit the byte budget
+(:func:`indexer_block_rows`), never a ``[S, S]`` score tensor beyond it. Where blocks are needed, one call with an
+empty key set first computes this rank's keys for the gather. The indexer runs without gradients in transformers
+(no indexer loss), so nothing is kept for backward.
+
+**The attention.** The indexer returns the top-k as *global row positions* (``[b, S/(sp·cp), topk]``); under a
+wrapper implementation transformers' DSA attention passes them to the attention function as ``indices`` (it folds
+them into its mask only for ``eager`` / ``sdpa`` by name), and shared-indexer layers (glm_moe_dsa) reuse them. The
+sp/cp attention gathers them over sp (the queries of the cp chunk after the all-to-all) and masks every key a query
+did not select, on top of the global mask (:func:`selected_attention`): the whole ``[b, 1, S/cp, S]`` mask per layer
+where it fits the budget, else a block of queries at a time (each block's selection rebuilt in backward).
+
+transformers' DSA attention slices the model's 4-D mask for its indexer (``attention_mask[:, 0]``), which the model
+does not build under a wrapper implementation: the attention module's forward gets a broadcastable placeholder
+(no memory), unused by the wrapped indexer and the sp/cp attention, which build their masks from global positions.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import nn
+
+from ..errors import ModelStateError, PlanError
+from ..parallel.collectives import gather_rows
+from ..parallel.mesh import PlanShard
+from .sequence_inner import blocked_attention
+from .sequence_masks import attention_query_bytes
+from .sequence_mixers import decoder_layers, gather_rows_in_order
+
+# The indexer's forward parameters the wrapper relies on (transformers' DSA indexer contract).
+INDEXER_PARAMETERS = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "cache")
+# The layer types whose attention holds a DSA indexer (or reuses the previous layer's top-k).
+INDEXED_LAYER_TYPES = frozenset({"indexed_attention"})
+
+
+# ---- which modules --------------------------------------------------------------------------------------------
+
+@functools.cache
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def is_dsa_indexer(module: nn.Module) -> bool:
+    """Whether ``module`` is a DSA indexer the sp/cp wrapper serves: its forward takes the queries' hidden states,
+    ``q_resid``, the rotary embeddings, a mask and a ``cache`` whose ``update_indexer`` supplies its keys, and
+    returns the top-k key indices."""
+    cls = type(module)
+    if not cls.__name__.endswith("Indexer"):
+        return False
+    params = inspect.signature(cls.forward).parameters
+    source = _source(cls.forward)
+    return all(p in params for p in INDEXER_PARAMETERS) and "update_indexer" in source and ".topk(" in source
+
+
+def _passes_indices(cls: type) -> bool:
+    """Whether the attention class hands the top-k to a non-eager/sdpa attention function as ``indices``."""
+    return "indices=" in _source(cls.forward)
+
+
+def indexed_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: attention module}`` of the DSA attention modules of ``model``: a module with an ``indexer``
+    attribute (a served indexer, or ``None`` on a layer that reuses the previous layer's top-k)."""
+    found = {}
+    for name, module in model.named_modules():
+        indexer = module.__dict__.get("indexer", module._modules.get("indexer", False))
+        if (indexer is None or isinstance(indexer, nn.Module) and is_dsa_indexer(indexer)) and _passes_indices(
+                type(module)):
+            found[name] = module
+    return found
+
+
+def served_indexed_layer_types(model: nn.Module, config) -> frozenset[str]:
+    """The layer types of ``config.layer_types`` that the sp/cp attention serves as indexed attention: each
+    layer of the type holds a DSA attention module of :func:`indexed_attention_modules`, and every indexer-like
+    module of the model is one :func:`is_dsa_indexer` accepts."""
+    types = list(getattr(config, "layer_types", None) or ())
+    layers = decoder_layers(model)
+    attention = indexed_attention_modules(model)
+    if not attention or len(layers) != len(types):
+        return frozenset()
+    if any(type(m).__name__.endswith("Indexer") and not is_dsa_indexer(m) for m in model.modules()):
+        return frozenset()
+    owners = {id(m) for m in attention.values()}
+    served: dict[str, bool] = {}
+    for layer, kind in zip(layers, types):
+        if kind in INDEXED_LAYER_TYPES:
+            served[kind] = served.get(kind, True) and any(id(m) in owners for m in layer.modules())
+    return frozenset(k for k, ok in served.items() if ok)
+
+
+# ---- the indexer on this rank's queries against the whole row's keys -------------------------------------------
+
+def indexer_query_bytes(rows: int, heads: int, keys: int) -> int:
+    """What one query of transformers' DSA indexer holds against ``keys`` keys for ``rows`` rows: per key its
+    per-head float32 scores and their ReLU (``8·heads``), the summed and masked scores (8) and the mask (1)."""
+    return rows * keys * (8 * heads + 9)
+
+
+def indexer_block_rows(rows: int, heads: int, queries: int, keys: int, budget: float) -> int | None:
+    """Queries per call of the indexer, or ``None`` where all ``queries`` fit ``budget`` bytes at once."""
+    per_query = indexer_query_bytes(rows, heads, keys)
+    if queries * per_query <= budget:
+        return None
+    return max(1, int(budget // per_query))
+
+
+def indexed_layer_count(config) -> int:
+    """How many layers of ``config`` attend through a DSA indexer's top-k (its ``indexed_attention`` layer types)."""
+    if not getattr(config, "index_topk", None):
+        return 0
+    return sum(kind in INDEXED_LAYER_TYPES for kind in getattr(config, "layer_types", None) or ())
+
+
+def indexed_attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, eager: bool,
+                            budget: float) -> tuple[float, float]:
+    """What DSA adds on one rank for ``rows`` rows of ``seq`` tokens: ``(the indexer's transient, the selection mask
+    one indexed layer keeps for backward)``. Without sp/cp transformers' own: the whole row's scores
+    (:func:`indexer_query_bytes` per query) and its ``[b, 1, S, S]`` mask with the top-k folded in (boolean for sdpa,
+    additive for eager). Under sp/cp: the indexer's ``S/(sp·cp)`` queries a block at a time under ``budget``, and
+    the layer's ``[b, 1, S/cp, S]`` additive mask where it fits the budget (beyond it, one block's, transient)."""
+    heads = getattr(config, "index_n_heads", None) or 1
+    per_query = indexer_query_bytes(rows, heads, seq)
+    if sp * cp == 1:
+        return float(per_query * seq), float(rows * seq * seq * (dtype_bytes if eager else 1))
+    local = seq // (sp * cp)
+    block = indexer_block_rows(rows, heads, local, seq, budget)
+    q_heads = config.num_attention_heads // sp
+    per_attention = attention_query_bytes(rows, q_heads, seq, dtype_bytes, eager) + rows * seq * (1 + dtype_bytes)
+    kept = rows * (seq // cp) * seq * dtype_bytes if (seq // cp) * per_attention <= budget else 0
+    return float((block or local) * per_query), float(kept)
+
+
+class _RowKeys:
+    """The cache the wrapped indexer is handed: ``update_indexer(k)`` gathers this rank's indexer keys over the
+    sequence group once and returns the whole row's (in row order), or none while only gathering."""
+
+    def __init__(self, state, batch) -> None:
+        self.state, self.batch = state, batch
+        self.keys: torch.Tensor | None = None
+        self.gathering = False
+
+    def update_indexer(self, k: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        if self.keys is None:
+            self.keys = gather_rows_in_order(k, self.state, self.batch)
+        return self.keys[:, :0] if self.gathering else self.keys
+
+
+def _indexer_forward(module: nn.Module, state, original, signature: inspect.Signature):
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        batch = state.current
+        if batch is None:
+            raise ModelStateError(f"{type(module).__name__} (sp/cp indexer) ran outside a forward of the "
+                                  "parallelized model")
+        named = dict(signature.bind(*args, **kwargs).arguments)
+        if named.get("cache") is not None:
+            raise ModelStateError("sp/cp: a KV cache reached the indexer; generate on a mesh without sp/cp")
+        hidden, q_resid, (cos, sin) = named["hidden_states"], named["q_resid"], named["position_embeddings"]
+        b, local = hidden.shape[:2]
+        seq_len = batch.keys.numel()
+        if "indexer_local" not in batch.masks:  # this rank's token positions on the device, once per forward
+            batch.masks["indexer_local"] = state.layout(seq_len).local.to(hidden.device)
+        positions = batch.masks["indexer_local"]
+        every = torch.arange(seq_len, device=hidden.device)
+        heads = getattr(module.config, "index_n_heads", None) or getattr(module, "n_heads", 1)
+        rows = indexer_block_rows(b, heads, local, seq_len, state.options.block_budget(hidden.device.type))
+        cache = _RowKeys(state, batch)
+        position_ids = named.get("position_ids")
+
+        def run(lo: int, n: int, mask: torch.Tensor) -> torch.Tensor:
+            def part(t):
+                return t[:, lo:lo + n] if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == local else t
+            return original(hidden_states=part(hidden), q_resid=part(q_resid), position_embeddings=(part(cos),
+                            part(sin)), attention_mask=mask, position_ids=part(position_ids), cache=cache)
+
+        def mask_of(lo: int, n: int) -> torch.Tensor:
+            return batch.block_mask(positions[lo:lo + n], every, True, None, None)[:, 0]  # [b, n, S] boolean
+
+        if rows is None:
+            return run(0, local, mask_of(0, local))
+        cache.gathering = True  # this rank's keys, gathered: one call with no keys to score against
+        run(0, local, torch.ones(b, local, 0, dtype=torch.bool, device=hidden.device))
+        cache.gathering = False
+        return torch.cat([run(lo, min(rows, local - lo), mask_of(lo, min(rows, local - lo)))
+                          for lo in range(0, local, rows)], dim=1)
+
+    return forward
+
+
+def _placeholder_mask(original, signature: inspect.Signature):
+    """The DSA attention's forward, given a broadcastable ``[b, 1, s, 1]`` mask (no memory) where the model passes
+    none: transformers slices it for the indexer, which the wrapper gives its own."""
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("attention_mask") is None:
+            hidden = bound.arguments["hidden_states"]
+            placeholder = torch.ones((), dtype=torch.bool, device=hidden.device)
+            bound.arguments["attention_mask"] = placeholder.expand(hidden.shape[0], 1, hidden.shape[1], 1)
+        return original(*bound.args, **bound.kwargs)
+
+    return forward
+
+
+def install_indexers(model: nn.Module, state) -> list[str]:
+    """Wrap every DSA attention module of ``model`` (its mask placeholder) and its indexer (this rank's queries
+    against the whole row's keys, in blocks under the budget) for ``state``'s sequence group (a
+    :class:`~xpar_zoo.styles.sequence.SequenceParallel`); returns the attention modules' names."""
+    found = indexed_attention_modules(model)
+    for module in found.values():
+        original = module.forward
+        module.forward = _placeholder_mask(original, inspect.signature(original))
+        indexer = module.indexer
+        if indexer is not None:
+            inner = indexer.forward
+            indexer.forward = _indexer_forward(indexer, state, inner, inspect.signature(inner))
+    return list(found)
+
+
+# ---- the attention under the selection --------------------------------------------------------------------------
+
+def check_indexed_inner(module: nn.Module, inner: str) -> None:
+    """Raise :class:`~xpar_zoo.errors.PlanError` when the indexer's top-k cannot be applied with ``inner``:
+    transformers applies it as a mask for eager and sdpa only (flex and flash would attend densely)."""
+    if inner not in ("eager", "sdpa"):
+        raise PlanError(f"sp/cp: {type(module).__name__} is indexed sparse attention, which transformers applies "
+                        f"with eager or sdpa only (its top-k is a mask there); {inner} would ignore the top-k")
+
+
+def gather_selection(indices: torch.Tensor, state) -> torch.Tensor:
+    """The top-k of this rank's queries (``[b, S/(sp·cp), topk]``, global row positions) for the queries of its cp
+    chunk after the sp all-to-all (``[b, S/cp, topk]``, gathered over sp in rank order), as int64."""
+    indices = indices.long()
+    if state.sp == 1:
+        return indices
+    rows = indices.transpose(0, 1).contiguous()
+    shard = PlanShard(state.sp_group, state.sp, state.sp_rank, 0)
+    return gather_rows(rows, [rows.shape[0]] * state.sp, shard).transpose(0, 1)
+
+
+class _Selected:
+    """The forward's masks (a :class:`~xpar_zoo.styles.sequence_masks._Forward`) with the keys a query did not
+    select masked too: what :func:`blocked_attention` builds a block's mask from."""
+
+    def __init__(self, batch, selection: torch.Tensor) -> None:
+        self._batch, self.selection = batch, selection
+        local = torch.full((batch.keys.numel(),), -1, dtype=torch.long, device=batch.queries.device)
+        self.local = local.index_put_((batch.queries,), torch.arange(batch.queries.numel(), device=local.device))
+
+    def __getattr__(self, name: str):
+        return getattr(self._batch, name)
+
+    def chosen(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[b, 1, len(queries), len(keys)]``: whether each query (global positions) selected each key."""
+        rows = self.selection[:, self.local[queries]]
+        picked = torch.zeros(*rows.shape[:2], self._batch.keys.numel(), dtype=torch.bool, device=rows.device)
+        return picked.scatter_(-1, rows, True)[:, None, :, keys]
+
+    def block_mask(self, queries, keys, causal, window, additive_dtype):
+        mask = self._batch.block_mask(queries, keys, causal, window, additive_dtype)
+        chosen = self.chosen(queries, keys)
+        if additive_dtype is None:
+            return mask & chosen
+        return mask.masked_fill(~chosen, torch.finfo(additive_dtype).min)
+
+
+def selected_attention(state, call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+                       window: int | None, indices: torch.Tensor, blocked=blocked_attention) -> torch.Tensor:
+    """The masked sp/cp attention (``query`` ``[b, h, S/cp, d]`` against the gathered ``key`` / ``value``) with
+    every key a query's indexer did not select masked: the whole ``[b, 1, S/cp, S]`` mask of the layer where it
+    fits the block budget, else ``blocked`` (:func:`blocked_attention`) a block of queries at a time.
+    ``call(q, k, v, mask)`` is the inner attention."""
+    selected = _Selected(state.current, gather_selection(indices, state))
+    b, heads, queries, keys = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    size = query.element_size()
+    per_query = attention_query_bytes(b, heads, keys, size, state.inner == "eager") + b * keys * (1 + size)
+    budget = state.options.block_budget(query.device.type)
+    if queries * per_query <= budget:
+        batch = state.current
+        return call(query, key, value, selected.block_mask(batch.queries, batch.keys, causal, window, query.dtype))
+    return blocked(call, query, key, value, selected, causal, window, max(1, int(budget // per_query)))
