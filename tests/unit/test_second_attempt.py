@@ -203,3 +203,11 @@ def test_the_shipped_sft_example_reruns_with_one_clear_path_and_dry_run_says_it(
     out = capsys.readouterr().out
     assert f"output: --force replaces the run in {run}: removes checkpoints/" in out
     assert (run / "checkpoints").is_dir() and (run / "merged" / "config.json").exists()  # a dry run changes nothing
+
+
+def test_force_into_a_folder_without_a_run_appends_metrics_and_clears_only_best(inputs):
+    run = inputs["run"]
+    (run / "best" / "step-00000002").mkdir(parents=True)  # a --save-best of a run whose checkpoints were removed
+    (run / METRICS_FILE).write_text(json.dumps({"step": 2, "loss": 1.0}) + "\n")
+    plan = check_outputs(_cfg(inputs, force=True, save_best=True, eval_data=str(inputs["data"])))
+    assert [p.name for p in plan.remove] == ["best"] and not plan.moves  # metrics.jsonl: appended to

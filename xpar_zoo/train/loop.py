@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat import attn_implementation
+from ..compat import attn_implementation, flash_attention_available
 from ..errors import DataError, TrainConfigError, counted
 from ..loss.balance import (
     ExpertLoad,
@@ -229,12 +229,7 @@ def check_attention_here(name: str | None, device_type: str = "cuda") -> None:
     if name == "flex_attention" and device_type == "cpu":
         raise TrainConfigError("--attn-implementation flex_attention cannot train on the CPU (torch has no flex "
                                "backward there); use sdpa or eager, or train on a GPU")
-    if name not in ("flash_attention_2", "flash_attention_3"):
-        return
-    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
-
-    available = is_flash_attn_2_available if name == "flash_attention_2" else is_flash_attn_3_available
-    if not available(kernels_fallback_ok=True):
+    if name in ("flash_attention_2", "flash_attention_3") and not flash_attention_available(name):
         raise TrainConfigError(f"--attn-implementation {name}: no flash-attn kernels on this machine (a GPU with the "
                                "flash-attn package, or transformers' hub kernels); use sdpa or flex_attention")
 

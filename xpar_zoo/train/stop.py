@@ -21,13 +21,17 @@ def saved_hint(output) -> str:
     ``--resume``, or that nothing is saved and the same command starts again."""
     from pathlib import Path
 
-    from ..checkpoint.layout import RUN_CHECKPOINTS, scan_root
+    from ..checkpoint.layout import scan_root
 
     if output is None:
         return "rerun the command to start again"
-    complete, _ = scan_root(Path(output) / RUN_CHECKPOINTS)
+    from .outputs import CHECKPOINTS, blocks_a_new_run
+
+    complete, _ = scan_root(Path(output) / CHECKPOINTS)
     if complete:
         return f"the run is saved at {complete[-1][1].name}: rerun with --resume to continue"
+    if blocks_a_new_run(Path(output)):  # steps trained, none saved
+        return "no checkpoint was saved: rerun with --force to start again"
     return "no checkpoint was saved yet: rerun the same command to start again"
 
 
