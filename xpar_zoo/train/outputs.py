@@ -27,6 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..checkpoint.layout import EXTRA_FILE, scan_root
+from ..checkpoint.layout import RUN_CHECKPOINTS as CHECKPOINTS
 from ..errors import TrainConfigError
 from ..io.atomic_dir import StagingDir, clear_leftovers, remove_aside
 from ..parallel.distributed import broadcast, rank
@@ -34,7 +35,6 @@ from .config import TrainConfig
 from .metrics import METRICS_FILE
 from .tiny_vl import TINY_MODELS
 
-CHECKPOINTS = "checkpoints"
 BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
 RUN_ENTRIES = (CHECKPOINTS, METRICS_FILE, "tensorboard")
 MOVED_METRICS = re.compile(r"metrics\.before-\d{8}T\d{6}\.jsonl")  # moved aside by --force over a finished run
