@@ -211,3 +211,11 @@ def test_force_into_a_folder_without_a_run_appends_metrics_and_clears_only_best(
     (run / METRICS_FILE).write_text(json.dumps({"step": 2, "loss": 1.0}) + "\n")
     plan = check_outputs(_cfg(inputs, force=True, save_best=True, eval_data=str(inputs["data"])))
     assert [p.name for p in plan.remove] == ["best"] and not plan.moves  # metrics.jsonl: appended to
+
+
+def test_strict_resume_refuses_an_unfinished_save_with_no_complete_checkpoint_before_it(inputs):
+    (inputs["run"] / "checkpoints" / ".tmp-step-00000001-abc").mkdir(parents=True)
+    with pytest.raises(TrainConfigError, match=r"--resume=strict: .*\.tmp-step-00000001-abc is newer than any complete "
+                                               r"checkpoint and cannot be resumed \(an unfinished save"):
+        plan_outputs(_cfg(inputs, resume="strict"))
+    assert plan_outputs(_cfg(inputs, resume=True)).resume_from is None  # --resume: starts at step 0, said
