@@ -16,7 +16,9 @@ from xpar_zoo.testing import parity
 TINY_MOE = {"hidden_size": 256, "moe_intermediate_size": 128, "vocab_size": 2048, "num_experts": 8, "num_hidden_layers": 2}
 MID_MOE = {"hidden_size": 1024, "moe_intermediate_size": 512, "vocab_size": 32000, "num_experts": 32, "num_hidden_layers": 4,
                "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}
-CASES = {"mid MoE, ep16 on 64": ["qwen3_moe", MID_MOE, {"world": 64, "sizes": {"ep": 16}, "seq": 4096}]}
+GLOO = ("tiny MoE, ep2 on 4", {"ep": 2}, 512)  # also run on 4 gloo ranks
+CASES = {"mid MoE, ep16 on 64": ["qwen3_moe", MID_MOE, {"world": 64, "sizes": {"ep": 16}, "seq": 4096}],
+         GLOO[0]: ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": GLOO[1], "seq": GLOO[2]}]}
 SUPPORT = Path(__file__).resolve().parents[1] / "support" / "simulated_sizes.py"
 
 
@@ -76,3 +78,16 @@ def test_simulate_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys):
         assert cli.main([*common, *extra]) == 2
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_simulated_step_is_within_15_percent_of_what_4_gloo_ranks_hold(runs):
+    """What a step adds to the sharded parameters and optimizer states (its peak above them), simulated and measured
+    by the torch profiler on 4 gloo ranks (the busiest rank: real routing is not perfectly balanced)."""
+    from support.simulated_sizes import measured_peak
+    from xpar_zoo.testing import launch
+
+    measured = max(launch.run(measured_peak, 4, TINY_MOE, GLOO[1], GLOO[2]))
+    tracker = runs["cases"][list(CASES).index(GLOO[0])]["simulated"]["tracker"]
+    simulated = tracker["Total"] - tracker["Sharded Param"] - tracker["OptState"]
+    assert 0.85 * measured <= simulated <= 1.15 * measured, (
+        f"simulated {simulated / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB: {tracker}")

@@ -32,6 +32,8 @@ def _checkpoint(output, step):
 def test_the_line_says_what_is_saved_and_what_to_type(tmp_path):
     assert saved_hint(None) == "rerun the command to start again"
     assert saved_hint(tmp_path) == "no checkpoint was saved yet: rerun the same command to start again"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")  # trained, saved none
+    assert saved_hint(tmp_path) == "no checkpoint was saved: rerun with --force to start again"
     _checkpoint(tmp_path, 3)
     assert saved_hint(tmp_path) == "the run is saved at step-00000003: rerun with --resume to continue"
 

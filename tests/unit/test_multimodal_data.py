@@ -160,3 +160,13 @@ def test_media_parts_keep_their_order():
 
     ex = to_example("r:1", _chat(_image("a.png"), {"type": "text", "text": "x"}, _image("b.png")))
     assert [p["image"] for p in media_parts(ex)] == ["a.png", "b.png"]
+
+
+def test_image_parts_on_a_text_only_model_are_one_line(tmp_path):
+    from xpar_zoo.train.chat import conversation_corpus
+    from xpar_zoo.train.tiny import tiny_tokenizer
+
+    path, (kind, examples) = _examples([_chat({"type": "text", "text": "hi"})], tmp_path)
+    with pytest.raises(DataError, match=r"data.jsonl:1: message content as a list of parts .* text-only"):
+        conversation_corpus(path, kind, examples, tiny_tokenizer(), loss_on=None, seq_len=64, seed=0,
+                            truncate=None, vocab_size=300)

@@ -107,6 +107,10 @@ def _cmd_size(args: argparse.Namespace) -> int:
               f"{args.dtype} compute, {args.attention} attention, {args.optimizer}"
               + (", activation checkpointing" if args.recompute else "")
               + (f", LoRA rank {args.lora_rank} (frozen base)" if args.lora_rank else ""))
+        if args.suggest and len(estimates) > 1:
+            budget = args.memory_gib * 2**30 if args.memory_gib else None
+            print("meshes " + sizing.suggest_order(budget, fits=budget is None or any(e.peak_bytes <= budget
+                                                                                       for e in estimates)))
         for e in estimates:
             print(sizing.format_estimate(e))
             group = e.mesh.get("sp", 1) * e.mesh.get("cp", 1)

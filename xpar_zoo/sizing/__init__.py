@@ -27,6 +27,7 @@ from .estimator import (
     sequence_refusal,
     sequence_splits,
     suggest,
+    suggest_order,
     whole_row_layers,
 )
 
@@ -54,6 +55,7 @@ __all__ = [
     "sequence_refusal",
     "sequence_splits",
     "suggest",
+    "suggest_order",
     "Unit",
     "whole_row_layers",
 ]

@@ -71,11 +71,11 @@ class Simulation:
     routing: str
     device: str = DEVICE_NOTE
     seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
+    tracker: dict[str, int] = field(default_factory=dict)  # the peak by torch's tracker categories
 
     def as_dict(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "by_kind": self.by_kind, "routing": self.routing,
-                "device": self.device, "seconds": round(self.seconds, 1), "notes": self.notes}
+                "device": self.device, "seconds": round(self.seconds, 1), "tracker": self.tracker}
 
 
 def routing_description(imbalance: float) -> str:
@@ -128,9 +128,13 @@ def simulate(config, world: int, sizes: dict[str, int] | None = None, replicate:
     model = _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute,
                             lora_rank, lora_modules, lora_parameters, options)
     install_routes(model, Routes(route_imbalance))
-    by_kind = _tracked_steps(model, config, micro_batch, seq, optimizer)
-    peak = by_kind.pop("total")
-    return Simulation(peak, by_kind, routing_description(route_imbalance), seconds=time.perf_counter() - start)
+    tracker = _tracked_steps(model, micro_batch, seq, optimizer)
+    by_kind = dict.fromkeys(KINDS, 0)
+    for category, nbytes in tracker.items():
+        if category in TRACKER_KINDS:
+            by_kind[TRACKER_KINDS[category]] += nbytes
+    return Simulation(tracker.get("Total", sum(by_kind.values())), by_kind, routing_description(route_imbalance),
+                      seconds=time.perf_counter() - start, tracker=tracker)
 
 
 def _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute, lora_rank, lora_modules,
@@ -174,9 +178,9 @@ def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if name == "sgd_momentum" else 0.0, foreach=False)
 
 
-def _tracked_steps(model: nn.Module, config, micro_batch: int, seq: int, optimizer: str) -> dict[str, int]:
+def _tracked_steps(model: nn.Module, micro_batch: int, seq: int, optimizer: str) -> dict[str, int]:
     """Materialise ``model`` as fake tensors and run two training steps under torch's FSDP memory tracker; the
-    second step's peak (``"total"``) and its parts by kind."""
+    second step's peak (``"Total"``) and its parts by the tracker's categories."""
     from ..parallel.clip import clip_grad_norm_
     from ..parallel.materialize import materialize
 
@@ -198,10 +202,4 @@ def _tracked_steps(model: nn.Module, config, micro_batch: int, seq: int, optimiz
             tracker.reset_mod_stats()
             step()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    out = dict.fromkeys(KINDS, 0)
-    for category, nbytes in peak.items():
-        name = getattr(category, "value", category)
-        if name in TRACKER_KINDS:
-            out[TRACKER_KINDS[name]] += int(nbytes)
-    out["total"] = int(peak.get("Total", sum(out.values())))
-    return out
+    return {str(getattr(category, "value", category)): int(nbytes) for category, nbytes in peak.items()}

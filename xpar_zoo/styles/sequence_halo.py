@@ -66,15 +66,15 @@ def served_halo_layer_types(model: nn.Module, config) -> frozenset[str]:
 def _runs(batch, state, seq_len: int) -> list[tuple[int, int, int]]:
     """This rank's tokens as runs of consecutive positions: ``[(first local index, first position, count)]``,
     once per forward."""
-    if "halo_runs" not in batch.masks:
-        positions = state.layout(seq_len).local.tolist()
+    if batch.cache.halo_runs is None:
+        positions = (batch.local if batch.local is not None else state.layout(seq_len).local).tolist()
         runs, start = [], 0
         for i in range(1, len(positions) + 1):
             if i == len(positions) or positions[i] != positions[i - 1] + 1:
                 runs.append((start, positions[start], i - start))
                 start = i
-        batch.masks["halo_runs"] = runs
-    return batch.masks["halo_runs"]
+        batch.cache.halo_runs = runs
+    return batch.cache.halo_runs
 
 
 def _halo_forward(module: nn.Module, state, original, halo: int):

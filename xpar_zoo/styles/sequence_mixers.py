@@ -45,6 +45,7 @@ from ..compat import no_split_modules
 from ..errors import ModelStateError
 from ..parallel.collectives import GatherRows
 from ..parallel.mesh import PlanShard
+from .calls import call_arguments
 
 # Layer types (config.layer_types) that attention through the AttentionInterface serves.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
@@ -190,7 +191,7 @@ def _gather_kwarg(value, state, local: int):
     if isinstance(value, (tuple, list)):
         return type(value)(_gather_kwarg(v, state, local) for v in value)
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local:
-        cache = state.current.masks.setdefault("mixer_kwargs", {})
+        cache = state.current.cache.mixer_kwargs
         kept = cache.get(id(value))
         if kept is None or kept[0] is not value:
             kept = cache[id(value)] = (value, gather_rows_in_order(value, state))
@@ -211,7 +212,7 @@ def _on_whole_rows(original, state, batch, hidden: torch.Tensor, seq_len: int, n
     """The mixer's own forward on the group's whole rows (of the forward ``batch``: the recompute in backward
     reads the same one), and this rank's tokens of its output."""
     out = original(gather_rows_in_order(hidden, state, batch), **named)
-    return _keep_local(out, batch.masks["mixer_local"], seq_len)
+    return _keep_local(out, batch.local, seq_len)
 
 
 def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.Signature,
@@ -223,11 +224,7 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
             raise ModelStateError(f"{type(module).__name__} (sp/cp sequence mixer) ran outside a forward of the "
                                   "parallelized model")
         seq_len = batch.keys.numel()
-        bound = signature.bind(*args, **kwargs)
-        named = dict(bound.arguments)
-        extra = named.pop(next((p.name for p in signature.parameters.values()
-                                if p.kind is inspect.Parameter.VAR_KEYWORD), "\0"), {})
-        named.update(extra)
+        named = call_arguments(signature, args, kwargs)
         hidden = named.pop("hidden_states")
         local = hidden.shape[1]
         for name in PACKING_KWARGS:
@@ -235,12 +232,12 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
         for name in SEQUENCE_KWARGS:
             if named.get(name) is not None:
                 named[name] = _gather_kwarg(named[name], state, local)
-        # the whole rows' padding, as the integer 0/1 mask transformers passes its mixers (None: no padding)
-        if "mixer_mask" not in batch.masks:  # once per forward, shared by the mixer layers
-            batch.masks["mixer_mask"] = None if batch.key_valid is None else batch.key_valid.long()
-        named["attention_mask"] = batch.masks["mixer_mask"]
-        if "mixer_local" not in batch.masks:  # this rank's tokens on the device, once per forward
-            batch.masks["mixer_local"] = state.layout(seq_len).local.to(hidden.device)
+        # the whole rows' padding, as the integer 0/1 mask transformers passes its mixers (None: no padding): once per
+        # forward, shared by the mixer layers
+        cache = batch.cache
+        if cache.mixer_mask is None and batch.key_valid is not None:
+            cache.mixer_mask = batch.key_valid.long()
+        named["attention_mask"] = cache.mixer_mask
         # not inside a checkpointed decoder layer: its own recompute already keeps nothing of the mixer's rows
         layer_recomputes = layer is not None and layer.training and getattr(layer, "gradient_checkpointing", False)
         if torch.is_grad_enabled() and state.options.mixer_recompute and not layer_recomputes:

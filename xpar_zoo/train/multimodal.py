@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import importlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -87,6 +88,8 @@ def resolve_image(where: str, value: str, base: Path, allow_absolute: bool) -> P
 def check_images(examples: list[Example], base: Path, allow_absolute: bool, videos: bool) -> list[Example]:
     """Every example with its image parts' paths resolved and checked (:func:`resolve_image`); video parts refused
     with one line where the processor has no video processor (``videos`` false)."""
+    if importlib.util.find_spec("PIL") is None and any(media_parts(ex) for ex in examples):
+        raise DataError("image parts need Pillow to open the images: pip install 'xpar_zoo[vision]'")
     for ex in examples:
         for part in media_parts(ex):
             if part["type"] == "video" and not videos:
@@ -368,3 +371,45 @@ def freeze_vision(model: torch.nn.Module) -> int:
         raise TrainConfigError(f"--freeze-vision: {type(model).__name__} has no vision tower "
                                f"({', '.join(VISION_MODULES)})")
     return frozen
+
+
+# ---- the Trainer's collator ------------------------------------------------------------------------------------
+class MediaCollator:
+    """A ``data_collator`` for transformers' ``Trainer`` (``XparTrainer``, TRL's trainers through the mixin) of
+    image–text ``messages`` records: each rendered as :func:`render_media` renders it (images relative to ``base``,
+    checked as :func:`check_images` checks them), rows right-padded, labels ``-100`` off the targets, the rows'
+    pixel inputs in order. The model computes its own positions (one conversation per row); pass
+    ``remove_unused_columns=False`` so that the Trainer keeps the ``messages`` column."""
+
+    def __init__(self, processor, base: str | Path, loss_on: str = "assistant", max_pixels: int | None = None,
+                 min_pixels: int | None = None, allow_absolute_paths: bool = False):
+        self.processor, self.base, self.loss_on = processor, Path(base), loss_on
+        self.settings = images_kwargs(max_pixels, min_pixels)
+        self.allow_absolute = allow_absolute_paths
+
+    def __call__(self, records: list[dict]) -> dict[str, torch.Tensor]:
+        from ..loss.global_batch import IGNORE_INDEX
+        from .chat import to_example
+
+        examples = check_images([to_example(f"record {i}", dict(r)) for i, r in enumerate(records)], self.base,
+                                self.allow_absolute, has_video_processor(self.processor))
+        rendered = [render_media(self.processor, ex, self.loss_on, self.settings) for ex in examples]
+        width = max(len(ids) for ids, _, _ in rendered)
+        pad = pad_token_id(self.processor.tokenizer)
+        out = {"input_ids": torch.full((len(rendered), width), pad, dtype=torch.int64),
+               "attention_mask": torch.zeros(len(rendered), width, dtype=torch.int64),
+               "labels": torch.full((len(rendered), width), IGNORE_INDEX, dtype=torch.int64)}
+        for key in dict.fromkeys(k for _, _, m in rendered for k in m if k in TOKEN_INPUTS):
+            out[key] = torch.zeros(len(rendered), width, dtype=torch.int64)
+        for r, (ids, mask, media) in enumerate(rendered):
+            n = len(ids)
+            out["input_ids"][r, :n] = torch.from_numpy(ids)
+            out["attention_mask"][r, :n] = 1
+            out["labels"][r, :n] = torch.from_numpy(np.where(mask, ids, IGNORE_INDEX))
+            for key in TOKEN_INPUTS:
+                if key in media:
+                    out[key][r, :n] = media[key]
+        held = [m for _, _, m in rendered]
+        for key in dict.fromkeys(k for m in held for k in m if k not in TOKEN_INPUTS):
+            out[key] = _stack([m[key] for m in held if key in m], -1 if key.endswith("position_ids") else 0)
+        return out

@@ -25,9 +25,13 @@ def saved_hint(output) -> str:
 
     if output is None:
         return "rerun the command to start again"
-    complete, _ = scan_root(Path(output) / "checkpoints")
+    from .outputs import CHECKPOINTS, blocks_a_new_run
+
+    complete, _ = scan_root(Path(output) / CHECKPOINTS)
     if complete:
         return f"the run is saved at {complete[-1][1].name}: rerun with --resume to continue"
+    if blocks_a_new_run(Path(output)):  # steps trained, none saved
+        return "no checkpoint was saved: rerun with --force to start again"
     return "no checkpoint was saved yet: rerun the same command to start again"
 
 
