@@ -92,7 +92,7 @@ from .sequence_layout import (
     sequence_to_heads,
     token_layout,
 )
-from .sequence_masks import SequenceForward
+from .sequence_masks import SequenceForward, current_forward
 from .sequence_mixers import (
     decoder_layers,
     dispatches_attention,
@@ -233,8 +233,7 @@ class SequenceParallel:
                   **kwargs):
         """The sp/cp attention of ``module`` (transformers' ``AttentionInterface`` signature; ``attention_mask``,
         made from this rank's tokens, is not used): ``[b, S/(sp·cp), h, dv]`` and no weights."""
-        if self.current is None:
-            raise ModelStateError("sp/cp attention ran outside a forward of the parallelized model")
+        current_forward(self, "sp/cp attention")
         selected = kwargs.pop("indices", None)  # a DSA indexer's top-k (global row positions of the keys)
         if selected is not None:
             check_indexed_inner(module, self.inner)

@@ -21,10 +21,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import ModelStateError
 from .sequence_paths import MaskKind
 
 Block = tuple[int, int, "slice | torch.Tensor"]  # (first local query, queries, keys: an index of the gathered keys)
 Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]  # flash's varlen layout of a run
+
+
+def current_forward(state, what: str) -> SequenceForward:
+    """The forward ``state`` (a :class:`~xpar_zoo.styles.sequence.SequenceParallel`) is in; a
+    :class:`~xpar_zoo.errors.ModelStateError` naming ``what`` ran outside one."""
+    if state.current is None:
+        raise ModelStateError(f"{what} ran outside a forward of the parallelized model")
+    return state.current
 
 
 @dataclass

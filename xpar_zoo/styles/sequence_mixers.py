@@ -45,7 +45,9 @@ from ..compat import no_split_modules
 from ..errors import ModelStateError
 from ..parallel.collectives import GatherRows
 from ..parallel.mesh import PlanShard
+from ..zoo.forward_source import forward_source
 from .calls import call_arguments
+from .sequence_masks import current_forward
 
 # Layer types (config.layer_types) that attention through the AttentionInterface serves.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
@@ -68,10 +70,7 @@ LAYER_TYPE_REASONS = {
 def dispatches_attention(cls: type) -> bool:
     """Whether ``cls.forward`` calls transformers' ``ALL_ATTENTION_FUNCTIONS`` (its attention is the
     ``AttentionInterface``'s, which the sp/cp attention wraps)."""
-    try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
+    return "ALL_ATTENTION_FUNCTIONS" in forward_source(cls.forward)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -219,10 +218,7 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
                         layer: nn.Module | None = None):
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        batch = state.current
-        if batch is None:
-            raise ModelStateError(f"{type(module).__name__} (sp/cp sequence mixer) ran outside a forward of the "
-                                  "parallelized model")
+        batch = current_forward(state, f"{type(module).__name__} (sp/cp sequence mixer)")
         seq_len = batch.keys.numel()
         named = call_arguments(signature, args, kwargs)
         hidden = named.pop("hidden_states")
