@@ -53,6 +53,8 @@ class ForwardCache:
     # the id of the local tensor (kept beside it: ids are reused once freed)
     mixer_mask: torch.Tensor | None = None
     mixer_kwargs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the halo projections' (zaya): this rank's tokens as runs of consecutive positions
+    halo_runs: list[tuple[int, int, int]] | None = None
 
 
 @dataclass
