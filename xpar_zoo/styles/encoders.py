@@ -111,6 +111,14 @@ def encoder_host(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if encodes_modalities(m)), None)
 
 
+def _splits_rows(model: nn.Module) -> bool:
+    """Whether ``model`` runs on an sp/cp mesh (its rows are split after this wrapper)."""
+    from ..parallel.state import parallel_state
+
+    state = parallel_state(model)
+    return state is not None and state.mesh.sequence_size > 1
+
+
 def install_encoder_agreement(model: nn.Module, device_type: str) -> bool:
     """Wrap the forward of ``model``'s :func:`encoder_host` as the module docstring says (on a multi-rank group);
     returns whether it did. Every rank's forward is then a collective, as every parallelized model's already is."""
@@ -139,7 +147,7 @@ def install_encoder_agreement(model: nn.Module, device_type: str) -> bool:
                 outputs[modality] = _no_rows(_encode(model, getter, pixels, dummy))
             call.pop(pixel, None)
         call["mm_encoder_outputs"] = outputs
-        if "_xpar_seq" in model.__dict__ and call.get("position_ids") is None and "input_ids" in call:
+        if _splits_rows(model) and call.get("position_ids") is None and "input_ids" in call:
             whole = torch.arange(call["input_ids"].shape[1], device=call["input_ids"].device)
             call = document_positions(model, {**call, "position_ids": whole.expand_as(call["input_ids"])})
         return original(**call)
