@@ -90,6 +90,12 @@ CASES = {
     "packed_dsa_glm_moe_dsa_cp2_ep2": (DSA_GLM, {"cp": 2, "ep": 2}, True),
     "dsa_glm_moe_dsa_sp2_cp2": (DSA_GLM, {"sp": 2, "cp": 2}, False),
     "packed_dsa_glm_moe_dsa_sp2_cp2": (DSA_GLM, {"sp": 2, "cp": 2}, True),
+    # zaya's CCA projection (causal convolutions over q/k, a value half from the previous token): each run of a
+    # rank's tokens with a halo of the tokens before it (xpar_zoo.styles.sequence_halo); cp=4's chunks of 2 tokens
+    # are shorter than the halo of 3
+    "zaya_cca_sp2_ep2": (("zaya", {}), {"sp": 2, "ep": 2}, False),
+    "packed_zaya_cca_cp4": (("zaya", {}), {"cp": 4}, True),
+    "padded_zaya_cca_sp2_cp2": (("zaya", {}), {"sp": 2, "cp": 2}, "padded"),
 }
 # cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
 # that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES

@@ -12,6 +12,11 @@ from xpar_zoo.errors import BatchError, MeshError, PlanError
 from xpar_zoo.parallel.mesh import sequence_rank_layout, validate_sequence_sizes
 from xpar_zoo.parallel.options import ParallelOptions
 from xpar_zoo.styles.sequence import check_sequence_parallel
+from xpar_zoo.styles.sequence_halo import (
+    halo_projections,
+    halo_tokens,
+    served_halo_layer_types,
+)
 from xpar_zoo.styles.sequence_indexed import (
     indexed_attention_modules,
     indexer_block_rows,
@@ -321,16 +326,34 @@ def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
 
 
 @pytest.mark.parametrize("model_type, why", [
-    ("qwen4_exp_text", ("layer type 'indexed_attention': sparse attention whose indexer picks keys over the whole "
-                        "sequence inside the attention module")),
-    ("inkling_text", "InklingShortConvolution (model.layers.0.self_attn.k_sconv): not a module that takes the "
-                     "layer's hidden states [b, s, H]"),
-    ("zaya", "layer type 'hybrid': its layers hold no sequence mixer module that takes the layer's hidden states"),
+    ("qwen4_exp_text", ("layer type 'indexed_attention': Qwen4ExpTextQSAIndexer (self_attn.indexer): the indexer "
+                        "returns a dense [b, 1, s, S] selection mask")),
+    ("inkling_text", ("layer type 'hybrid_sliding': InklingRelativeLogits (self_attn.rel_logits_proj): a dense "
+                      "relative-position bias [b, heads, q, k] over the distances between the tokens the attention "
+                      "is given")),
+    ("inkling2_text", ("layer type 'hybrid_sliding': Inkling2RelativePositionBias (self_attn.relative_position_bias): "
+                       "a dense relative-position bias")),
+    ("deepseek_v4", ("layer type 'heavily_compressed_attention': DeepseekV4HCACompressor (self_attn.compressor): "
+                     "compressed attention")),
+    ("minimax_m3_vl_text", ("layer type 'minimax_m3_sparse': MiniMaxM3VLIndexer (self_attn.indexer): a block-sparse "
+                            "indexer")),
 ])
 def test_sequence_mixing_that_cannot_run_on_gathered_rows_is_refused_with_the_reason(model_type, why):
+    sparse = {"layer_types": ["minimax_m3_sparse", "full_attention"]} if model_type == "minimax_m3_vl_text" else {}
     with pytest.raises(PlanError, match=rf"^cp=2: \w+ has sequence mixing that sp/cp cannot run on whole rows "
                                         rf"\(.*{re.escape(why)}.*\); sp and cp are refused for it$"):
-        check_sequence_parallel(_meta_model(model_type), types.SimpleNamespace(sp=1, cp=2))
+        check_sequence_parallel(_meta_model(model_type, **sparse), types.SimpleNamespace(sp=1, cp=2))
+
+
+def test_zaya_attention_runs_its_convolutional_projection_with_a_halo():
+    """zaya's CCA projection (causal convolutions of kernel 2 and 2 over q/k, a value half from the previous token)
+    reads the 3 tokens before each position: sp/cp run it on each run of a rank's tokens with those before it."""
+    model = _meta_model("zaya")
+    projections = halo_projections(model)
+    assert list(projections) == ["model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.qkv_proj"]
+    assert {halo_tokens(m) for m in projections.values()} == {3}
+    assert served_halo_layer_types(model, model.config) == {"hybrid"}
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
 
 
 def test_sp_larger_than_the_query_heads_suggests_cp():

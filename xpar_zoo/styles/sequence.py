@@ -35,8 +35,10 @@ lightning attention, mamba mixers) run those layers on the whole rows of the seq
 unchanged; the rank keeps its tokens of the output). Exact, but their compute is repeated over the group and their
 activation memory is not divided. **Indexed sparse attention** (DSA indexers: deepseek_v32, glm_moe_dsa, …) scores
 this rank's queries against the whole row's indexer keys and masks the keys a query did not select
-(:mod:`xpar_zoo.styles.sequence_indexed`). Sequence mixing that is none of these (a convolution inside the
-attention, another kind of indexer or compressor) is refused, naming it and why.
+(:mod:`xpar_zoo.styles.sequence_indexed`); convolutional projections inside attention (zaya) run on this rank's
+tokens with a halo of the tokens before them (:mod:`xpar_zoo.styles.sequence_halo`). Sequence mixing that is none
+of these (a relative-position bias or compressed entries computed inside the attention, another kind of indexer) is
+refused, naming the layer type, the module and why.
 
 ``generate`` (a KV cache) is refused on an sp/cp mesh with one line: decoding one token at a time has nothing to
 split. Parameters are placed exactly as without sp/cp, so checkpoints are unchanged.
@@ -67,6 +69,7 @@ from ..parallel.mesh import Mesh, PlanShard
 from ..parallel.options import ParallelOptions
 from ..parallel.state import ParallelState, parallel_state, parallelized_module
 from .calls import call_arguments
+from .sequence_halo import install_halo_projections, served_halo_layer_types
 from .sequence_indexed import (
     check_indexed_inner,
     install_indexers,
@@ -89,7 +92,7 @@ from .sequence_layout import (
     sequence_to_heads,
     token_layout,
 )
-from .sequence_masks import SequenceForward
+from .sequence_masks import SequenceForward, current_forward
 from .sequence_mixers import (
     decoder_layers,
     dispatches_attention,
@@ -230,8 +233,7 @@ class SequenceParallel:
                   **kwargs):
         """The sp/cp attention of ``module`` (transformers' ``AttentionInterface`` signature; ``attention_mask``,
         made from this rank's tokens, is not used): ``[b, S/(sp·cp), h, dv]`` and no weights."""
-        if self.current is None:
-            raise ModelStateError("sp/cp attention ran outside a forward of the parallelized model")
+        current_forward(self, "sp/cp attention")
         selected = kwargs.pop("indices", None)  # a DSA indexer's top-k (global row positions of the keys)
         if selected is not None:
             check_indexed_inner(module, self.inner)
@@ -363,8 +365,15 @@ def _text_config(config):
 def recurrent_layers(model: nn.Module) -> list[str]:
     """Sequence mixing of ``model`` outside the ``AttentionInterface`` that sp/cp cannot run on whole rows (the
     mixers :func:`~xpar_zoo.styles.sequence_mixers.sequence_mixers` finds run gathered), one ``"what: why"`` each."""
+    return unserved_mixers(model, _text_config(model.config), attention_layer_types(model))
+
+
+def attention_layer_types(model: nn.Module) -> frozenset[str]:
+    """The layer types of ``model`` beyond plain attention that the sp/cp attention serves: indexed attention
+    (:mod:`~xpar_zoo.styles.sequence_indexed`) and attention after a halo projection
+    (:mod:`~xpar_zoo.styles.sequence_halo`)."""
     config = _text_config(model.config)
-    return unserved_mixers(model, config, served_indexed_layer_types(model, config))
+    return served_indexed_layer_types(model, config) | served_halo_layer_types(model, config)
 
 
 def attention_outside_interface(model: nn.Module) -> str | None:
@@ -461,8 +470,9 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
         raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
     for module in model.modules():
         module.__dict__[STATE_ATTRIBUTE] = state
-    install_sequence_mixers(model, state, served_indexed_layer_types(model, model.config.get_text_config()))
+    install_sequence_mixers(model, state, attention_layer_types(model))
     install_indexers(model, state)  # DSA indexers: this rank's queries against the whole row's keys
+    install_halo_projections(model, state)  # convolutional projections: this rank's runs and their halos
     original = model.forward
     signature = inspect.signature(original)
 

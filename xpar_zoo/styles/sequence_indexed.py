@@ -42,8 +42,9 @@ from ..compat import AttributeView, view_target
 from ..errors import ModelStateError, PlanError
 from ..parallel.collectives import gather_rows
 from ..parallel.mesh import PlanShard
+from ..zoo.forward_source import forward_source
 from .calls import call_arguments
-from .sequence_masks import SequenceForward
+from .sequence_masks import SequenceForward, current_forward
 from .sequence_mixers import decoder_layers, gather_rows_in_order
 from .sequence_paths import attention_block_rows
 
@@ -55,14 +56,6 @@ INDEXED_LAYER_TYPES = frozenset({"indexed_attention"})
 
 # ---- which modules --------------------------------------------------------------------------------------------
 
-@functools.cache
-def _source(fn) -> str:
-    try:
-        return inspect.getsource(fn)
-    except (OSError, TypeError):
-        return ""
-
-
 def is_dsa_indexer(module: nn.Module) -> bool:
     """Whether ``module`` is a DSA indexer the sp/cp wrapper serves: its forward takes the queries' hidden states,
     ``q_resid``, the rotary embeddings, a mask and a ``cache`` whose ``update_indexer`` supplies its keys, and
@@ -71,13 +64,13 @@ def is_dsa_indexer(module: nn.Module) -> bool:
     if not cls.__name__.endswith("Indexer"):
         return False
     params = inspect.signature(cls.forward).parameters
-    source = _source(cls.forward)
+    source = forward_source(cls.forward)
     return all(p in params for p in INDEXER_PARAMETERS) and "update_indexer" in source and ".topk(" in source
 
 
 def _passes_indices(cls: type) -> bool:
     """Whether the attention class hands the top-k to a non-eager/sdpa attention function as ``indices``."""
-    return "indices=" in _source(cls.forward)
+    return "indices=" in forward_source(cls.forward)
 
 
 def indexed_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -171,10 +164,7 @@ class _RowKeys:
 def _indexer_forward(module: nn.Module, state, original, signature: inspect.Signature):
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        batch = state.current
-        if batch is None:
-            raise ModelStateError(f"{type(module).__name__} (sp/cp indexer) ran outside a forward of the "
-                                  "parallelized model")
+        batch = current_forward(state, f"{type(module).__name__} (sp/cp indexer)")
         named = call_arguments(signature, args, kwargs)
         if named.get("cache") is not None:
             raise ModelStateError("sp/cp: a KV cache reached the indexer; generate on a mesh without sp/cp")

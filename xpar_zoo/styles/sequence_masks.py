@@ -21,10 +21,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import ModelStateError
 from .sequence_paths import MaskKind
 
 Block = tuple[int, int, "slice | torch.Tensor"]  # (first local query, queries, keys: an index of the gathered keys)
 Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]  # flash's varlen layout of a run
+
+
+def current_forward(state, what: str) -> SequenceForward:
+    """The forward ``state`` (a :class:`~xpar_zoo.styles.sequence.SequenceParallel`) is in; a
+    :class:`~xpar_zoo.errors.ModelStateError` naming ``what`` ran outside one."""
+    if state.current is None:
+        raise ModelStateError(f"{what} ran outside a forward of the parallelized model")
+    return state.current
 
 
 @dataclass
@@ -44,6 +53,8 @@ class ForwardCache:
     # the id of the local tensor (kept beside it: ids are reused once freed)
     mixer_mask: torch.Tensor | None = None
     mixer_kwargs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the halo projections' (zaya): this rank's tokens as runs of consecutive positions
+    halo_runs: list[tuple[int, int, int]] | None = None
 
 
 @dataclass

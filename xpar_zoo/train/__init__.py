@@ -3,8 +3,12 @@ xpar_zoo plan, under torchrun on one node or many. See the README's "Training".
 
 - :mod:`~xpar_zoo.train.config`  the settings (YAML file + flags), validated before any work;
 - :mod:`~xpar_zoo.train.data`    reading, tokenizing, packing documents into rows, dealing rows to the ranks;
-- :mod:`~xpar_zoo.train.loop`    setup, the optimizer step, checkpoints and resume, export;
-- :mod:`~xpar_zoo.loss.balance` expert load, the router auxiliary loss over the global batch, the bias update;
+- :mod:`~xpar_zoo.train.loop`    setup, then the loop: each step, metrics, export; it calls the components:
+- :mod:`~xpar_zoo.train.optim`   AdamW and the learning-rate schedule;
+- :mod:`~xpar_zoo.train.checkpointer` the checkpoints due after a step, and resume;
+- :mod:`~xpar_zoo.train.evaluate` held-out evaluation when due;
+- :mod:`~xpar_zoo.train.router_loss` the router auxiliary loss over the global batch;
+- :mod:`~xpar_zoo.loss.balance` expert load, the global router auxiliary loss, the bias update;
 - :mod:`~xpar_zoo.train.metrics` ``metrics.jsonl``, the progress bar, TensorBoard.
 """
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..checkpoint.layout import EXTRA_FILE, scan_root
+from ..checkpoint.layout import RUN_CHECKPOINTS as CHECKPOINTS
 from ..errors import TrainConfigError
 from ..io.atomic_dir import StagingDir, clear_leftovers, remove_aside
 from ..parallel.distributed import broadcast, rank
@@ -34,7 +35,6 @@ from .config import TrainConfig
 from .metrics import METRICS_FILE
 from .tiny_vl import TINY_MODELS
 
-CHECKPOINTS = "checkpoints"
 BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
 RUN_ENTRIES = (CHECKPOINTS, METRICS_FILE, "tensorboard")
 MOVED_METRICS = re.compile(r"metrics\.before-\d{8}T\d{6}\.jsonl")  # moved aside by --force over a finished run
@@ -294,12 +294,16 @@ def plan_outputs(cfg: TrainConfig) -> OutputPlan:
         raise TrainConfigError(f"--output {output} exists and is not a directory")
     plan = survey_run(output)
     _refuse_run(cfg, plan)
-    if cfg.resume and plan.newest is not None:
-        if plan.skipped and cfg.resume == "strict":
-            name, why = plan.skipped[-1]
-            raise TrainConfigError(f"--resume=strict: {output / CHECKPOINTS / name} is newer than {plan.newest.name} "
-                                   f"and cannot be resumed ({why}); move it aside to continue from "
-                                   f"{plan.newest.name}, or pass --resume to do so")
+    if plan.skipped and cfg.resume == "strict":
+        name, why = plan.skipped[-1]
+        older = plan.newest.name if plan.newest is not None else "step 0 (no complete checkpoint)"
+        raise TrainConfigError(f"--resume=strict: {output / CHECKPOINTS / name} is newer than "
+                               f"{plan.newest.name if plan.newest is not None else 'any complete checkpoint'} and "
+                               f"cannot be resumed ({why}); move it aside to continue from {older}, or pass --resume "
+                               "to do so")
+    if not cfg.resume:
+        plan.skipped = []  # what a resume would skip: nothing to say to a new run
+    elif plan.newest is not None:
         plan.resume_from = plan.newest
     blocking = [n for n in _non_empty(output, limit=None) if not n.startswith(".") and not _own_leftover(output, n)]
     if blocking and plan.newest is None and not cfg.resume and not cfg.force:
