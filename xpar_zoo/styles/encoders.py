@@ -8,7 +8,10 @@ stop matching. :func:`install_encoder_agreement` wraps the model's forward so th
 2. where one does, every rank runs the encoder at the same point (before the model's own forward), through the
    model's own ``get_image_features`` / ``get_video_features``, and hands the result in as transformers' own
    ``mm_encoder_outputs`` (the precomputed-features input of every multimodal model it proves);
-3. a rank without that modality encodes a dummy input (:func:`dummy_pixels`: zero pixels, one merged patch group)
+3. under sp/cp this wrapper is outside the split: the whole rows' images are encoded and their multimodal RoPE
+   positions computed on the whole rows (:func:`document_positions`); the split keeps each rank's features
+   (:mod:`xpar_zoo.styles.sequence_media`);
+4. a rank without that modality encodes a dummy input (:func:`dummy_pixels`: zero pixels, one merged patch group)
    and passes its features cut to zero rows: the model scatters nothing into its embeddings, and backward
    carries exact zeros through the tower (the slice's gradient) — the same FSDP collectives in the same order as
    on ranks with images, and gradients unchanged, since a zero adds nothing to the sum the reduce-scatter makes.
@@ -136,6 +139,9 @@ def install_encoder_agreement(model: nn.Module, device_type: str) -> bool:
                 outputs[modality] = _no_rows(_encode(model, getter, pixels, dummy))
             call.pop(pixel, None)
         call["mm_encoder_outputs"] = outputs
+        if "_xpar_seq" in model.__dict__ and call.get("position_ids") is None and "input_ids" in call:
+            whole = torch.arange(call["input_ids"].shape[1], device=call["input_ids"].device)
+            call = document_positions(model, {**call, "position_ids": whole.expand_as(call["input_ids"])})
         return original(**call)
 
     wrap_forward(model, forward)

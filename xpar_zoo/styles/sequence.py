@@ -93,6 +93,8 @@ from .sequence_layout import (
     token_layout,
 )
 from .sequence_masks import SequenceForward, current_forward
+from .sequence_media import refusal as media_refusal
+from .sequence_media import split_media, split_positions
 from .sequence_mixers import (
     decoder_layers,
     dispatches_attention,
@@ -146,6 +148,7 @@ class SequenceParallel:
 
     def __init__(self, mesh: Mesh, inner: str, parallel: ParallelState) -> None:
         self.parallel = parallel
+        self.placeholder_ids: dict[str, int | None] = {}  # each modality's placeholder token (multimodal rows)
         self.sp, self.cp = mesh.sp, mesh.cp
         self.sp_group, self.cp_group = mesh.sequence_group("sp"), mesh.sequence_group("cp")
         self.sp_rank, self.cp_rank = mesh.sequence_rank("sp"), mesh.sequence_rank("cp")
@@ -174,13 +177,12 @@ class SequenceParallel:
         local = self.layout(seq_len).local.to(ref.device)
         self.check_same_rows(ref)
         out = dict(named)
-        positions = named.get("position_ids")
-        if positions is None:
-            positions = torch.arange(seq_len, device=ref.device)[None]
-        if positions.dim() != 2 or positions.shape[-1] != seq_len:
-            raise BatchError(f"sp/cp: position_ids of shape {tuple(positions.shape)}; expected [batch, {seq_len}] "
-                             "(rope with several position rows, e.g. multimodal, is not supported)")
-        positions = positions.expand(b, seq_len)
+        given = named.get("position_ids")
+        rows = split_positions(torch.arange(seq_len, device=ref.device)[None] if given is None else given, seq_len, b)
+        if rows is None:
+            raise BatchError(f"sp/cp: position_ids of shape {tuple(given.shape)}; expected [batch, {seq_len}] (or "
+                             f"[4, batch, {seq_len}]: text positions over a multimodal model's 3-D ones)")
+        positions = rows[0]
         mask = named.get("attention_mask")
         key_valid = None
         if mask is not None:
@@ -200,7 +202,8 @@ class SequenceParallel:
             out["input_ids"] = ids[:, local]
         if embeds is not None:
             out["inputs_embeds"] = embeds[:, local]
-        out["position_ids"] = positions[:, local]
+        out["position_ids"] = rows[..., local] if rows.shape[0] > 1 else positions[:, local]
+        split_media(named, out, local, self.placeholder_ids)
         return out, SequencePart(seq_len, document_ids(positions), key_valid)
 
     def check_same_rows(self, rows: torch.Tensor) -> None:
@@ -396,8 +399,9 @@ def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
     ``mesh``'s sp/cp; return the inner attention implementation. Before any tensor is touched."""
     sizes = ", ".join(f"{d}={n}" for d, n in (("sp", mesh.sp), ("cp", mesh.cp)) if n > 1)
     config = model.config
-    if any(getattr(config, k, None) is not None for k in getattr(config, "sub_configs", {}) if k != "text_config"):
-        raise PlanError(f"{sizes}: {type(model).__name__} is multimodal; long context supports text-only causal LMs")
+    media = media_refusal(model)
+    if media:
+        raise PlanError(f"{sizes}: {media}")
     recurrent = recurrent_layers(model)
     if recurrent:
         raise PlanError(f"{sizes}: {type(model).__name__} has sequence mixing that sp/cp cannot run on whole rows "
@@ -455,6 +459,17 @@ def _keep_wrapped(model: nn.Module, state: SequenceParallel) -> None:
     model.set_attn_implementation(wrapper_name(current))
 
 
+def _towers_attend_whole(model: nn.Module, inner: str) -> None:
+    """A vision tower attends over its own patches, whole on every rank (the rows are split after it): its
+    submodels keep the inner attention."""
+    towers = tuple(type(getattr(model.config, k)) for k in getattr(model.config, "sub_configs", {})
+                   if k != "text_config" and getattr(model.config, k, None) is not None)
+    for module in model.modules():
+        if module is not model and isinstance(getattr(module, "config", None), towers) and hasattr(
+                module, "set_attn_implementation"):
+            module.set_attn_implementation(inner)
+
+
 def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel: ParallelState) -> SequenceParallel:
     """Set ``model`` to ``xpar_seq_<inner>`` attention and wrap its forward to keep this rank's part of full-length
     rows (see the module docstring); ``parallel`` is the model's parallel state, whose options the attention and the
@@ -464,10 +479,12 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
     name = wrapper_name(inner)
     AttentionInterface.register(name, _sequence_attention)
     state = SequenceParallel(mesh, inner, parallel)
+    state.placeholder_ids = {m: getattr(model.config, f"{m}_token_id", None) for m in ("image", "video")}
     _own_config(model)
     model.set_attn_implementation(name)
     if attn_implementation(model.config) != name:
         raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
+    _towers_attend_whole(model, inner)
     for module in model.modules():
         module.__dict__[STATE_ATTRIBUTE] = state
     install_sequence_mixers(model, state, attention_layer_types(model))
