@@ -13,7 +13,7 @@ MESHES = [{}, {"ep": 2}, {"cp": 4}]  # the meshes of the runs that aborted in is
 def _runs(out: str) -> None:
     from xpar_zoo.testing.exits import repeat_runs, tiny_training
 
-    statuses = [status for mesh in MESHES for status in repeat_runs(tiny_training, 4, 1, mesh, burners=2)]
+    statuses = [status for mesh in MESHES for status in repeat_runs(tiny_training, 4, 1, mesh, 1, burners=1)]
     with open(out, "w") as f:
         json.dump(statuses, f)
 
