@@ -41,3 +41,20 @@ def test_a_missing_local_tokenizer_path_is_said_missing_without_asking_the_hub(m
     for name in ("./nope_tok", "~/nope_tok/"):
         with pytest.raises(DataError, match=r"^no tokenizer: .*nope_tok/? does not exist \(no such local directory"):
             load_tokenizer(name)
+
+
+def test_resume_takes_another_spelling_of_the_same_data_path(tmp_path, monkeypatch):
+    """A run started with `--data data.jsonl` and resumed with its absolute path was refused as changed data (the
+    rows are checked by the data fingerprint in any case); a different file is still refused."""
+    from xpar_zoo.errors import TrainConfigError
+    from xpar_zoo.train.agreement import resume_changes
+    from xpar_zoo.train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "other.jsonl").write_text('{"text": "a"}\n')
+    saved = TrainConfig(model="m", data="data.jsonl", steps=8).to_json()
+    assert resume_changes(saved, TrainConfig(model="m", data=str(tmp_path / "data.jsonl"), steps=8), 4) == []
+    assert resume_changes(saved, TrainConfig(model="m", data="./data.jsonl", steps=8), 4) == []
+    with pytest.raises(TrainConfigError, match="--resume: data was data.jsonl at step 4, now other.jsonl"):
+        resume_changes(saved, TrainConfig(model="m", data="other.jsonl", steps=8), 4)
