@@ -58,3 +58,14 @@ def test_resume_takes_another_spelling_of_the_same_data_path(tmp_path, monkeypat
     assert resume_changes(saved, TrainConfig(model="m", data="./data.jsonl", steps=8), 4) == []
     with pytest.raises(TrainConfigError, match="--resume: data was data.jsonl at step 4, now other.jsonl"):
         resume_changes(saved, TrainConfig(model="m", data="other.jsonl", steps=8), 4)
+
+
+@pytest.mark.parametrize("flag, value", [("--route-imbalance", "nan"), ("--memory-gib", "nan"),
+                                         ("--memory-gib", "-2"), ("--route-imbalance", "inf")])
+def test_size_refuses_a_number_that_is_not_finite_and_positive(tmp_path, capsys, flag, value):
+    """`size --simulate --route-imbalance nan` ended in a ValueError traceback; `--memory-gib nan` ranked meshes
+    against no budget, exit 0."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["size", str(tmp_path), "--world", "2", "--simulate", flag, value])
+    assert e.value.code == 2
+    assert f"argument {flag}: must be a finite number above 0, got {value}" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import re
 import sys
@@ -263,6 +264,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (argparse names the option in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="xpar-zoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -355,10 +367,10 @@ def _add_size(sub) -> None:
     p.add_argument("--lora-parameters", help="LoRA target_parameters, comma-separated, or none (default: the fused "
                    "experts tensors)")
     p.add_argument("--suggest", action="store_true", help="rank the meshes that fit --world")
-    p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
+    p.add_argument("--memory-gib", type=_positive_number, help="per-rank memory budget for --suggest")
     p.add_argument("--simulate", action="store_true", help="also run the real code on one rank of a fake --world "
                    "world (fake tensors, torch's fake process group and memory tracker): the simulated peak by kind")
-    p.add_argument("--route-imbalance", type=float, default=1.0, metavar="F",
+    p.add_argument("--route-imbalance", type=_positive_number, default=1.0, metavar="F",
                    help="with --simulate: this rank receives F x the mean routed tokens (default 1: balanced)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_size)
