@@ -1,6 +1,6 @@
 """The time cost of the blocked sp/cp attention (issue 30, not a test): the masked attention of ``--layers`` layers of
 cp rank 1 (b=1, 4 query / 2 key-value heads of 32, fp32, one thread), forward+backward, under the whole
-``[1, 1, S/cp, S]`` mask against :func:`xpar_zoo.styles.sequence.blocked_attention` at the default block budget,
+``[1, 1, S/cp, S]`` mask against :func:`xpar_zoo.styles.sequence_inner.blocked_attention` at the default block budget,
 and the blocks without their checkpoint (masks kept for backward: what the recompute costs); min of ``--reps``
 interleaved repeats.
 
@@ -20,7 +20,13 @@ def main() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
-    from xpar_zoo.styles import sequence
+    from xpar_zoo.parallel.options import ParallelOptions
+    from xpar_zoo.styles import (
+        sequence_inner,
+        sequence_layout,
+        sequence_masks,
+        sequence_paths,
+    )
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--inner", default="sdpa", choices=["sdpa", "eager"])
@@ -37,25 +43,26 @@ def main() -> None:
         return fn(module, q, k, v, mask, dropout=0.0, scaling=0.3)[0]
 
     seq, cp = args.seq, args.cp
-    layout = sequence.token_layout(seq, 1, cp, 0, 1)
+    layout = sequence_layout.token_layout(seq, 1, cp, 0, 1)
     tensors = [(torch.randn(1, 4, seq // cp, 32, requires_grad=True), torch.randn(1, 2, seq, 32, requires_grad=True),
                 torch.randn(1, 2, seq, 32, requires_grad=True)) for _ in range(args.layers)]
-    rows = sequence.attention_block_rows(1, 4, seq // cp, seq, 4, args.inner == "eager") or seq // cp
+    budget = ParallelOptions.from_env().block_budget("cpu")
+    rows = sequence_paths.attention_block_rows(1, 4, seq // cp, seq, 4, args.inner == "eager", budget) or seq // cp
 
     def whole(batch, q, k, v):
         return call(q, k, v, batch.mask(True, None, q.dtype))
 
     def blocked(batch, q, k, v):
-        return sequence.blocked_attention(call, q, k, v, batch, True, None, rows)
+        return sequence_inner.blocked_attention(call, q, k, v, batch, True, None, rows)
 
     def unchecked(batch, q, k, v):
-        return torch.cat([sequence._attention_block(call, batch, True, None, s, keys, q[:, :, s:s + n], k, v)
+        return torch.cat([sequence_inner._attention_block(call, batch, True, None, s, keys, q[:, :, s:s + n], k, v)
                           for s, n, keys in batch.blocks(rows, True, None)], dim=1)
 
     times = {"whole mask": [], "blocked": [], "blocked, no checkpoint": []}
     for _ in range(args.reps):
         for name, attend in zip(times, (whole, blocked, unchecked)):
-            batch = sequence._Forward(layout.queries, layout.keys, None, None)
+            batch = sequence_masks.SequenceForward(layout.queries, layout.keys, None, None)
             t0 = time.perf_counter()
             sum(attend(batch, *t).sum() for t in tensors).backward()
             times[name].append(time.perf_counter() - t0)

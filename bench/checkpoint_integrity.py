@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import os
 import platform
@@ -100,14 +101,14 @@ def _job(root: str, rounds: int, hidden: int) -> dict:
             if not with_sums:
                 save.checksum_files, layout.file_checksum, dcp_io.RecordingStream = (
                     lambda d, names: {}), (lambda p: "-"), Unhashed
-            seconds = timed(lambda: xpar_zoo.save_checkpoint(root, model, step=step, keep_last=2))
+            seconds = timed(functools.partial(xpar_zoo.save_checkpoint, root, model, step=step, keep_last=2))
             save.checksum_files, layout.file_checksum, dcp_io.RecordingStream = real
             if r:
                 times[f"save_{'with' if with_sums else 'without'}"].append(seconds)
             if with_sums:
                 kept = Path(root) / checkpoint.checkpoint_name(step)
         for verify in ((True, False) if r % 2 else (False, True)):
-            seconds = timed(lambda: xpar_zoo.load_checkpoint(kept, model, verify=verify))
+            seconds = timed(functools.partial(xpar_zoo.load_checkpoint, kept, model, verify=verify))
             if r:
                 times[f"load_{'with' if verify else 'without'}"].append(seconds)
     size = sum(f.stat().st_size for f in kept.rglob("*") if f.is_file())

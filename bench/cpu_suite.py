@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -127,7 +128,7 @@ def _side(which: str, directory: str, out: str, steps: int, batch: int, seqs: li
             for _ in range(LIVE_STEPS):  # a single step's peak varies with when the async collectives land (±20 %)
                 ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
                 dist.barrier()
-                peaks.append(parity.live_peak_bytes(lambda: _step(model, opt, ids), f"{out}.trace-{rank}.json") / MB)
+                peaks.append(parity.live_peak_bytes(functools.partial(_step, model, opt, ids), f"{out}.trace-{rank}.json") / MB)
             row[f"step_live_peak_MiB@{seq}"] = statistics.median(peaks)
         dist.barrier()
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ the whole-row score tensor transformers' indexer makes.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import gc
 import inspect
@@ -98,7 +99,7 @@ def _indexer(seq: int, trace: str) -> dict:
     from xpar_zoo.parallel.options import ParallelOptions
     from xpar_zoo.styles.sequence_indexed import _indexer_forward, indexer_query_bytes
     from xpar_zoo.styles.sequence_layout import token_layout
-    from xpar_zoo.styles.sequence_masks import _Forward
+    from xpar_zoo.styles.sequence_masks import SequenceForward
     from xpar_zoo.testing import parity
 
     torch.manual_seed(0)
@@ -108,7 +109,8 @@ def _indexer(seq: int, trace: str) -> dict:
     layout = token_layout(seq, 1, 1, 0, 0)
     state = types.SimpleNamespace(sp=1, cp=1, sp_group=None, cp_group=None, sp_rank=0, cp_rank=0,
                                   options=ParallelOptions(), layout=lambda n: token_layout(n, 1, 1, 0, 0),
-                                  current=_Forward(layout.queries, layout.keys, None, None))
+                                  current=SequenceForward(layout.queries, layout.keys, None, None, layout.local),
+                                  paths=collections.Counter())
     original = indexer.forward
     wrapped = _indexer_forward(indexer, state, original, inspect.signature(original))
     hidden = torch.randn(1, seq, config.hidden_size)

@@ -62,13 +62,13 @@ def main() -> None:
 
     from xpar_zoo.testing import launch
 
+    parse_size(args.shard)  # a bad --shard fails here, before the checkpoint is made
     work = Path(args.keep or tempfile.mkdtemp(prefix="xpar-export-bench-"))
     ckpt = work / "ckpt"
     if not ckpt.exists():
         launch.run(_make_checkpoint, 1, str(ckpt))
     step = sorted(ckpt.iterdir())[-1]
     nbytes = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
-    shard = parse_size(args.shard)
 
     imports = ("import xpar_zoo, xpar_zoo.checkpoint, transformers, safetensors.torch, tqdm\n"
                "from xpar_zoo.converters import export\nfrom transformers.core_model_loading import "

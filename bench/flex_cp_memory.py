@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 import tempfile
@@ -23,6 +24,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 MB = 1024 * 1024
+
+
+def _forward(model, ids) -> None:
+    import torch
+
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)
+
+
+def _forward_backward(model, ids) -> None:
+    model(input_ids=ids, labels=ids).loss.backward()
 
 
 def _rank(seqs: list[int], trace_dir: str) -> dict:
@@ -39,23 +51,19 @@ def _rank(seqs: list[int], trace_dir: str) -> dict:
         model = xpar_zoo.parallelize(parity.build_model(config), xpar_zoo.Mesh(cp=4))
         for seq in seqs:
             ids = torch.randint(0, CONFIG["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
-
-            def forward():
-                with torch.no_grad():
-                    model(input_ids=ids, labels=ids)
-
             t = time.perf_counter()
-            forward()  # warm-up (flex: compiles)
+            _forward(model, ids)  # warm-up (flex: compiles)
             first = time.perf_counter() - t
             t = time.perf_counter()
-            forward()
+            _forward(model, ids)
             second = time.perf_counter() - t
-            peak = parity.live_peak_bytes(forward, os.path.join(trace_dir, f"trace{rank}_{inner}_{seq}.json"))
+            trace = os.path.join(trace_dir, f"trace{rank}_{inner}_{seq}.json")
+            peak = parity.live_peak_bytes(functools.partial(_forward, model, ids), trace)
             row = {"peak": peak, "first_s": first, "second_s": second}
             if inner == "sdpa":
                 params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
                 row["saved"] = parity.saved_for_backward_bytes(
-                    lambda: model(input_ids=ids, labels=ids).loss.backward(), exclude=params)
+                    functools.partial(_forward_backward, model, ids), exclude=params)
                 model.zero_grad(set_to_none=True)
             out[(inner, seq)] = row
     gathered = [None] * dist.get_world_size()

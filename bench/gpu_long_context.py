@@ -18,6 +18,7 @@ Prints one JSON line per part and writes ``$OUT/long_context.json`` when ``OUT``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -26,14 +27,13 @@ import types
 import torch
 
 from xpar_zoo.compat import config_with_attn_implementation
-from xpar_zoo.styles.sequence import (
-    _Forward,
-    document_ids,
+from xpar_zoo.styles.sequence_inner import (
     flash_inner,
     flex_inner,
     lower_right_attention,
-    token_layout,
 )
+from xpar_zoo.styles.sequence_layout import document_ids, token_layout
+from xpar_zoo.styles.sequence_masks import SequenceForward
 
 RESULTS: dict = {}
 
@@ -61,7 +61,7 @@ def _inputs(a, seq, c, dtype, device, packed=False):
         for cut in (seq // 3, seq // 2 + 7):
             pos[:, cut:] = torch.arange(seq - cut, device=device)
         docs = document_ids(pos)
-    batch = _Forward(layout.queries.to(device), layout.keys.to(device), docs, None)
+    batch = SequenceForward(layout.queries.to(device), layout.keys.to(device), docs, None)
     g = torch.Generator(device=device).manual_seed(c)
     q = torch.randn(1, a.heads, seq, a.dim, device=device, dtype=dtype, generator=g)
     k, v = (torch.randn(1, a.kv_heads, seq, a.dim, device=device, dtype=dtype, generator=g) for _ in range(2))
@@ -139,7 +139,7 @@ def speed(a, dtype, device) -> None:
             scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), q_row, k_row, v_row))
     for name, run in _runners(a).items():
         try:
-            _record(f"speed/{name}/cp{a.cp}_rank0/S{a.seq}", _measure(lambda q, k, v: run(batch, q, k, v), q, k, v))
+            _record(f"speed/{name}/cp{a.cp}_rank0/S{a.seq}", _measure(functools.partial(run, batch), q, k, v))
         except Exception as e:
             _record(f"speed/{name}", f"{type(e).__name__}: {e}"[:300])
 

@@ -24,6 +24,7 @@ with peak memory and errors against fp32. The model is then run with the fastest
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -185,7 +186,7 @@ def sweep_tiles(args, device, dtype) -> dict:
         tiles = mt.INTERPRETER_TILES if INTERPRETED else mt.Tiles(**cand)
         for fuse in (True, False):  # the router-weight gradient fused into the backward GEMMs, or dy materialised
 
-            def step():
+            def step(tiles=tiles, fuse=fuse):
                 mt.moe_experts(x, index, weights, gate_up, down, tiles, fuse_router_grad=fuse).backward(grad)
 
             row = {"tiles": tiles.__dict__, "fuse_router_grad": fuse}
@@ -304,6 +305,16 @@ def kernel_breakdown(args, device, dtype, tiles) -> dict:
     return out
 
 
+def _block_step(block, x, grad) -> None:
+    block.zero_grad(set_to_none=True)
+    block(x).backward(grad)
+
+
+def _model_step(model, ids) -> None:
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
 def bench_block(args, device, dtype, tiles=None) -> dict:
     h, i, e, k, t = args.hidden, args.inter, args.experts, args.top_k, args.tokens
     flops = 18 * t * k * h * i
@@ -316,15 +327,12 @@ def bench_block(args, device, dtype, tiles=None) -> dict:
             continue
         block = moe_block(h, i, e, k, device, dtype, impl, tiles=tiles)
 
-        def step():
-            block.zero_grad(set_to_none=True)
-            block(x).backward(grad)
-
+        step = functools.partial(_block_step, block, x, grad)
         sec = time_fn(step, device, warmup=args.warmup, iters=args.iters)
         res[impl] = {"ms": sec * 1e3, "tflops": flops / sec / 1e12}
         if device.type == "cuda":  # peak memory of one step above what was allocated before it
             res[impl]["peak_step_memory_GiB"] = _cuda_peak_growth(step) / 2**30
-        del block
+        del block, step
     base = res["grouped_mm"]["ms"]
     for r in res.values():
         r["speedup_vs_grouped_mm"] = base / r["ms"]
@@ -462,7 +470,7 @@ def bench_model(args, device, dtype, tiles=None, loss_chunk=None, loss_kernels="
     for name, (impl, kernels) in variants.items():
         if impl not in args.impls or (impl == "eager" and args.skip_eager):
             continue
-        model = None  # the previous variant's model (and gradients) go before the next is built
+        model = step = None  # the previous variant's model (and gradients) go before the next is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
@@ -479,10 +487,7 @@ def bench_model(args, device, dtype, tiles=None, loss_chunk=None, loss_kernels="
                 install_fused_loss(model, kernels=kernels, chunk_elements=loss_chunk)
             ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 
-            def step():
-                model.zero_grad(set_to_none=True)
-                model(input_ids=ids, labels=ids).loss.backward()
-
+            step = functools.partial(_model_step, model, ids)
             sec = time_fn(step, device, warmup=2, iters=args.model_iters)
             res[name] = {"tokens_per_s": args.batch * args.seq / sec, "ms": sec * 1e3}
             if device.type == "cuda":

@@ -38,6 +38,18 @@ LABELS = {"fsdp": "FSDP alone `Mesh()`", "sp4": "`Mesh(sp=4)`, mixers recomputed
           "sp2_cp2_ep2": "`Mesh(sp=2, cp=2, ep=2)`"}
 
 
+def _step(model, n: int, offset: int):
+    """One forward+backward of a row of ``n`` random tokens (seeded ``n + offset``), as a call for the profiler."""
+    import torch
+
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n + offset))
+
+    def run():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return run
+
+
 def _runs(seq: int, trace_dir: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -58,25 +70,15 @@ def _runs(seq: int, trace_dir: str) -> dict:
         model = xpar_zoo.parallelize(parity.build_model(parity.tiny_config("qwen3_next", **CONFIG)),
                                      xpar_zoo.Mesh(**mesh))
         model.train()
-        group = "sp" in mesh or "cp" in mesh
-
-        def step(n: int):
-            g = torch.Generator().manual_seed(n + (0 if group else rank))
-            ids = torch.randint(0, CONFIG["vocab_size"], (1, n), generator=g)
-
-            def run():
-                model(input_ids=ids, labels=ids).loss.backward()
-                model.zero_grad(set_to_none=True)
-            return run
-
-        step(256)()
+        offset = 0 if "sp" in mesh or "cp" in mesh else rank  # a sequence group's ranks pass the same row
+        _step(model, 256, offset)()
         gc.collect()
         dist.barrier()
-        peak = parity.live_peak_bytes(step(seq), f"{trace_dir}/{name}-{rank}.json")
+        peak = parity.live_peak_bytes(_step(model, seq, offset), f"{trace_dir}/{name}-{rank}.json")
         gc.collect()
         dist.barrier()
         t0 = time.perf_counter()
-        step(seq)()
+        _step(model, seq, offset)()
         seconds = time.perf_counter() - t0
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, peak)

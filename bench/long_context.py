@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -101,11 +102,22 @@ def _load(stack: str, directory: str, attention: str):
     return model
 
 
+def _step(model, offset: int, seq: int):
+    """One forward+backward of a row of ``seq`` random tokens (seeded ``seq + offset``), as a call for the profiler."""
+    import torch
+
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq + offset))
+
+    def run():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return run
+
+
 def _side(stack: str, directory: str, seqs: list[int], budget: float | None, trace: str, attention: str
           ) -> list[dict]:
     """On every rank: load ``stack``, then for each length the live peak of one forward+backward (with ``budget``:
     stop after the first length over it, and skip lengths the sizer puts over twice the budget)."""
-    import torch
     import torch.distributed as dist
 
     from xpar_zoo.testing import parity
@@ -115,18 +127,9 @@ def _side(stack: str, directory: str, seqs: list[int], budget: float | None, tra
     try:
         model = _load(stack, directory, attention)
         model.train()
+        # a sequence group's ranks pass the same full-length row; other ranks each their own
         sequence_group = stack in MESHES and ("sp" in MESHES[stack] or "cp" in MESHES[stack])
-
-        def step(seq: int):
-            # a sequence group's ranks pass the same full-length row; other ranks each their own
-            g = torch.Generator().manual_seed(seq + (0 if sequence_group else rank))
-            ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=g)
-
-            def run():
-                model(input_ids=ids, labels=ids).loss.backward()
-                model.zero_grad(set_to_none=True)
-            return run
-
+        step = functools.partial(_step, model, 0 if sequence_group else rank)
         step(WARMUP_SEQ)()
         gc.collect()
         dist.barrier()
@@ -156,7 +159,7 @@ def _side(stack: str, directory: str, seqs: list[int], budget: float | None, tra
             rows.append(row)
             if budget is not None and row["worst"] > budget:
                 break
-        del model
+        del model, step
     except Exception:
         rows.append({"error": traceback.format_exc(limit=6)[-2000:]})
     gathered = [None] * dist.get_world_size()

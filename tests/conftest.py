@@ -12,6 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # once (xpar_zoo.testing.launch), instead of spawning interpreters that import them again on every rank.
 os.environ.setdefault("XPAR_ZOO_START_METHOD", "forkserver")
 
+# The fixtures that test files of several tiers share (tests/support/): every test asks for them by name.
+pytest_plugins = ["support.integrity_checkpoints", "support.loader_checkpoints", "support.sizing_models"]
+
 # The tiers, one folder each; every test gets its folder's marker (`pytest -m unit`), registered in pyproject.toml.
 TIERS = {
     "unit": "no launched process group, fast (`pytest -m unit`: under a minute)",

@@ -52,7 +52,7 @@ from .styles import experts as moe  # noqa: E402
 from .styles import vocab
 from .styles.sequence import data_shard, shard_sequence
 from .styles.vocab import full_logits
-from .version import __version__
+from .version import __version__ as __version__
 from .zoo import registry  # noqa: E402
 from .zoo.plan import ExtraPlan, Plan
 from .zoo.registry import get_plan, supported_architectures

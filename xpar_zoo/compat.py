@@ -253,22 +253,29 @@ def stream_vllm_weights(generation, named_params) -> None:
 
 # ---- transformers' attention ------------------------------------------------------------------------------------
 
-class _ConfigView:
-    """A model config as an inner attention function reads it, with its own attention implementation name."""
+class AttributeView:
+    """``target`` as code that reads its attributes sees it, with ``overrides`` in place of some: transformers'
+    attention functions read the module's head counts and sinks and the config's implementation name, which the
+    sp/cp attention shows them as this rank's. Nothing is written to ``target``."""
 
-    def __init__(self, config, implementation: str) -> None:
-        object.__setattr__(self, "_config", config)
-        object.__setattr__(self, "_attn_implementation", implementation)
+    def __init__(self, target, overrides) -> None:
+        object.__setattr__(self, "_view_target", target)
+        self.__dict__.update(overrides)
 
     def __getattr__(self, name: str):
-        return getattr(self._config, name)
+        return getattr(self._view_target, name)
+
+
+def view_target(obj):
+    """The object an :class:`AttributeView` shows (``obj`` itself when it is none)."""
+    return obj._view_target if isinstance(obj, AttributeView) else obj
 
 
 def config_with_attn_implementation(config, implementation: str):
     """``config`` as seen by an attention function with ``config._attn_implementation == implementation``:
     transformers' flash forward loads its kernels by the name it reads there, and under sp/cp the model's own
     config names the wrapper (``xpar_seq_flash_attention_2``)."""
-    return _ConfigView(config, implementation)
+    return AttributeView(config, {"_attn_implementation": implementation})
 
 
 def _flash_utils():
@@ -281,6 +288,15 @@ def flash_kernels_loaded(implementation: str) -> bool:
     """Whether transformers' flash path has kernels loaded for ``implementation`` (its lazily imported
     ``_loaded_implementation``), so that it runs without importing a package; no public getter."""
     return _flash_utils()._loaded_implementation == implementation
+
+
+def flash_attention_available(implementation: str) -> bool:
+    """Whether ``flash_attention_2`` / ``_3`` can run here: kernels transformers has loaded, the ``flash_attn`` /
+    ``flash_attn_interface`` package on a GPU, or transformers' hub kernels."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    available = is_flash_attn_2_available if implementation == "flash_attention_2" else is_flash_attn_3_available
+    return flash_kernels_loaded(implementation) or available(kernels_fallback_ok=True)
 
 
 def load_flash_kernels(implementation: str, flash_fn, varlen_fn) -> None:

@@ -11,11 +11,12 @@
                            backward follows (:func:`reshard_after_inference`);
 6. ``install_global_loss`` the forward checks the model is ready (:func:`check_ready`) and makes every rank's
                            loss its share of the global-batch mean (:mod:`xpar_zoo.loss.global_batch`);
-7. ``install_encoder_agreement`` a multimodal model runs its encoders on every rank whenever any rank has
+7. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
+                           full-length rows (:mod:`xpar_zoo.styles.sequence`; checked in step 1);
+8. ``install_encoder_agreement`` a multimodal model runs its encoders on every rank whenever any rank has
                            images (a dummy image where it has none), so the vision tower's FSDP collectives
-                           match with images in some rows only (:mod:`xpar_zoo.styles.encoders`);
-8. ``install_sequence_parallel`` with sp/cp: the attention is wrapped and the forward keeps this rank's part of
-                           full-length rows (:mod:`xpar_zoo.styles.sequence`; checked in step 1).
+                           match with images in some rows only; outermost, so that under sp/cp the whole rows'
+                           images are encoded before the split (:mod:`xpar_zoo.styles.encoders`).
 
 Why each step is as it is: ``docs/design.md``, "parallelize and the placement of planned tensors".
 """
@@ -335,9 +336,9 @@ def parallelize(
                                             options=options))
     reshard_after_inference(model)
     install_global_loss(model, mesh.world_size)
-    install_encoder_agreement(model, mesh.device_type)
     if inner_attention is not None:  # outermost: the global-batch loss counts this rank's split targets
         install_sequence_parallel(model, mesh, inner_attention, parallel_state(model))
+    install_encoder_agreement(model, mesh.device_type)  # outermost: images encoded on whole rows, before a split
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
     _watch_module_tree()
     model.register_forward_pre_hook(lambda module, args: check_ready(module), prepend=True)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.integrity_checkpoints import _model, _train_step
 
 import xpar_zoo
+from support.integrity_checkpoints import _model, _train_step
 from xpar_zoo.checkpoint import write_complete_marker
 from xpar_zoo.testing import launch
 

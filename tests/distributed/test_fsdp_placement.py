@@ -11,20 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.placement_models import (  # noqa: F401
-    DIM1,
-    EMB,
-    EXPERTS,
-    HEAD,
-    LOW_RANK_PLAN,
-    O_PROJ,
-    RANK,
-    WORLD,
-    LowRankLinear,
-    with_low_rank,
-)
 
 import xpar_zoo
+from support.placement_models import DIM1, EMB, EXPERTS, HEAD, LOW_RANK_PLAN, O_PROJ, RANK, WORLD, with_low_rank
 from xpar_zoo.checkpoint import checkpoint_name
 from xpar_zoo.testing import launch, parity
 

@@ -6,6 +6,7 @@ it loads a checkpoint, or refused; greedy ``generate`` equals single-process tra
 The parity tests (test_core, test_vocab, test_zoo) train on labels whose valid-target counts differ per rank, one
 rank holding none (``parity.make_labels``); this file covers what one step of those does not."""
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -152,12 +153,11 @@ def _meta_recipe(cfg, ids, labels, root: str) -> dict:
     with torch.no_grad():
         got = model(input_ids=ids[rank], labels=labels[rank]).loss
     out["difference"] = (got - expected).abs().item()
-    model = on_meta()
     for how, prepare in [("meta", lambda m: None), ("to_empty", lambda m: m.to_empty(device="cpu"))]:
         model = on_meta()
         prepare(model)
-        for call, fn in [("load", lambda: xpar_zoo.load_checkpoint(root, model)),
-                         ("forward", lambda: model(input_ids=ids[rank], labels=labels[rank]))]:
+        for call, fn in [("load", functools.partial(xpar_zoo.load_checkpoint, root, model)),
+                         ("forward", functools.partial(model, input_ids=ids[rank], labels=labels[rank]))]:
             try:
                 fn()
                 out[how, call] = None

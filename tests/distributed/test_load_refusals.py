@@ -8,40 +8,11 @@ import time
 import pytest
 import torch
 
+from support.load_refusal_cases import FILE_CASES, LOAD_CASES, _make_bad
 from xpar_zoo.errors import XparError
 from xpar_zoo.testing import launch, parity
 
 WORLD = 2
-from support.load_refusal_cases import (  # noqa: F401
-    BREAKERS,
-    FILE_CASES,
-    INDEX,
-    LOAD_CASES,
-    _config_absent,
-    _config_invalid_json,
-    _config_no_model_type,
-    _config_no_plan,
-    _config_unknown_model_type,
-    _data_truncated,
-    _edit_file,
-    _header_corrupt,
-    _header_truncated,
-    _index,
-    _index_no_weight_map,
-    _index_not_json,
-    _int8_weights,
-    _make_bad,
-    _mxfp4_blocks,
-    _offsets_overlap,
-    _offsets_wrong_size,
-    _other_architecture,
-    _pickle_only,
-    _quantization_config,
-    _rewrite_header,
-    _shard_absent,
-    _two_of_a_size,
-    _unknown_dtype,
-)
 
 BEFORE_PARALLELIZE = [*FILE_CASES, "path_does_not_exist"]  # found from the files alone: parallelize never runs
 PATH_BOUND_S = 10  # hub retries took 27 s

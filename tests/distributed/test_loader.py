@@ -10,12 +10,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from support.loader_checkpoints import ARCHS, BAD, COMMIT, EXPERT, REPO, _file_of
 from xpar_zoo.testing import launch
 
 WORLD = 4
-REPO = "org/tiny-qwen3-moe"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-EXPERT = "model.layers.0.mlp.experts"
 IDS = torch.tensor([[3, 17, 99, 4, 64, 5, 120, 0], [8, 8, 42, 1, 2, 90, 33, 11]])
 
 # (case, checkpoint, mesh, dtype, revision): every one is loaded in the same 4-rank job.
@@ -38,17 +36,6 @@ LOADS = [
     # tied embeddings: the hub file holds model.embed_tokens.weight only; lm_head shares it
     ("tied_hub_ep2", "tied", {"ep": 2}, None, None),
 ]
-from support.loader_checkpoints import (  # noqa: F401
-    ARCHS,
-    BAD,
-    COMMIT,
-    EXPERT,
-    REPO,
-    _bad_checkpoint,
-    _file_of,
-    _rewrite,
-    checkpoints,
-)
 
 
 @pytest.fixture(scope="module")

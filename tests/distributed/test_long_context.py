@@ -90,6 +90,12 @@ CASES = {
     "packed_dsa_glm_moe_dsa_cp2_ep2": (DSA_GLM, {"cp": 2, "ep": 2}, True),
     "dsa_glm_moe_dsa_sp2_cp2": (DSA_GLM, {"sp": 2, "cp": 2}, False),
     "packed_dsa_glm_moe_dsa_sp2_cp2": (DSA_GLM, {"sp": 2, "cp": 2}, True),
+    # zaya's CCA projection (causal convolutions over q/k, a value half from the previous token): each run of a
+    # rank's tokens with a halo of the tokens before it (xpar_zoo.styles.sequence_halo); cp=4's chunks of 2 tokens
+    # are shorter than the halo of 3
+    "zaya_cca_sp2_ep2": (("zaya", {}), {"sp": 2, "ep": 2}, False),
+    "packed_zaya_cca_cp4": (("zaya", {}), {"cp": 4}, True),
+    "padded_zaya_cca_sp2_cp2": (("zaya", {}), {"sp": 2, "cp": 2}, "padded"),
 }
 # cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
 # that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES
@@ -215,7 +221,6 @@ def _cases(world: int) -> dict:
     import torch.distributed as dist
 
     from xpar_zoo.parallel.options import ParallelOptions
-    from xpar_zoo.styles import sequence, sequence_indexed
     from xpar_zoo.testing import flash_reference
 
     rank = dist.get_rank()
@@ -225,23 +230,6 @@ def _cases(world: int) -> dict:
     runs.update({name: (case, {"cp_attention": "lower_right"}) for name, case in LOWER_RIGHT.items()})
     runs.update({name: (case, {"attention_block_mib": BLOCK_MIB}) for name, case in BLOCKED.items()})
     runs.update({name: (case, {"inner": "flash_attention_2"}) for name, case in FLASH_CASES.items()})
-    calls = {"lower_right": 0, "blocked": 0, "indexer_blocked": 0}
-    plain, blocked = sequence.lower_right_attention, sequence.blocked_attention
-    indexer_rows = sequence_indexed.indexer_block_rows
-
-    def counting_rows(*args):  # the indexer's queries per call: None (all at once) or a block
-        rows = indexer_rows(*args)
-        calls["indexer_blocked"] += rows is not None
-        return rows
-
-    sequence_indexed.indexer_block_rows = counting_rows
-
-    def counting(name, fn):
-        def counted(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return counted
-
     for name, (((model_type, overrides), mesh, packed), options) in runs.items():
         options = dict(options)
         chosen = {k: options.pop(k) for k in ("cp_attention", "attention_block_mib") if k in options}
@@ -256,22 +244,14 @@ def _cases(world: int) -> dict:
             refs[key] = (parity.train_reference(_config(model_type, overrides), data, optimizer, max_norm,
                                                 labels=labels, extra=extra), parity.build_model(config).state_dict())
         inner = options.get("inner")
-        calls.update(lower_right=0, blocked=0, indexer_blocked=0)
-        sequence.lower_right_attention = counting("lower_right", plain)
-        sequence.blocked_attention = counting("blocked", blocked)
-        try:
-            with flash_reference.installed(inner) if inner else contextlib.nullcontext():
-                rec = parity.train_parallel(config, data, mesh, optimizer, max_norm, labels=labels, extra=extra,
-                                            options=ParallelOptions(**chosen), **options)
-        finally:
-            sequence.lower_right_attention, sequence.blocked_attention = plain, blocked
+        with flash_reference.installed(inner) if inner else contextlib.nullcontext():
+            rec = parity.train_parallel(config, data, mesh, optimizer, max_norm, labels=labels, extra=extra,
+                                        options=ParallelOptions(**chosen), **options)
         if rank == 0:
             ref, before = refs[key]
             results[name] = {"loss": (rec.losses, ref.losses), "norm": (rec.grad_norms, ref.grad_norms),
                              "errors": parity.param_errors(rec.params, ref.params, before),
-                             "lower_right_calls": calls["lower_right"], "blocked_calls": calls["blocked"],
-                             "indexer_blocked_calls": calls["indexer_blocked"]}
-    sequence_indexed.indexer_block_rows = indexer_rows
+                             "paths": rec.attention_paths}
     return results
 
 
@@ -451,9 +431,9 @@ def test_flex_attention_inner_matches_single_process_flex_on_the_whole_rows(resu
 @pytest.mark.parametrize("case", [*LOWER_RIGHT])
 def test_cp_on_plain_rows_runs_sdpa_without_a_mask_on_the_lower_right_path(results, case):
     """The forced lower-right cases above ran every attention layer through it (CUDA's default), and the others
-    (CPU's default: the shared dense mask; eager; packed or padded rows) never did."""
-    assert results["cases"][case]["lower_right_calls"] > 0, case
-    assert not any(row["lower_right_calls"] for name, row in results["cases"].items() if name not in LOWER_RIGHT)
+    (CPU's default: the shared dense mask; eager; packed or padded rows) never did: the paths the wrapper chose."""
+    assert set(results["cases"][case]["paths"]) == {"lower_right"}, results["cases"][case]["paths"]
+    assert not any("lower_right" in row["paths"] for name, row in results["cases"].items() if name not in LOWER_RIGHT)
 
 
 BLOCKED_VARIANTS = ("blocked_qwen3_moe_sp2_cp2_checkpointing", "blocked_dsa_glm_moe_dsa_sp2_cp2_checkpointing")
@@ -463,12 +443,12 @@ BLOCKED_VARIANTS = ("blocked_qwen3_moe_sp2_cp2_checkpointing", "blocked_dsa_glm_
 def test_a_mask_over_the_block_budget_runs_a_block_of_queries_at_a_time(results, case):
     """The cases under a tiny block budget ran their masked attention blocked (the values above: exact), and the
     others (a whole mask of a few KiB, within the default 16 MiB) built the whole mask once per forward."""
-    assert results["cases"][case]["blocked_calls"] > 0, case
+    assert results["cases"][case]["paths"].get("blocked", 0) > 0, results["cases"][case]["paths"]
     blocked = {*BLOCKED, *BLOCKED_VARIANTS}
-    assert not any(row["blocked_calls"] for name, row in results["cases"].items() if name not in blocked)
+    assert not any("blocked" in row["paths"] for name, row in results["cases"].items() if name not in blocked)
     indexed = "_dsa_" in case
-    assert (results["cases"][case]["indexer_blocked_calls"] > 0) == indexed, case  # its indexer in blocks too
-    assert not any(row["indexer_blocked_calls"] for name, row in results["cases"].items() if name not in blocked)
+    assert ("indexer_blocked" in results["cases"][case]["paths"]) == indexed, case  # its indexer in blocks too
+    assert not any("indexer_blocked" in row["paths"] for name, row in results["cases"].items() if name not in blocked)
 
 
 def test_data_shard_gives_the_ranks_of_a_sequence_group_one_index(results):
@@ -516,8 +496,8 @@ def test_lora_under_sp_matches_single_process_peft(results):
     ("flash_without_kernels", "PlanError: sp=2, cp=2: flash_attention_2 is not available here (no flash_attn kernels"),
     ("flex_sinks_on_cpu", "PlanError: sp/cp: GptOssAttention has attention sinks (s_aux), which flex_attention serves "
                           "only on CUDA"),
-    ("sp_over_heads", "PlanError: sp=4 does not divide the 2 query heads of Qwen3MoeForCausalLM; use cp (e.g. "
-                      "sp=2, cp=2) for the rest"),
+    ("sp_over_heads", "PlanError: sp=4 does not divide the 2 query heads of Qwen3MoeForCausalLM; use sp=2, cp=2 "
+                      "instead (cp is not limited by heads)"),
 ])
 def test_bad_sizes_and_calls_get_one_clear_line(results, what, expected):
     message = results["semantics"]["errors"][what]

@@ -24,7 +24,7 @@ from xpar_zoo.hub.adapter_files import adapter_state
 
 WORLD, STEPS, SEED, MAX_NORM = 4, 3, 123, 0.5
 MESHES = {"fsdp": {}, "ep2": {"ep": 2}, "ep2_emb2_head2": {"ep": 2, "emb": 2, "head": 2}}
-from support.lora_setup import ATTENTION, EXPERTS, _config, lora_config  # noqa: E402,F401
+from support.lora_setup import ATTENTION, EXPERTS, _config, lora_config  # noqa: E402
 
 
 def _data():

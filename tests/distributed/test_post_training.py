@@ -1,8 +1,9 @@
 """Post-training (issue 40) on 4 gloo ranks, one launch for every case:
 
 - ``xpar_zoo.iter_hub_weights`` on ``Mesh(ep=2, emb=2, head=2)`` yields exactly the names and bytes ``xpar-zoo
-  convert to-hf`` writes (plain, LoRA merged, the adapter alone in PEFT's files) on every rank, with a per-rank peak
-  of one bucket plus one hub tensor, never a whole fused experts tensor;
+  convert to-hf`` writes (plain, bf16, LoRA merged, the adapter alone in PEFT's files; an HSDP model as
+  transformers saves it) on every rank, with a per-rank peak of one bucket plus one hub tensor, never a whole fused
+  experts tensor;
 - ``XparDPOTrainer``: loss, grad_norm and the reward metrics of 3 steps equal single-process TRL's on ``{ep:2}`` and
   ``{ep:2, emb:2, head:2}``, with a second xpar_zoo model as the reference, with precomputed reference
   log-probabilities, and with a LoRA policy whose disabled adapter is the reference;
@@ -57,9 +58,11 @@ def _streamed(model, **kwargs) -> dict[str, torch.Tensor]:
 
 def _weights(root: Path) -> dict:
     """Every rank: the stream of a trained model, a LoRA model (merged) and its adapter against the files
-    ``convert to-hf`` / ``save_adapter`` write; rank 0's result holds every rank's."""
-    from support.lora_setup import lora_config
+    ``convert to-hf`` / ``save_adapter`` write, and of an HSDP model (replicas) against transformers' own save;
+    rank 0's result holds every rank's."""
     from xpar_zoo.converters.export import export_to_hf
+
+    from support.lora_setup import lora_config
 
     rank = dist.get_rank()
     cfg = _config()
@@ -83,6 +86,8 @@ def _weights(root: Path) -> dict:
                                  {k: v.to(torch.bfloat16) for k, v in hub.items()}),
            "merged": _differ(_streamed(lora, bucket_bytes=SMALL_BUCKET), merged),
            "adapter": _differ(_streamed(lora, adapter_only=True), adapter),
+           "hsdp": _differ(_streamed(xpar_zoo.parallelize(parity.build_model(cfg), xpar_zoo.Mesh(ep=2, replicate=2)),
+                                     bucket_bytes=SMALL_BUCKET), _files(root / "base")),
            "keys": len(hub),
            "peak": parity.live_peak_bytes(
                lambda: [None for _ in xpar_zoo.iter_hub_weights(model, bucket_bytes=SMALL_BUCKET)],
@@ -247,7 +252,7 @@ def dpo_references(root):
     return _dpo_references(root)
 
 
-@pytest.mark.parametrize("case", ["small", "one_bucket", "merged", "adapter"])
+@pytest.mark.parametrize("case", ["small", "one_bucket", "merged", "adapter", "hsdp"])
 def test_streamed_hub_weights_are_the_bytes_convert_to_hf_writes_on_every_rank(results, case):
     for rank, row in enumerate(results["weights"]):
         assert row["keys"] > 20

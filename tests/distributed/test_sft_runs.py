@@ -54,7 +54,6 @@ def _job(files, out):
     from xpar_zoo.commands import cli
     from xpar_zoo.train import loop
 
-    rank = dist.get_rank()
     common = ["--model", str(files["model"]), "--data", str(files["data"]), "--seq-len", "256", "--lr", "1e-2",
               "--mesh", "ep=2", "--steps", "3", "--no-progress", "--report-to", "none"]
 

@@ -2,19 +2,8 @@
 5%."""
 
 import pytest
-from support.sizing_models import (  # noqa: F401
-    BATCH,
-    CONFIGS,
-    MESHES,
-    SEQ,
-    VOCAB,
-    WORLD,
-    _config,
-    _distinct_ids,
-    _job,
-    measured,
-)
 
+from support.sizing_models import BATCH, MESHES, SEQ, WORLD, _config
 from xpar_zoo import sizing
 
 

@@ -28,7 +28,7 @@ WORLD = 4
 SEQ = 32
 CHARS = "abcdefghijklmnopqrstuvwxyz .,"
 SENTENCES = ["the cat sat on the mat", "a dog ran to the park", "birds sing in the tree", "we eat bread and jam"]
-FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "targets", "tokens_per_s", "step_time_s", "peak_mem_bytes",
+FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "target_tokens", "tokens_per_s", "step_time_s", "peak_mem_bytes",
           "data_position", "epoch", "expert_load"}
 AUX_COEF = 0.5
 # planned units reduce-scattering with forced sums (ep_fsdp 2), planned units of one FSDP rank, HSDP
@@ -176,7 +176,7 @@ def test_resume_on_ep4_continues_the_same_data_order(jobs):
     straight, remeshed = jobs["metrics"]["straight"], jobs["metrics"]["remeshed"]
     assert [m["data_position"] for m in remeshed] == [m["data_position"] for m in straight] == [4, 8, 12, 16]
     for a, b in zip(remeshed[2:], straight[2:]):  # steps 3-4 on ep=4: the same rows and weights, other reductions
-        assert abs(a["loss"] - b["loss"]) < parity.LOSS_TOL and a["targets"] == b["targets"]
+        assert abs(a["loss"] - b["loss"]) < parity.LOSS_TOL and a["target_tokens"] == b["target_tokens"]
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5 * b["grad_norm"]
 
 
@@ -185,7 +185,7 @@ def test_accumulation_equals_the_larger_micro_batch(jobs, mesh):
     micro, batch = jobs["metrics"][f"accum_micro_{mesh}"], jobs["metrics"][f"accum_batch_{mesh}"]
     assert len(micro) == len(batch) == 3
     for a, b in zip(micro, batch):
-        assert a["targets"] == b["targets"] and a["tokens"] == b["tokens"]
+        assert a["target_tokens"] == b["target_tokens"] and a["tokens"] == b["tokens"]
         assert abs(a["loss"] - b["loss"]) < 1e-6 * b["loss"], (a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-6 * b["grad_norm"], (a["grad_norm"], b["grad_norm"])
 
@@ -213,7 +213,7 @@ def test_metrics_fields_and_real_token_counts(jobs, files):
         assert FIELDS <= set(m), FIELDS - set(m)
         assert m["tokens"] == per_step * SEQ
         rows = corpus.rows(m["data_position"] - per_step, per_step)
-        assert m["targets"] == int((rows["labels"][:, 1:] != IGNORE_INDEX).sum())
+        assert m["target_tokens"] == int((rows["labels"][:, 1:] != IGNORE_INDEX).sum())
         assert m["tokens_per_s"] == pytest.approx(m["tokens"] / m["step_time_s"])
         assert m["peak_mem_bytes"] > 0 and m["grad_norm"] > 0
         assert [layer["layer"] for layer in m["expert_load"]] == [0, 1]
@@ -295,7 +295,7 @@ def test_two_torchrun_nodes_resume_a_four_rank_run_in_the_same_data_order(jobs, 
     got, straight = read_metrics(out), jobs["metrics"]["straight"]
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for a, b in zip(got[2:], straight[2:]):
-        assert a["data_position"] == b["data_position"] and a["targets"] == b["targets"]
+        assert a["data_position"] == b["data_position"] and a["target_tokens"] == b["target_tokens"]
         assert abs(a["loss"] - b["loss"]) < parity.LOSS_TOL
     meta = json.loads((out / "checkpoints" / "step-00000004" / "extra_state.json").read_text())
     assert meta["world_size"] == 2 and meta["data"]["position"] == 16

@@ -3,6 +3,8 @@ logits, the loss honours ignore_index / num_items_in_batch / padding_idx and giv
 embeddings are refused under vocab plans, models that change their logits keep transformers' loss, and activation
 checkpointing trains exactly (4 gloo ranks, fp32)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -12,6 +14,10 @@ WORLD = 4
 EMB, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 TRACE_VOCAB = 200
 PAD_ID = 70  # owned by the second rank of a size-2 vocab group (V = 128)
+
+
+def _loss_backward(model, ids) -> None:
+    model(input_ids=ids, labels=ids).loss.backward()
 
 
 def _shapes_during(fn) -> list[tuple[int, ...]]:
@@ -113,7 +119,7 @@ def _job() -> dict:
         if name == "traced_fused":  # the whole-vocab fused head, chosen before parallelize: 8 tokens' logits a chunk
             install_fused_loss(model, chunk_elements=8 * TRACE_VOCAB)
         model = xpar_zoo.parallelize(model, xpar_zoo.Mesh(**mesh_kwargs), fused_loss=fused)
-        results[name] = _shapes_during(lambda: model(input_ids=ids, labels=ids).loss.backward())
+        results[name] = _shapes_during(functools.partial(_loss_backward, model, ids))
 
     results["semantics"] = _semantics(parity.tiny_config("qwen3_moe", pad_token_id=PAD_ID))
 

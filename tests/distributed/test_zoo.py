@@ -91,7 +91,7 @@ def _arch_job(arch: str, saved: str | None) -> dict:
                                "errors": parity.param_errors(rec.params, ref.params, before)}
     for plan_name in AUTO_PROVED[arch].without if arch in AUTO_PROVED else ():
         mesh = xpar_zoo.Mesh(**{plan_name: 2})
-        out[arch, f"without {plan_name}"] = _refusal(lambda: xpar_zoo.parallelize(parity.build_model(cfg), mesh))
+        out[arch, f"without {plan_name}"] = _refusal(lambda mesh=mesh: xpar_zoo.parallelize(parity.build_model(cfg), mesh))
     if saved is not None:
         out.update(_loaded(arch, saved, rank))
     return out

@@ -2,15 +2,32 @@
 image rows (4 gloo ranks, fp32, one SGD step): two ranks hold no image at all, one row holds two images
 (:data:`xpar_zoo.testing.modality.MIXED_ROWS`). Ranks without images run the vision tower on a dummy image
 (:mod:`xpar_zoo.styles.encoders`), so its FSDP collectives match; without that the ranks' collectives mismatch.
-The jobs run in the zoo's one 4-rank run (``zoo_proofs`` in tests/conftest.py)."""
+Under long context (``sp=2, ep=2`` and ``cp=2``) each sequence group encodes its whole rows' images, computes their
+multimodal RoPE positions on the whole rows and keeps each rank's features (:mod:`xpar_zoo.styles.sequence_media`);
+the families sp/cp cannot split are refused with the reason. The jobs run in the zoo's one 4-rank run
+(``zoo_proofs`` in tests/conftest.py)."""
 
 import pytest
 
 from xpar_zoo.testing import modality, parity
-from xpar_zoo.testing.proofs import AUTO_PROVED, PROOF_WORLD, proof_meshes
+from xpar_zoo.testing.proofs import (
+    AUTO_PROVED,
+    PROOF_WORLD,
+    long_context_meshes,
+    proof_meshes,
+)
 
 ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
-CASES = [(a, m) for a in ARCHS for m in proof_meshes(a) if m != "fsdp"]
+LONG_CONTEXT = ("qwen3_vl_moe",)  # the others are refused under sp/cp (test_the_other_families_are_refused…)
+REFUSED = {"qwen3_5_moe": "linear_attention", "gemma4": "without multimodal RoPE"}
+
+
+def _meshes(arch: str) -> dict[str, dict]:
+    meshes = {name: m for name, m in proof_meshes(arch).items() if name != "fsdp"}
+    return {**meshes, **(long_context_meshes(arch) if arch in LONG_CONTEXT else {})}
+
+
+CASES = [(a, m) for a in ARCHS for m in _meshes(a)]
 
 
 def _job(arch: str) -> dict:
@@ -23,9 +40,7 @@ def _job(arch: str) -> dict:
     before = parity.build_model(cfg).state_dict() if rank == 0 else None
     ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
     out = {}
-    for name, mesh in proof_meshes(arch).items():
-        if name == "fsdp":
-            continue
+    for name, mesh in _meshes(arch).items():
         rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
         if rank == 0:
             out[arch, name] = {"loss": (rec.losses[0], ref.losses[0]),
@@ -55,3 +70,11 @@ def test_the_mixed_rows_leave_ranks_without_images():
     _, images = modality.mixed_batches("image", cfg, PROOF_WORLD)
     assert [("pixel_values" in e) for e in images] == [True, False, True, False]
     assert len(images[0]["image_grid_thw"]) == 2  # two images in one row
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED))
+def test_the_other_families_are_refused_under_long_context_with_the_reason(arch):
+    from xpar_zoo.commands.model_cards import long_context_refusal
+
+    message = long_context_refusal(parity.build_model(parity.tiny_config(arch)))
+    assert message is not None and REFUSED[arch] in message and "\n" not in message, message

@@ -12,17 +12,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support.integrity_checkpoints import (  # noqa: F401
-    _model,
-    _payload,
-    _recommit,
-    _snapshot,
-    _train_step,
-    _unchanged,
-    saved,
-)
 
 import xpar_zoo
+from support.integrity_checkpoints import _model, _payload, _recommit, _snapshot, _unchanged
 from xpar_zoo.commands import cli
 from xpar_zoo.errors import CheckpointError
 

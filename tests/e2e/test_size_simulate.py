@@ -84,7 +84,6 @@ def test_simulated_step_is_within_15_percent_of_what_4_gloo_ranks_hold(runs):
     """What a step adds to the sharded parameters and optimizer states (its peak above them), simulated and measured
     by the torch profiler on 4 gloo ranks (the busiest rank: real routing is not perfectly balanced)."""
     from support.simulated_sizes import measured_peak
-
     from xpar_zoo.testing import launch
 
     measured = max(launch.run(measured_peak, 4, TINY_MOE, GLOO[1], GLOO[2]))

@@ -29,7 +29,7 @@ def _hub_tensors(directory) -> dict:
 def test_hub_to_dcp_to_hub_is_bit_exact(arch, tmp_path):
     model = parity.build_model(parity.tiny_config(arch))
     with torch.no_grad():  # biases and correction buffers are zero at init: make every tensor distinctive
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        for t in [*model.parameters(), *model.buffers()]:
             if t.is_floating_point() and not t.any():
                 t.normal_(0, 0.02)
     hub = tmp_path / "hub"

@@ -19,15 +19,7 @@ from xpar_zoo.errors import CheckpointError, NonFiniteError
 EXPERTS = "model.layers.0.mlp.experts"
 
 
-from support.integrity_checkpoints import (  # noqa: F401
-    _model,
-    _payload,
-    _recommit,
-    _snapshot,
-    _train_step,
-    _unchanged,
-    saved,
-)
+from support.integrity_checkpoints import _model, _payload, _recommit, _snapshot, _train_step, _unchanged
 
 
 def test_the_payload_is_real(tmp_path):

@@ -2,20 +2,9 @@
 ranks, else dim 1 (which must divide only where it is used); one module may hold tensors on both dims."""
 
 import pytest
-from support.placement_models import (  # noqa: F401
-    DIM1,
-    EMB,
-    EXPERTS,
-    HEAD,
-    LOW_RANK_PLAN,
-    O_PROJ,
-    RANK,
-    WORLD,
-    LowRankLinear,
-    with_low_rank,
-)
 
 import xpar_zoo
+from support.placement_models import DIM1, EMB, EXPERTS, LOW_RANK_PLAN, O_PROJ, WORLD, with_low_rank
 from xpar_zoo import get_plan, sizing
 from xpar_zoo.parallel.fsdp_layout import fsdp_layout, planned_shard_dim
 from xpar_zoo.styles.planned import match_plan

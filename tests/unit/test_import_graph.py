@@ -12,6 +12,7 @@ an attribute-string back door."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -98,8 +99,9 @@ def imports_of(name: str, source: str, is_package: bool, modules: Iterable[str])
     return edges
 
 
+@functools.lru_cache
 def import_graph(root: Path = ROOT) -> dict[str, list[tuple[str, int]]]:
-    """``{module: [(imported module, line), ...]}`` of the whole package."""
+    """``{module: [(imported module, line), ...]}`` of the whole package (parsed once per test session; read only)."""
     modules = discover(package_dirs(root))
     return {name: imports_of(name, path.read_text(), package, modules) for name, (path, package) in modules.items()}
 

@@ -32,6 +32,8 @@ def _checkpoint(output, step):
 def test_the_line_says_what_is_saved_and_what_to_type(tmp_path):
     assert saved_hint(None) == "rerun the command to start again"
     assert saved_hint(tmp_path) == "no checkpoint was saved yet: rerun the same command to start again"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")  # trained, saved none
+    assert saved_hint(tmp_path) == "no checkpoint was saved: rerun with --force to start again"
     _checkpoint(tmp_path, 3)
     assert saved_hint(tmp_path) == "the run is saved at step-00000003: rerun with --resume to continue"
 
@@ -54,7 +56,7 @@ def test_a_second_signal_in_the_loop_stops_at_once_with_a_closing_line(tmp_path)
     said = []
     _checkpoint(tmp_path, 2)
     with pytest.raises(Stopped) as e:
-        with StopOnSignal(announce=said.append, output=tmp_path) as stop:
+        with StopOnSignal(announce=said.append, output=tmp_path, repeat_window_s=0) as stop:
             _signal_self(signal.SIGINT)
             assert stop.signum == signal.SIGINT  # the first: finish the step, then save
             _signal_self(signal.SIGINT)
@@ -106,3 +108,11 @@ def test_under_torchrun_rank_0_points_to_the_launcher_before_torchruns_report(mo
     monkeypatch.setenv("RANK", "1")
     assert cli.main(["train", "--model", "m", "--data", "d", "--output", "o", "--steps", "0"]) == 2
     assert capsys.readouterr().err == ""  # the other ranks stay silent
+
+
+def test_the_same_ctrl_c_passed_on_by_torchrun_is_not_a_second_one():
+    said = []
+    with StopOnSignal(announce=said.append) as stop:  # the terminal's SIGINT, then torchrun's copy of it
+        _signal_self(signal.SIGINT)
+        _signal_self(signal.SIGINT)
+    assert stop.signum == signal.SIGINT and len(said) == 1  # the step finishes and saves

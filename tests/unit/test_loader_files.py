@@ -9,27 +9,12 @@ import torch
 from safetensors import safe_open
 
 import xpar_zoo
+from support.loader_checkpoints import EXPERT, REPO, _file_of
 from xpar_zoo.errors import CheckpointMismatchError
 from xpar_zoo.hub.layout import map_hub_layout
 from xpar_zoo.hub.safetensors_files import read_checkpoint_headers
 from xpar_zoo.testing import parity
 from xpar_zoo.zoo.registry import build_meta
-
-REPO = "org/tiny-qwen3-moe"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-EXPERT = "model.layers.0.mlp.experts"
-
-from support.loader_checkpoints import (  # noqa: F401
-    ARCHS,
-    BAD,
-    COMMIT,
-    EXPERT,
-    REPO,
-    _bad_checkpoint,
-    _file_of,
-    _rewrite,
-    checkpoints,
-)
 
 
 # ---- the checkpoints are what they claim ------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from xpar_zoo.testing import parity
 
 peft = pytest.importorskip("peft")  # an optional extra: requirements-test.txt installs it
 from peft import get_peft_model
-from support.lora_setup import ATTENTION, EXPERTS, _config, lora_config  # noqa: E402,F401
 
+from support.lora_setup import ATTENTION, EXPERTS, _config, lora_config  # noqa: E402
 from xpar_zoo.hub.adapter_files import attach_adapter
 from xpar_zoo.styles.lora import prepare, to_expert_major, to_peft_layout  # noqa: E402
 

@@ -38,3 +38,25 @@ def test_size_suggest_says_what_it_ranks_by_and_shows_an_ep_mesh_for_an_moe_mode
     out = capsys.readouterr().out
     assert "meshes ranked by bytes sent per rank per step, then peak memory per rank" in out
     assert "'ep': 2" in out or "'ep': 4" in out
+
+
+def test_applying_lora_raises_neither_peft_rename_nor_gradient_checkpointing_warnings():
+    """Every LoRA run printed PEFT's `base_model_name_or_path was renamed` and transformers'
+    `is_gradient_checkpointing is deprecated` (read by PEFT's constructor): the first is fixed at the cause (the
+    model's name_or_path is its config's), the second filtered where PEFT reads it."""
+    import warnings
+
+    import torch
+    from peft import LoraConfig
+
+    from xpar_zoo.hub.adapter_files import attach_adapter
+    from xpar_zoo.testing import parity
+    from xpar_zoo.zoo.registry import build_meta
+
+    model = build_meta(parity.tiny_config("qwen3_moe"), torch.float32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r".*base_model_name_or_path.*was renamed")
+        warnings.filterwarnings("error", message=r".*is_gradient_checkpointing.*deprecated")
+        peft_model, _ = attach_adapter(model, peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
+                                       name_or_path="org/base")
+    assert peft_model.peft_config["default"].base_model_name_or_path == "org/base"

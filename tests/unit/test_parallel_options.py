@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,9 @@ def _reads_environment(tree: ast.AST) -> list[int]:
     return lines
 
 
-def _modules():
-    for path in sorted(PACKAGE.rglob("*.py")):
-        yield str(path.relative_to(PACKAGE)), ast.parse(path.read_text())
+@functools.cache
+def _modules() -> tuple[tuple[str, ast.AST], ...]:
+    return tuple((str(path.relative_to(PACKAGE)), ast.parse(path.read_text())) for path in sorted(PACKAGE.rglob("*.py")))
 
 
 def test_nothing_below_the_entry_points_reads_the_environment():

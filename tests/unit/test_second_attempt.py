@@ -161,7 +161,7 @@ def test_a_damaged_newer_checkpoint_is_named_and_skipped_or_refused_with_strict(
 def test_a_damaged_fingerprint_is_damage_and_a_data_change_names_what_differs(inputs, tmp_path):
     from types import SimpleNamespace
 
-    from xpar_zoo.train.loop import _check_resumable
+    from xpar_zoo.train.checkpointer import check_resumable
 
     ckpt = _checkpoint(inputs["run"], 2)
     extra = json.loads((ckpt / EXTRA_FILE).read_text())
@@ -169,17 +169,17 @@ def test_a_damaged_fingerprint_is_damage_and_a_data_change_names_what_differs(in
     (ckpt / EXTRA_FILE).write_text(json.dumps(extra))
     write_complete_marker(ckpt, 2)
     corpus = SimpleNamespace(source="d.jsonl", seq_len=64, seed=0, rows_per_epoch=9, fingerprint=lambda: "f00d")
-    _check_resumable(ckpt, corpus)
+    check_resumable(ckpt, corpus)
     corpus.fingerprint = lambda: "beef"
     with pytest.raises(TrainConfigError, match=r"trained on other data \(the tokens of d.jsonl changed since\)"):
-        _check_resumable(ckpt, corpus)
+        check_resumable(ckpt, corpus)
     corpus.seq_len = 128
     with pytest.raises(TrainConfigError, match=r"other data \(seq_len 64 then, 128 now\): its data position"):
-        _check_resumable(ckpt, corpus)
+        check_resumable(ckpt, corpus)
     (ckpt / EXTRA_FILE).write_text(json.dumps(extra).replace("f00d", "f10d"))  # a bit flip, same size
     with pytest.raises(TrainConfigError, match=rf"{ckpt} is damaged \(extra_state.json: crc32 .* recorded \(the file "
                                                r"is corrupt\)\): move it aside"):
-        _check_resumable(ckpt, corpus)
+        check_resumable(ckpt, corpus)
 
 
 def test_the_shipped_sft_example_reruns_with_one_clear_path_and_dry_run_says_it(tmp_path, capsys, monkeypatch):
@@ -203,3 +203,19 @@ def test_the_shipped_sft_example_reruns_with_one_clear_path_and_dry_run_says_it(
     out = capsys.readouterr().out
     assert f"output: --force replaces the run in {run}: removes checkpoints/" in out
     assert (run / "checkpoints").is_dir() and (run / "merged" / "config.json").exists()  # a dry run changes nothing
+
+
+def test_force_into_a_folder_without_a_run_appends_metrics_and_clears_only_best(inputs):
+    run = inputs["run"]
+    (run / "best" / "step-00000002").mkdir(parents=True)  # a --save-best of a run whose checkpoints were removed
+    (run / METRICS_FILE).write_text(json.dumps({"step": 2, "loss": 1.0}) + "\n")
+    plan = check_outputs(_cfg(inputs, force=True, save_best=True, eval_data=str(inputs["data"])))
+    assert [p.name for p in plan.remove] == ["best"] and not plan.moves  # metrics.jsonl: appended to
+
+
+def test_strict_resume_refuses_an_unfinished_save_with_no_complete_checkpoint_before_it(inputs):
+    (inputs["run"] / "checkpoints" / ".tmp-step-00000001-abc").mkdir(parents=True)
+    with pytest.raises(TrainConfigError, match=r"--resume=strict: .*\.tmp-step-00000001-abc is newer than any complete "
+                                               r"checkpoint and cannot be resumed \(an unfinished save"):
+        plan_outputs(_cfg(inputs, resume="strict"))
+    assert plan_outputs(_cfg(inputs, resume=True)).resume_from is None  # --resume: starts at step 0, said

@@ -11,17 +11,11 @@ import torch
 from xpar_zoo.errors import BatchError, MeshError, PlanError
 from xpar_zoo.parallel.mesh import sequence_rank_layout, validate_sequence_sizes
 from xpar_zoo.parallel.options import ParallelOptions
-from xpar_zoo.styles.sequence import (
-    _Forward,
-    attention_block_rows,
-    blocked_attention,
-    check_sequence_length,
-    check_sequence_parallel,
-    cp_chunk,
-    document_ids,
-    kv_repeat,
-    lower_right_attention,
-    token_layout,
+from xpar_zoo.styles.sequence import check_sequence_parallel
+from xpar_zoo.styles.sequence_halo import (
+    halo_projections,
+    halo_tokens,
+    served_halo_layer_types,
 )
 from xpar_zoo.styles.sequence_indexed import (
     indexed_attention_modules,
@@ -29,7 +23,17 @@ from xpar_zoo.styles.sequence_indexed import (
     indexer_query_bytes,
     served_indexed_layer_types,
 )
+from xpar_zoo.styles.sequence_inner import blocked_attention, lower_right_attention
+from xpar_zoo.styles.sequence_layout import (
+    check_sequence_length,
+    cp_chunk,
+    document_ids,
+    kv_repeat,
+    token_layout,
+)
+from xpar_zoo.styles.sequence_masks import SequenceForward
 from xpar_zoo.styles.sequence_mixers import sequence_mixers
+from xpar_zoo.styles.sequence_paths import attention_block_rows
 from xpar_zoo.testing import parity
 
 
@@ -97,7 +101,7 @@ def test_the_mask_of_a_cp_chunk_is_causal_windowed_and_per_document_on_global_in
     seq, cp = 8, 2
     layout = token_layout(seq, 1, cp, 0, 1)  # cp rank 1: tokens 2..5, keys in gathered order 0,1,6,7,2,3,4,5
     docs = document_ids(torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]))
-    f = _Forward(layout.queries, layout.keys, docs, None)
+    f = SequenceForward(layout.queries, layout.keys, docs, None)
     mask = f.mask(True, 3, None)[0, 0]
     for i, q in enumerate(layout.queries.tolist()):
         for j, k in enumerate(layout.keys.tolist()):
@@ -129,7 +133,7 @@ def test_cp_lower_right_attention_equals_sdpa_under_the_dense_mask(cp):
     q_all, k_row, v_row = torch.randn(b, 4, seq, d), torch.randn(b, 2, seq, d), torch.randn(b, 2, seq, 6)
     for c in range(cp):
         layout = token_layout(seq, 1, cp, 0, c)
-        forward = _Forward(layout.queries, layout.keys, None, None)
+        forward = SequenceForward(layout.queries, layout.keys, None, None)
         q = q_all[:, :, layout.queries].requires_grad_()
         k, v = k_row[:, :, layout.keys].requires_grad_(), v_row[:, :, layout.keys].requires_grad_()
         got = lower_right_attention(q, k, v, forward, 0.0, 0.3)
@@ -193,7 +197,7 @@ def test_blocked_attention_equals_the_whole_mask_in_values_and_gradients(inner, 
     docs, valid = _rows_of(kind, b, seq)
     for c in range(cp):
         layout = token_layout(seq, 1, cp, 0, c)
-        batch = _Forward(layout.queries, layout.keys, docs, valid)
+        batch = SequenceForward(layout.queries, layout.keys, docs, valid)
         q = torch.randn(b, 4, seq // cp, 8, requires_grad=True)
         k, v = torch.randn(b, 2, seq, 8, requires_grad=True), torch.randn(b, 2, seq, 6, requires_grad=True)
         want = call(q, k, v, batch.mask(causal, window, q.dtype))
@@ -206,7 +210,7 @@ def test_blocked_attention_equals_the_whole_mask_in_values_and_gradients(inner, 
 
 def test_a_causal_block_sees_only_the_keys_before_its_last_query_and_never_crosses_a_cp_chunk():
     layout = token_layout(16, 1, 2, 0, 0)  # cp rank 0: queries 0..3 and 12..15; gathered keys 0..3 12..15 4..11
-    plain = _Forward(layout.queries, layout.keys, None, None)
+    plain = SequenceForward(layout.queries, layout.keys, None, None)
     blocks = plain.blocks(3, True, None)
     assert [(s, n) for s, n, _ in blocks] == [(0, 3), (3, 1), (4, 3), (7, 1)]
     seen = [sorted(layout.keys[k].tolist()) for _, _, k in blocks]
@@ -216,11 +220,12 @@ def test_a_causal_block_sees_only_the_keys_before_its_last_query_and_never_cross
     assert windowed[2] == list(range(9, 15))  # queries 12..14 with a window of 4: keys 9..14
     left = torch.ones(1, 16, dtype=torch.bool)
     left[0, :2] = False  # queries 0 and 1 have no key: they attend to all, so no block is trimmed
-    assert all(k == slice(None) for _, _, k in _Forward(layout.queries, layout.keys, None, left).blocks(3, True, None))
+    left_padded = SequenceForward(layout.queries, layout.keys, None, left)
+    assert all(k == slice(None) for _, _, k in left_padded.blocks(3, True, None))
     right = torch.ones(1, 16, dtype=torch.bool)
     right[0, -3:] = False  # every query sees token 0: trimmed as without padding
-    trimmed = [sorted(layout.keys[k].tolist()) for *_, k in _Forward(layout.queries, layout.keys, None,
-                                                                       right).blocks(3, True, None)]
+    right_padded = SequenceForward(layout.queries, layout.keys, None, right)
+    trimmed = [sorted(layout.keys[k].tolist()) for *_, k in right_padded.blocks(3, True, None)]
     assert trimmed == seen
 
 
@@ -231,7 +236,7 @@ def test_a_causal_block_on_packed_rows_sees_no_key_before_its_documents():
     pos[0, 6:], pos[1, 9:] = torch.arange(10), torch.arange(7)  # row 0: documents at 0 and 6; row 1: at 0 and 9
     pos[0, 12:] = torch.arange(4)  # row 0: a third document at 12
     layout = token_layout(16, 1, 1, 0, 0)
-    batch = _Forward(layout.queries, layout.keys, document_ids(pos), None)
+    batch = SequenceForward(layout.queries, layout.keys, document_ids(pos), None)
     seen = [(s, sorted(layout.keys[k].tolist())) for s, _, k in batch.blocks(3, True, None)]
     # queries 9..11: row 0's document from 6, row 1's from 9 -> keys from 6; queries 12..14: from 9 (row 1)
     assert seen[3] == (9, list(range(6, 12))) and seen[4] == (12, list(range(9, 15)))
@@ -247,7 +252,7 @@ def test_blocked_attention_nests_in_layer_checkpointing_and_keeps_no_mask_for_ba
     torch.manual_seed(1)
     seq, cp, call = 256, 4, _inner("eager")
     layout = token_layout(seq, 1, cp, 0, 1)
-    batch = _Forward(layout.queries, layout.keys, *_rows_of("packed", 2, seq))
+    batch = SequenceForward(layout.queries, layout.keys, *_rows_of("packed", 2, seq))
     q = torch.randn(2, 4, seq // cp, 8, requires_grad=True)
     k, v = torch.randn(2, 2, seq, 8, requires_grad=True), torch.randn(2, 2, seq, 6, requires_grad=True)
     want = call(q, k, v, batch.mask(True, None, q.dtype))
@@ -321,22 +326,40 @@ def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
 
 
 @pytest.mark.parametrize("model_type, why", [
-    ("qwen4_exp_text", ("layer type 'indexed_attention': sparse attention whose indexer picks keys over the whole "
-                        "sequence inside the attention module")),
-    ("inkling_text", "InklingShortConvolution (model.layers.0.self_attn.k_sconv): not a module that takes the "
-                     "layer's hidden states [b, s, H]"),
-    ("zaya", "layer type 'hybrid': its layers hold no sequence mixer module that takes the layer's hidden states"),
+    ("qwen4_exp_text", ("layer type 'indexed_attention': Qwen4ExpTextQSAIndexer (self_attn.indexer): the indexer "
+                        "returns a dense [b, 1, s, S] selection mask")),
+    ("inkling_text", ("layer type 'hybrid_sliding': InklingRelativeLogits (self_attn.rel_logits_proj): a dense "
+                      "relative-position bias [b, heads, q, k] over the distances between the tokens the attention "
+                      "is given")),
+    ("inkling2_text", ("layer type 'hybrid_sliding': Inkling2RelativePositionBias (self_attn.relative_position_bias): "
+                       "a dense relative-position bias")),
+    ("deepseek_v4", ("layer type 'heavily_compressed_attention': DeepseekV4HCACompressor (self_attn.compressor): "
+                     "compressed attention")),
+    ("minimax_m3_vl_text", ("layer type 'minimax_m3_sparse': MiniMaxM3VLIndexer (self_attn.indexer): a block-sparse "
+                            "indexer")),
 ])
 def test_sequence_mixing_that_cannot_run_on_gathered_rows_is_refused_with_the_reason(model_type, why):
+    sparse = {"layer_types": ["minimax_m3_sparse", "full_attention"]} if model_type == "minimax_m3_vl_text" else {}
     with pytest.raises(PlanError, match=rf"^cp=2: \w+ has sequence mixing that sp/cp cannot run on whole rows "
                                         rf"\(.*{re.escape(why)}.*\); sp and cp are refused for it$"):
-        check_sequence_parallel(_meta_model(model_type), types.SimpleNamespace(sp=1, cp=2))
+        check_sequence_parallel(_meta_model(model_type, **sparse), types.SimpleNamespace(sp=1, cp=2))
+
+
+def test_zaya_attention_runs_its_convolutional_projection_with_a_halo():
+    """zaya's CCA projection (causal convolutions of kernel 2 and 2 over q/k, a value half from the previous token)
+    reads the 3 tokens before each position: sp/cp run it on each run of a rank's tokens with those before it."""
+    model = _meta_model("zaya")
+    projections = halo_projections(model)
+    assert list(projections) == ["model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.qkv_proj"]
+    assert {halo_tokens(m) for m in projections.values()} == {3}
+    assert served_halo_layer_types(model, model.config) == {"hybrid"}
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
 
 
 def test_sp_larger_than_the_query_heads_suggests_cp():
     model = _meta_model("qwen3_moe")  # 4 query heads
-    with pytest.raises(PlanError, match=r"^sp=8 does not divide the 4 query heads of Qwen3MoeForCausalLM; use cp "
-                                        r"\(e\.g\. sp=4, cp=2\)"):
+    with pytest.raises(PlanError, match=r"^sp=8 does not divide the 4 query heads of Qwen3MoeForCausalLM; use sp=4, "
+                                        r"cp=2 instead \(cp is not limited by heads\)$"):
         check_sequence_parallel(model, _fake_mesh(sp=8))
     assert check_sequence_parallel(model, _fake_mesh(cp=8)) == "eager"  # cp is not limited by heads
 
@@ -356,15 +379,15 @@ def test_flex_and_flash_are_served_as_inner_attention():
 
 
 def _cp_batch(seq, cp, c, window_docs_padding):
-    """A cp rank's _Forward over rows with packed documents and left padding (or neither)."""
+    """A cp rank's SequenceForward over rows with packed documents and left padding (or neither)."""
     layout = token_layout(seq, 1, cp, 0, c)
     if not window_docs_padding:
-        return _Forward(layout.queries, layout.keys, None, None)
+        return SequenceForward(layout.queries, layout.keys, None, None)
     pos = torch.arange(seq).repeat(2, 1)
     pos[0, 5:], pos[1, 3:] = torch.arange(seq - 5), torch.arange(seq - 3)
     valid = torch.ones(2, seq, dtype=torch.bool)
     valid[1, :2] = False
-    return _Forward(layout.queries, layout.keys, document_ids(pos), valid)
+    return SequenceForward(layout.queries, layout.keys, document_ids(pos), valid)
 
 
 @pytest.mark.parametrize("cp, window", [(2, None), (2, 3), (4, 5)])
@@ -402,7 +425,7 @@ def test_the_banded_block_mask_is_torchs_create_block_mask(band, monkeypatch):
     valid = torch.ones(2, seq, dtype=torch.bool)
     valid[1, :130] = False
     for docs, keep, window in ((None, None, None), (document_ids(pos), valid, 200)):
-        f = _Forward(layout.queries, layout.keys, docs, keep)
+        f = SequenceForward(layout.queries, layout.keys, docs, keep)
         got = f.flex_block_mask(True, window)
         rows = None if docs is None else 2
         want = create_block_mask(got.mask_mod, rows, None, layout.queries.numel(), seq, device="cpu")
@@ -418,7 +441,7 @@ def test_flash_inner_equals_sdpa_under_the_dense_mask(cp, window, packed):
     gradients of sdpa under the dense mask of the global indices, on every cp rank (valid queries; 4 query heads
     over 2 key/value heads; value head dim 6)."""
     from xpar_zoo.compat import config_with_attn_implementation
-    from xpar_zoo.styles.sequence import flash_inner
+    from xpar_zoo.styles.sequence_inner import flash_inner
     from xpar_zoo.testing import flash_reference
 
     module = torch.nn.Linear(2, 2)

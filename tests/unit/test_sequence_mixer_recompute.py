@@ -9,7 +9,7 @@ import torch
 
 from xpar_zoo.parallel.options import ParallelOptions
 from xpar_zoo.styles.sequence_layout import token_layout
-from xpar_zoo.styles.sequence_masks import _Forward
+from xpar_zoo.styles.sequence_masks import SequenceForward
 from xpar_zoo.styles.sequence_mixers import _whole_rows_forward
 from xpar_zoo.testing import parity
 
@@ -28,7 +28,7 @@ def _wrapped(module, layer=None, recompute=True):
     layout = token_layout(SEQ, 1, 1, 0, 0)
     state = types.SimpleNamespace(sp=1, cp=1, sp_group=None, cp_group=None, sp_rank=0, cp_rank=0,
                                   layout=lambda n: token_layout(n, 1, 1, 0, 0),
-                                  current=_Forward(layout.queries, layout.keys, None, None),
+                                  current=SequenceForward(layout.queries, layout.keys, None, None, layout.local),
                                   options=ParallelOptions(mixer_recompute=recompute))
     original = module.forward
     return original, _whole_rows_forward(module, state, original, inspect.signature(original), layer)

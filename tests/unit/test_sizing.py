@@ -4,19 +4,8 @@ is exact."""
 
 import pytest
 import torch
-from support.sizing_models import (  # noqa: F401
-    BATCH,
-    CONFIGS,
-    MESHES,
-    SEQ,
-    VOCAB,
-    WORLD,
-    _config,
-    _distinct_ids,
-    _job,
-    measured,
-)
 
+from support.sizing_models import WORLD
 from xpar_zoo import sizing
 from xpar_zoo.testing import parity
 

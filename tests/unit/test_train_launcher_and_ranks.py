@@ -63,9 +63,9 @@ def test_ranks_other_than_0_keep_warnings_to_themselves():
     try:
         with warnings.catch_warnings(record=True) as seen:
             quiet_other_ranks(0)
-            warnings.warn("rank 0 says it")
+            warnings.warn("rank 0 says it", stacklevel=1)
             quiet_other_ranks(1)
-            warnings.warn("rank 1 would repeat it")
+            warnings.warn("rank 1 would repeat it", stacklevel=1)
         assert [str(w.message) for w in seen] == ["rank 0 says it"]
         assert logging.getLogger("peft").level == logging.ERROR
         assert hf_logging.get_verbosity() == hf_logging.ERROR

@@ -14,8 +14,8 @@ from xpar_zoo.errors import TrainConfigError
 from xpar_zoo.train import TrainConfig
 from xpar_zoo.train.agreement import differences, resume_changes
 from xpar_zoo.train.config import add_arguments
-from xpar_zoo.train.loop import build_scheduler, lr_factor
 from xpar_zoo.train.metrics import MetricsLog
+from xpar_zoo.train.optim import build_scheduler, lr_factor
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 

@@ -212,8 +212,9 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ..parallel.teardown import exit_rank
     from ..train import config_from_args, run
-    from ..train.launcher import launch, launched_by_us
+    from ..train.launcher import launch, launched_by_us, under_torchrun
     from ..train.stop import StopAtOnce, Stopped
 
     rank = launcher_rank()
@@ -229,12 +230,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and not launched_by_us():
         return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
                       args.master_port)
+    code = 0
     try:
         with StopAtOnce(rank, "while starting", cfg.output):
             run(cfg)
     except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
-        return e.code
-    return 0
+        code = e.code
+    if launched_by_us() or under_torchrun():  # this process is a rank and nothing else: end it safely
+        exit_rank(code)
+    return code
 
 
 def _add_train(sub) -> None:

@@ -166,21 +166,37 @@ def _gather(bucket: list[_Unit], live: Mapping[str, torch.Tensor], buffer: torch
 
 def _to_hub(meta_model: nn.Module, unit: _Unit, tensors: dict[str, torch.Tensor], cast: torch.dtype | None
             ) -> HubBucket:
+    """The hub tensors of a unit, views of its tensors: rows are reverted one at a time (transformers' reverse of a
+    ``Concatenate`` makes its chunks contiguous, a copy for several rows, a view for one)."""
     if unit.rows is not None:
-        hub = revert_rows_to_hub(meta_model, unit.names[0], tensors[unit.names[0]], unit.rows[0])
+        name, hub = unit.names[0], {}
+        for j in range(unit.rows[1] - unit.rows[0]):
+            hub.update(revert_rows_to_hub(meta_model, name, tensors[name][j:j + 1], unit.rows[0] + j))
     else:
         hub = revert_to_hub(meta_model, tensors)
     return [(k, v.to(cast) if cast is not None and v.is_floating_point() else v) for k, v in hub.items()]
 
 
+def _merged(unit: _Unit, gathered: dict, merge) -> dict[str, torch.Tensor]:
+    """A unit's tensors with the adapter merged; a single tensor's merge is written back into its own view of the
+    bucket's buffer, so that the merged bucket takes no second buffer."""
+    views = [gathered.pop((r, unit.rows)) for r in unit.reads]
+    merged = dict(merge.merged(zip(unit.reads, views)))
+    if len(unit.names) == 1 and views[-1].shape == merged[unit.names[0]].shape:
+        views[-1].copy_(merged[unit.names[0]])
+        merged[unit.names[0]] = views[-1]
+    return merged
+
+
 def _bucket(meta_model: nn.Module, bucket: list[_Unit], live: Mapping[str, torch.Tensor], merge,
             cast: torch.dtype | None, buffer: torch.Tensor) -> HubBucket:
-    """One bucket gathered and reverted to hub tensors (views of ``buffer``, unless cast or merged)."""
+    """One bucket gathered and reverted to hub tensors (views of ``buffer``, unless cast)."""
     gathered = _gather(bucket, live, buffer)
     out: HubBucket = []
     for unit in bucket:
-        stream = ((r, gathered.pop((r, unit.rows))) for r in unit.reads)
-        out += _to_hub(meta_model, unit, dict(merge.merged(stream) if merge is not None else stream), cast)
+        tensors = (_merged(unit, gathered, merge) if merge is not None
+                   else {r: gathered.pop((r, unit.rows)) for r in unit.reads})
+        out += _to_hub(meta_model, unit, tensors, cast)
     return out
 
 
@@ -211,9 +227,9 @@ def iter_hub_weights(model: nn.Module, bucket_bytes: int | str = 512 << 20, *, d
     """Buckets of ``(hub name, full tensor)`` of a parallelized ``model``: the names and bytes that
     ``save_pretrained`` / ``xpar-zoo convert to-hf`` write (per-expert keys where the hub has them), every tensor on
     every rank. A collective: every rank iterates to the end. One bucket (about ``bucket_bytes``, or one larger
-    tensor) is gathered at a time, into one buffer that the next bucket overwrites: copy what you keep. ``dtype`` casts
-    floating tensors. A PEFT model streams its merged weights, or with ``adapter_only=True`` its adapter in PEFT's
-    own file keys and layouts."""
+    tensor) is gathered at a time, into one buffer that the next bucket overwrites: copy what you keep. The tensors
+    are views of that buffer; ``dtype`` casts floating tensors (copies, of one bucket at a time). A PEFT model
+    streams its merged weights, or with ``adapter_only=True`` its adapter in PEFT's own file keys and layouts."""
     from ..zoo.registry import build_meta
     from .adapter_files import AdapterMerge, adapter_metadata
 

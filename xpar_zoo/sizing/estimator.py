@@ -22,18 +22,24 @@ from ..errors import BatchError, PlanError
 from ..loss.fused import CE_CHUNK_ELEMENTS
 from ..parallel.fsdp_layout import fsdp_layout
 from ..parallel.mesh import validate_sequence_sizes, validate_sizes
-from ..parallel.options import ParallelOptions
+from ..parallel.options import ATTENTION_BLOCK_MIB, ParallelOptions
 from ..styles.planned import check_plan_names, match_plan, whole_vocab_head_fusable
-from ..styles.sequence import (
-    INNER_IMPLEMENTATIONS,
-    attention_block_rows,
-    attention_query_bytes,
-    check_sequence_length,
-    kv_repeat,
-    recurrent_layers,
+from ..styles.sequence import INNER_IMPLEMENTATIONS, recurrent_layers
+from ..styles.sequence_indexed import (
+    INDEXED_LAYER_TYPES,
+    indexed_attention_bytes,
+    indexed_layer_count,
 )
-from ..styles.sequence_indexed import INDEXED_LAYER_TYPES, indexed_attention_bytes, indexed_layer_count
+from ..styles.sequence_layout import check_heads, check_sequence_length, kv_repeat
 from ..styles.sequence_mixers import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
+from ..styles.sequence_paths import (
+    AttentionSizes,
+    InnerPath,
+    MaskKind,
+    attention_query_bytes,
+    block_rows,
+    choose_inner_attention,
+)
 from ..zoo.plan import Plan, match_parameters
 from ..zoo.registry import get_plan
 
@@ -160,10 +166,7 @@ def attention_heads(config, sp: int = 1) -> tuple[int, int]:
     :class:`~xpar_zoo.errors.PlanError` when ``sp`` does not divide the query heads (cp is not limited by heads)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads % sp:
-        hint = (f"; use sp={heads}, cp={sp // heads} instead (cp is not limited by heads)"
-                if sp > heads and sp % heads == 0 else "; use a smaller sp, or cp (cp is not limited by heads)")
-        raise PlanError(f"sp={sp} does not divide the {heads} query heads of {config.model_type}{hint}")
+    check_heads(heads, sp, config.model_type)
     return heads // sp, kv_heads * kv_repeat(heads, kv_heads, sp) // sp
 
 
@@ -213,38 +216,62 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     heads, kv_heads = attention_heads(config, sp)
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     queries, keys = rows * seq // cp, rows * seq  # inside attention: the rank's cp chunk, against the whole row
-    # the sp/cp attention passes eager a mask built from global positions; sdpa on plain rows gets none (sp alone:
-    # its own causal kernel; cp on a GPU: each query chunk against its key prefix, aligned lower-right, with the
-    # key/value heads repeated to the queries'); packed rows, padding or a short sliding window need the mask
-    masked = sp * cp > 1 and attention == "eager"
-    block = _eager_block(config, rows, seq, dtype_bytes, sp, cp, attention, options)
+    # the sp/cp attention's path (the wrapper's own choice, on plain rows): eager gets a mask built from global
+    # positions; sdpa gets none (sp alone: its own causal kernel; cp on a GPU: each query chunk against its key
+    # prefix, aligned lower-right, with the key/value heads repeated to the queries'), nor do flash and flex
+    path = _inner_path(config, rows, seq, dtype_bytes, sp, cp, attention, options)
     # blocked (the sp/cp mask over its budget): the blocks' checkpoints keep the key/value heads as gathered
     native_gqa = (attention.startswith("flash") or attention == "flex_attention" or (attention == "sdpa" and cp == 1)
-                  or block is not None)
+                  or path is InnerPath.BLOCKED)
     kv_kernel = kv_heads if native_gqa else heads  # otherwise transformers repeats the key/value heads to the queries'
     values = 2 * queries * heads * d + 2 * keys * kv_kernel * d  # q and the output, k and v
     if attention != "eager" and sp > 1:  # Ulysses' output all-to-all: a new o_proj input beside the kernel's output
         values += queries * heads * d  # [tokens/(sp·cp), q]: the same count as sdpa's output
     scores = 0.0
-    if attention == "eager" and block is None:  # the softmax, fp32, and its copy in the compute dtype
+    if attention == "eager" and path is not InnerPath.BLOCKED:  # the softmax, fp32, and its copy in the compute dtype
         scores = rows * heads * (seq // cp) * seq * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
     mask_once = 0.0
-    if masked and block is None:  # eager: an additive mask in the compute dtype, held for the forward and shared
+    if path is InnerPath.WHOLE_MASK:  # an additive mask in the compute dtype, held for the forward and shared
         mask_once = rows * (seq // cp) * seq * dtype_bytes
     return values * dtype_bytes, scores, mask_once
 
 
-def _eager_block(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, attention: str,
-                 options: ParallelOptions) -> float | None:
-    """The bytes of one block of queries where eager's sp/cp attention runs blocked (its whole mask and scores over
-    the block budget, :func:`~xpar_zoo.styles.sequence.attention_block_rows`): its mask and scores, transient,
-    none kept for backward; ``None`` where it is not blocked. (sdpa is sized on a GPU's path, without a mask; on
-    CPU it runs blocked too, a transient of at most the budget.)"""
-    if sp * cp == 1 or attention != "eager":
+# The device whose paths the sizer sizes: a GPU's (sdpa without a mask under cp, lower-right).
+SIZED_DEVICE = "cuda"
+
+
+def _inner_path(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, attention: str,
+                options: ParallelOptions) -> InnerPath | None:
+    """The sp/cp attention's inner path for ``rows`` plain rows of ``seq`` tokens, as the wrapper chooses it
+    (:func:`~xpar_zoo.styles.sequence_paths.choose_inner_attention`) on a GPU, within the CPU's block budget
+    (16 MiB, the smaller default) unless ``options`` set one; ``None`` without sp/cp."""
+    if sp * cp == 1:
         return None
-    heads, _ = attention_heads(config, sp)
-    block = attention_block_rows(rows, heads, seq // cp, seq, dtype_bytes, True, options.block_budget(None))
-    return None if block is None else block * attention_query_bytes(rows, heads, seq, dtype_bytes, True)
+    mask = MaskKind.CAUSAL_IN_ORDER if cp == 1 else MaskKind.CAUSAL
+    return choose_inner_attention(attention, SIZED_DEVICE, mask, _sizes(config, rows, seq, dtype_bytes, sp, cp),
+                                  _sized_options(options))
+
+
+def _sizes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int) -> AttentionSizes:
+    return AttentionSizes(rows, attention_heads(config, sp)[0], seq // cp, seq, dtype_bytes)
+
+
+def _sized_options(options: ParallelOptions) -> ParallelOptions:
+    if options.attention_block_mib is not None:
+        return options
+    return options.replace(attention_block_mib=ATTENTION_BLOCK_MIB)
+
+
+def _attention_block(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp: int, attention: str,
+                     options: ParallelOptions) -> float | None:
+    """The bytes of one block of queries where the sp/cp attention runs blocked (:func:`_inner_path`: its whole
+    mask, and eager's scores, over the block budget): its mask (and scores), transient, none kept for backward;
+    ``None`` where it is not blocked."""
+    if _inner_path(config, rows, seq, dtype_bytes, sp, cp, attention, options) is not InnerPath.BLOCKED:
+        return None
+    sizes, eager = _sizes(config, rows, seq, dtype_bytes, sp, cp), attention == "eager"
+    block = block_rows(attention, SIZED_DEVICE, sizes, _sized_options(options))
+    return block * attention_query_bytes(rows, sizes.heads, seq, dtype_bytes, eager)
 
 
 def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1, qk_norm: bool = False,
@@ -298,7 +325,7 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     else:
         loss = (s * local * h * (1 if s == 1 else 2) + config.vocab_size // s * h) * dtype_bytes
     # a block runs in a layer's backward, after that layer's MLP and second norm have freed their values
-    block = max(0.0, (_eager_block(config, rows, seq, dtype_bytes, sp, cp, attention, options) or 0.0)
+    block = max(0.0, (_attention_block(config, rows, seq, dtype_bytes, sp, cp, attention, options) or 0.0)
                 - local * (mlp + 2 * h) * dtype_bytes)
     return {"activations": values + loss, "attention scores": scores_kept, "attention mask": mask,
             "attention block": block}
@@ -324,7 +351,7 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     projection. ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
     a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp eager gets an additive mask of
     ``rows·(seq/cp)·seq`` shared by the layers where that mask and one layer's scores fit the block budget
-    (:func:`~xpar_zoo.styles.sequence.attention_block_rows`, the CPU's 16 MiB unless ``options`` set one);
+    (:func:`~xpar_zoo.styles.sequence_paths.attention_block_rows`, the CPU's 16 MiB unless ``options`` set one);
     beyond it eager runs a block of queries at a time, checkpointed: no mask or scores kept, the key/value heads
     kept as gathered, and one block's mask and scores (``"attention block"``) while it runs. sdpa gets none
     (plain rows assumed, no packing, padding or short window): its own causal kernel under sp alone, and under cp
@@ -371,7 +398,8 @@ def attention_temporaries(config, tokens: int, dtype_bytes: int, *, seq: int | N
     autograd keeps): the gradients of its softmax output and of its scores, one ``rows·heads/sp·(seq/cp)·seq``
     matrix each in fp32 (in a lower compute dtype: one in that dtype and one in fp32). None for sdpa and flash."""
     seq = seq or tokens
-    blocked = _eager_block(config, tokens // seq, seq, dtype_bytes, sp, cp, attention, options or ParallelOptions())
+    blocked = _attention_block(config, tokens // seq, seq, dtype_bytes, sp, cp, attention,
+                               options or ParallelOptions())
     if attention != "eager" or blocked is not None:
         return 0.0  # blocked: the block's own (attention_terms' "attention block")
     heads, _ = attention_heads(config, sp)

@@ -8,7 +8,10 @@ stop matching. :func:`install_encoder_agreement` wraps the model's forward so th
 2. where one does, every rank runs the encoder at the same point (before the model's own forward), through the
    model's own ``get_image_features`` / ``get_video_features``, and hands the result in as transformers' own
    ``mm_encoder_outputs`` (the precomputed-features input of every multimodal model it proves);
-3. a rank without that modality encodes a dummy input (:func:`dummy_pixels`: zero pixels, one merged patch group)
+3. under sp/cp this wrapper is outside the split: the whole rows' images are encoded and their multimodal RoPE
+   positions computed on the whole rows (:func:`document_positions`); the split keeps each rank's features
+   (:mod:`xpar_zoo.styles.sequence_media`);
+4. a rank without that modality encodes a dummy input (:func:`dummy_pixels`: zero pixels, one merged patch group)
    and passes its features cut to zero rows: the model scatters nothing into its embeddings, and backward
    carries exact zeros through the tower (the slice's gradient) — the same FSDP collectives in the same order as
    on ranks with images, and gradients unchanged, since a zero adds nothing to the sum the reduce-scatter makes.
@@ -108,6 +111,14 @@ def encoder_host(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if encodes_modalities(m)), None)
 
 
+def _splits_rows(model: nn.Module) -> bool:
+    """Whether ``model`` runs on an sp/cp mesh (its rows are split after this wrapper)."""
+    from ..parallel.state import parallel_state
+
+    state = parallel_state(model)
+    return state is not None and state.mesh.sequence_size > 1
+
+
 def install_encoder_agreement(model: nn.Module, device_type: str) -> bool:
     """Wrap the forward of ``model``'s :func:`encoder_host` as the module docstring says (on a multi-rank group);
     returns whether it did. Every rank's forward is then a collective, as every parallelized model's already is."""
@@ -136,6 +147,9 @@ def install_encoder_agreement(model: nn.Module, device_type: str) -> bool:
                 outputs[modality] = _no_rows(_encode(model, getter, pixels, dummy))
             call.pop(pixel, None)
         call["mm_encoder_outputs"] = outputs
+        if _splits_rows(model) and call.get("position_ids") is None and "input_ids" in call:
+            whole = torch.arange(call["input_ids"].shape[1], device=call["input_ids"].device)
+            call = document_positions(model, {**call, "position_ids": whole.expand_as(call["input_ids"])})
         return original(**call)
 
     wrap_forward(model, forward)

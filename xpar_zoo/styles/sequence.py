@@ -35,8 +35,10 @@ lightning attention, mamba mixers) run those layers on the whole rows of the seq
 unchanged; the rank keeps its tokens of the output). Exact, but their compute is repeated over the group and their
 activation memory is not divided. **Indexed sparse attention** (DSA indexers: deepseek_v32, glm_moe_dsa, …) scores
 this rank's queries against the whole row's indexer keys and masks the keys a query did not select
-(:mod:`xpar_zoo.styles.sequence_indexed`). Sequence mixing that is none of these (a convolution inside the
-attention, another kind of indexer or compressor) is refused, naming it and why.
+(:mod:`xpar_zoo.styles.sequence_indexed`); convolutional projections inside attention (zaya) run on this rank's
+tokens with a halo of the tokens before them (:mod:`xpar_zoo.styles.sequence_halo`). Sequence mixing that is none
+of these (a relative-position bias or compressed entries computed inside the attention, another kind of indexer) is
+refused, naming the layer type, the module and why.
 
 ``generate`` (a KV cache) is refused on an sp/cp mesh with one line: decoding one token at a time has nothing to
 split. Parameters are placed exactly as without sp/cp, so checkpoints are unchanged.
@@ -44,6 +46,7 @@ split. Parameters are placed exactly as without sp/cp, so checkpoints are unchan
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import sys
@@ -55,40 +58,33 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compat import (
+    AttributeView,
     attn_implementation,
     config_with_attn_implementation,
-    flash_kernels_loaded,
+    flash_attention_available,
     supports_attn_implementation,
 )
 from ..errors import BatchError, ModelStateError, PlanError
 from ..parallel.mesh import Mesh, PlanShard
 from ..parallel.options import ParallelOptions
 from ..parallel.state import ParallelState, parallel_state, parallelized_module
+from .calls import call_arguments
+from .sequence_halo import install_halo_projections, served_halo_layer_types
 from .sequence_indexed import (
     check_indexed_inner,
     install_indexers,
-    selected_attention,
+    selected_forward,
     served_indexed_layer_types,
 )
-
-# The layout, the masks and the inner paths live in their own modules; the names other modules, tests and bench
-# scripts import from here are imported here too. SequenceParallel calls lower_right_attention and blocked_attention
-# by their names in this module (a test counts the calls by replacing them here).
-from .sequence_inner import (  # noqa: F401
-    LOCAL_KWARGS,
+from .sequence_inner import (
     OWN_MASK_INNER,
-    _attention_block,
-    _global_kwargs,
-    _ModuleView,
     blocked_attention,
-    flash_inner,
-    flex_inner,
+    global_kwargs,
     lower_right_attention,
 )
-from .sequence_layout import (  # noqa: F401
+from .sequence_layout import (
     TokenLayout,
-    check_sequence_length,
-    cp_chunk,
+    check_heads,
     document_ids,
     gather_sequence,
     heads_to_sequence,
@@ -96,12 +92,9 @@ from .sequence_layout import (  # noqa: F401
     sequence_to_heads,
     token_layout,
 )
-from .sequence_masks import (  # noqa: F401
-    _Forward,
-    attention_block_rows,
-    attention_query_bytes,
-    banded_block_mask,
-)
+from .sequence_masks import SequenceForward, current_forward
+from .sequence_media import refusal as media_refusal
+from .sequence_media import split_media, split_positions
 from .sequence_mixers import (
     decoder_layers,
     dispatches_attention,
@@ -109,9 +102,15 @@ from .sequence_mixers import (
     sequence_mixers,
     unserved_mixers,
 )
+from .sequence_paths import (
+    FLASH_IMPLEMENTATIONS,
+    AttentionSizes,
+    InnerPath,
+    block_rows,
+    choose_inner_attention,
+)
 
 ATTENTION_PREFIX = "xpar_seq_"
-FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 INNER_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *FLASH_IMPLEMENTATIONS)
 # The wrapper's name of each flash implementation: none with "flash" in it, or transformers would treat the wrapper
 # as flash itself (load kernels by its name, take flash-only paths computed from the local tokens).
@@ -119,6 +118,8 @@ WRAPPER_NAMES = {"flash_attention_2": "fa2", "flash_attention_3": "fa3"}
 # The key of a batch that :func:`shard_sequence` made: its value is a SequencePart.
 PART_KEY = "xpar_sequence_part"
 IGNORE_INDEX = -100
+# The attribute of every module of an sp/cp model that holds its SequenceParallel (read by sequence_state only).
+STATE_ATTRIBUTE = "_xpar_seq"
 
 
 def wrapper_name(inner: str) -> str:
@@ -139,17 +140,21 @@ class SequencePart:
 
 class SequenceParallel:
     """The long-context state of one parallelized model: its sp and cp groups, the inner attention, the model's
-    parallel state (whose :class:`~xpar_zoo.parallel.options.ParallelOptions` it reads), and the current forward's
-    :class:`_Forward` (kept until the next forward: activation checkpointing recomputes the attention during
-    backward)."""
+    parallel state (whose :class:`~xpar_zoo.parallel.options.ParallelOptions` it reads), the current forward's
+    :class:`~xpar_zoo.styles.sequence_masks.SequenceForward` (kept until the next forward: activation checkpointing
+    recomputes the attention during backward), and how many calls took each inner path (:attr:`paths`: by
+    :class:`~xpar_zoo.styles.sequence_paths.InnerPath` value, and the DSA indexers' ``indexer_whole`` /
+    ``indexer_blocked``)."""
 
-    def __init__(self, mesh: Mesh, inner: str, parallel) -> None:
+    def __init__(self, mesh: Mesh, inner: str, parallel: ParallelState) -> None:
         self.parallel = parallel
+        self.placeholder_ids: dict[str, int | None] = {}  # each modality's placeholder token (multimodal rows)
         self.sp, self.cp = mesh.sp, mesh.cp
         self.sp_group, self.cp_group = mesh.sequence_group("sp"), mesh.sequence_group("cp")
         self.sp_rank, self.cp_rank = mesh.sequence_rank("sp"), mesh.sequence_rank("cp")
         self.inner = inner
-        self.current: _Forward | None = None
+        self.current: SequenceForward | None = None
+        self.paths: collections.Counter[str] = collections.Counter()
 
     @property
     def options(self) -> ParallelOptions:
@@ -172,13 +177,12 @@ class SequenceParallel:
         local = self.layout(seq_len).local.to(ref.device)
         self.check_same_rows(ref)
         out = dict(named)
-        positions = named.get("position_ids")
-        if positions is None:
-            positions = torch.arange(seq_len, device=ref.device)[None]
-        if positions.dim() != 2 or positions.shape[-1] != seq_len:
-            raise BatchError(f"sp/cp: position_ids of shape {tuple(positions.shape)}; expected [batch, {seq_len}] "
-                             "(rope with several position rows, e.g. multimodal, is not supported)")
-        positions = positions.expand(b, seq_len)
+        given = named.get("position_ids")
+        rows = split_positions(torch.arange(seq_len, device=ref.device)[None] if given is None else given, seq_len, b)
+        if rows is None:
+            raise BatchError(f"sp/cp: position_ids of shape {tuple(given.shape)}; expected [batch, {seq_len}] (or "
+                             f"[4, batch, {seq_len}]: text positions over a multimodal model's 3-D ones)")
+        positions = rows[0]
         mask = named.get("attention_mask")
         key_valid = None
         if mask is not None:
@@ -198,7 +202,8 @@ class SequenceParallel:
             out["input_ids"] = ids[:, local]
         if embeds is not None:
             out["inputs_embeds"] = embeds[:, local]
-        out["position_ids"] = positions[:, local]
+        out["position_ids"] = rows[..., local] if rows.shape[0] > 1 else positions[:, local]
+        split_media(named, out, local, self.placeholder_ids)
         return out, SequencePart(seq_len, document_ids(positions), key_valid)
 
     def check_same_rows(self, rows: torch.Tensor) -> None:
@@ -223,9 +228,92 @@ class SequenceParallel:
 
     def begin(self, part: SequencePart, device: torch.device) -> None:
         layout = self.layout(part.seq_len)
-        self.current = _Forward(layout.queries.to(device), layout.keys.to(device), part.docs, part.key_valid)
+        self.current = SequenceForward(layout.queries.to(device), layout.keys.to(device), part.docs, part.key_valid,
+                                       layout.local.to(device))
 
-    # ---- attention --------------------------------------------------------------------------------------------
+    # ---- attention: to heads, gather keys and values, run the inner path, back to sequence ---------------------
+    def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                  **kwargs):
+        """The sp/cp attention of ``module`` (transformers' ``AttentionInterface`` signature; ``attention_mask``,
+        made from this rank's tokens, is not used): ``[b, S/(sp·cp), h, dv]`` and no weights."""
+        current_forward(self, "sp/cp attention")
+        selected = kwargs.pop("indices", None)  # a DSA indexer's top-k (global row positions of the keys)
+        if selected is not None:
+            check_indexed_inner(module, self.inner)
+        query, key, value, overrides = self.to_heads(module, query, key, value, kwargs)
+        key, value = self.gather_keys_values(key, value)
+        out = self.run(module, overrides, query, key, value, dropout, scaling, sliding_window, kwargs, selected)
+        return self.to_sequence(out), None
+
+    def to_heads(self, module, query, key, value, kwargs: dict):
+        """Ulysses' all-to-all over sp: ``[b, H, s, d]`` of this rank's tokens → ``[b, H/sp, S/cp, d]``, key/value
+        heads repeated first where they do not divide by sp, and how ``module`` must look to the inner attention
+        (its local key/value groups and per-head sinks; ``kwargs``' ``s_aux`` is sliced in place)."""
+        if self.sp == 1:
+            return query, key, value, {}
+        heads, kv_heads = query.shape[1], key.shape[1]
+        check_heads(heads, self.sp, type(module).__name__)
+        repeat = kv_repeat(heads, kv_heads, self.sp)
+        if repeat > 1:
+            key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+        query, key, value = (heads_to_sequence(t, self.sp_group, self.sp) for t in (query, key, value))
+        overrides = {"num_key_value_groups": query.shape[1] // key.shape[1]}
+        lo, n = self.sp_rank * (heads // self.sp), heads // self.sp
+        if kwargs.get("s_aux") is not None:
+            kwargs["s_aux"] = kwargs["s_aux"][lo:lo + n]
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.shape[0] == heads:
+            overrides["sinks"] = sinks[lo:lo + n]
+        return query, key, value, overrides
+
+    def gather_keys_values(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cp's all-gather of the keys and values: ``[b, kv, S/cp, d]`` → ``[b, kv, S, d]`` in cp rank order
+        (backward: reduce-scatter)."""
+        if self.cp == 1:
+            return key, value
+        shard = self.cp_shard()
+        return gather_sequence(key, shard), gather_sequence(value, shard)
+
+    def to_sequence(self, out: torch.Tensor) -> torch.Tensor:
+        """The inverse all-to-all for the output: ``[b, S/cp, H/sp, dv]`` → ``[b, S/(sp·cp), H, dv]``."""
+        return sequence_to_heads(out, self.sp_group, self.sp) if self.sp > 1 else out
+
+    def choose(self, module, query, key, causal: bool, window: int | None, kwargs: dict, selected: bool
+               ) -> InnerPath:
+        """This call's inner path (:func:`~xpar_zoo.styles.sequence_paths.choose_inner_attention`), counted in
+        :attr:`paths`."""
+        sinks = kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None
+        mask = self.current.mask_kind(causal, window, key.shape[2])
+        path = choose_inner_attention(self.inner, query.device.type, mask, self.sizes(query, key), self.options,
+                                      sinks=sinks, selected=selected)
+        self.paths[path.value] += 1
+        return path
+
+    @staticmethod
+    def sizes(query: torch.Tensor, key: torch.Tensor) -> AttentionSizes:
+        return AttentionSizes(query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.element_size())
+
+    def run(self, module, overrides: dict, query, key, value, dropout: float, scaling, window, kwargs: dict,
+            selected: torch.Tensor | None = None) -> torch.Tensor:
+        """The inner attention of the local heads' queries (``[b, h, S/cp, d]``) against the whole rows' keys and
+        values on the path :meth:`choose` takes (``selected``: a DSA top-k, masking the keys a query did not
+        select): ``[b, S/cp, h, dv]``."""
+        batch = self.current if selected is None else selected_forward(self, selected)
+        causal = bool(getattr(module, "is_causal", True))
+        path = self.choose(module, query, key, causal, window, kwargs, selected is not None)
+        if path in (InnerPath.FLEX, InnerPath.FLASH):  # their own masks from the global indices
+            return OWN_MASK_INNER[self.inner](batch, self.inner_view(module, overrides), query, key, value, causal,
+                                              dropout, scaling, window, global_kwargs(kwargs))
+        if path is InnerPath.LOWER_RIGHT:
+            return lower_right_attention(query, key, value, batch, dropout, scaling)
+        call = self.inner_call(module, overrides, dropout, scaling, window, kwargs)
+        if path is InnerPath.SDPA_CAUSAL:  # sdpa's own is_causal over the whole row (flash kernels on GPU)
+            return call(query, key, value, None)
+        if path is InnerPath.WHOLE_MASK:  # additive, once per forward, shared by the layers (a selection: per layer)
+            return call(query, key, value, batch.mask(causal, window, query.dtype))
+        rows = block_rows(self.inner, query.device.type, self.sizes(query, key), self.options, selected is not None)
+        return blocked_attention(call, query, key, value, batch, causal, window, rows)
+
     def inner_function(self, module: nn.Module):
         if self.inner == "eager":
             fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
@@ -239,8 +327,8 @@ class SequenceParallel:
     def inner_call(self, module, overrides: dict, dropout: float, scaling, sliding_window, kwargs: dict):
         """``call(q, k, v, mask) -> [b, q, h, dv]``: the inner attention of ``module`` (seen with the local head
         counts and sinks of ``overrides``) with the layer's other arguments."""
-        kwargs = _global_kwargs(kwargs)
-        view = _ModuleView(module, overrides) if overrides else module
+        kwargs = global_kwargs(kwargs)
+        view = AttributeView(module, overrides) if overrides else module
         inner = self.inner_function(module)
 
         def call(q, k, v, mask):
@@ -248,79 +336,23 @@ class SequenceParallel:
                          **kwargs)[0]
         return call
 
-    def masked_attention(self, call, query, key, value, causal: bool, window: int | None) -> torch.Tensor:
-        """The attention under the mask of the global positions: the whole ``[b, 1, S/cp, S]`` mask, additive in the
-        query dtype, built once per forward and shared by the layers where it fits the block budget (for eager and
-        sdpa alike: sdpa would turn a boolean mask into a float one of its own, saved for backward, in every
-        layer); otherwise :func:`blocked_attention`, a block of queries at a time."""
-        batch = self.current
-        rows = attention_block_rows(query.shape[0], query.shape[1], query.shape[2], key.shape[2],
-                                    query.element_size(), self.inner == "eager",
-                                    self.options.block_budget(query.device.type))
-        if rows is None:
-            return call(query, key, value, batch.mask(causal, window, query.dtype))
-        return blocked_attention(call, query, key, value, batch, causal, window, rows)
-
     def inner_view(self, module: nn.Module, overrides: dict):
         """The module as flex / flash see it: the sp overrides, and for flash a config that names the inner
         implementation (transformers' flash forward loads its kernels by that name)."""
         if self.inner in FLASH_IMPLEMENTATIONS:
             overrides = {**overrides, "config": config_with_attn_implementation(module.config, self.inner)}
-        return _ModuleView(module, overrides) if overrides else module
+        return AttributeView(module, overrides) if overrides else module
 
-    def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                  **kwargs):
-        batch = self.current
-        if batch is None:
-            raise ModelStateError("sp/cp attention ran outside a forward of the parallelized model")
-        heads, kv_heads = query.shape[1], key.shape[1]
-        selected = kwargs.pop("indices", None)  # a DSA indexer's top-k (global row positions of the keys)
-        if selected is not None:
-            check_indexed_inner(module, self.inner)
-        overrides = {}
-        if self.sp > 1:
-            if heads % self.sp:
-                raise PlanError(f"{type(module).__name__} has {heads} query heads, not divisible by sp={self.sp}")
-            repeat = kv_repeat(heads, kv_heads, self.sp)
-            if repeat > 1:
-                key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
-            query, key, value = (heads_to_sequence(t, self.sp_group, self.sp) for t in (query, key, value))
-            overrides["num_key_value_groups"] = query.shape[1] // key.shape[1]
-            lo, n = self.sp_rank * (heads // self.sp), heads // self.sp
-            if kwargs.get("s_aux") is not None:
-                kwargs["s_aux"] = kwargs["s_aux"][lo:lo + n]
-            sinks = getattr(module, "sinks", None)
-            if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.shape[0] == heads:
-                overrides["sinks"] = sinks[lo:lo + n]
-        if self.cp > 1:
-            shard = self.cp_shard()
-            key, value = gather_sequence(key, shard), gather_sequence(value, shard)
-        causal = bool(getattr(module, "is_causal", True))
-        if self.inner in OWN_MASK_INNER:  # flex and flash: no dense mask, their own from the global indices
-            out = OWN_MASK_INNER[self.inner](batch, self.inner_view(module, overrides), query, key, value, causal,
-                                             dropout, scaling, sliding_window, _global_kwargs(kwargs))
-            return (sequence_to_heads(out, self.sp_group, self.sp) if self.sp > 1 else out), None
-        if (selected is None and self.cp > 1 and self.inner == "sdpa"
-                and self.options.cp_lower_right(query.device.type) and batch.causal_only(causal, sliding_window, key.shape[2])
-                and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None):
-            out = lower_right_attention(query, key, value, batch, dropout, scaling)
-        else:
-            call = self.inner_call(module, overrides, dropout, scaling, sliding_window, kwargs)
-            if selected is not None:
-                out = selected_attention(self, call, query, key, value, causal, sliding_window, selected,
-                                         blocked_attention)
-            elif self.inner == "sdpa" and batch.plain_causal(causal, sliding_window, key.shape[2]):
-                out = call(query, key, value, None)  # sdpa's own is_causal over the whole row (flash kernels on GPU)
-            else:
-                out = self.masked_attention(call, query, key, value, causal, sliding_window)
-        if self.sp > 1:
-            out = sequence_to_heads(out, self.sp_group, self.sp)
-        return out, None
+
+def sequence_state(model: nn.Module) -> SequenceParallel | None:
+    """The :class:`SequenceParallel` of an sp/cp model (``model`` or any of its modules), or ``None``."""
+    return next((m.__dict__[STATE_ATTRIBUTE] for m in (model, *model.modules()) if STATE_ATTRIBUTE in m.__dict__),
+                None)
 
 
 def _sequence_attention(module, *args, **kwargs):
     """The function registered as ``xpar_seq_<inner>``: the attention of the model ``module`` belongs to."""
-    state: SequenceParallel | None = module.__dict__.get("_xpar_seq")
+    state: SequenceParallel | None = module.__dict__.get(STATE_ATTRIBUTE)
     if state is None:
         raise ModelStateError(f"{type(module).__name__} is set to an xpar_zoo sp/cp attention but belongs to no "
                               "model parallelized with sp/cp")
@@ -336,8 +368,15 @@ def _text_config(config):
 def recurrent_layers(model: nn.Module) -> list[str]:
     """Sequence mixing of ``model`` outside the ``AttentionInterface`` that sp/cp cannot run on whole rows (the
     mixers :func:`~xpar_zoo.styles.sequence_mixers.sequence_mixers` finds run gathered), one ``"what: why"`` each."""
+    return unserved_mixers(model, _text_config(model.config), attention_layer_types(model))
+
+
+def attention_layer_types(model: nn.Module) -> frozenset[str]:
+    """The layer types of ``model`` beyond plain attention that the sp/cp attention serves: indexed attention
+    (:mod:`~xpar_zoo.styles.sequence_indexed`) and attention after a halo projection
+    (:mod:`~xpar_zoo.styles.sequence_halo`)."""
     config = _text_config(model.config)
-    return unserved_mixers(model, config, served_indexed_layer_types(model, config))
+    return served_indexed_layer_types(model, config) | served_halo_layer_types(model, config)
 
 
 def attention_outside_interface(model: nn.Module) -> str | None:
@@ -360,8 +399,9 @@ def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
     ``mesh``'s sp/cp; return the inner attention implementation. Before any tensor is touched."""
     sizes = ", ".join(f"{d}={n}" for d, n in (("sp", mesh.sp), ("cp", mesh.cp)) if n > 1)
     config = model.config
-    if any(getattr(config, k, None) is not None for k in getattr(config, "sub_configs", {}) if k != "text_config"):
-        raise PlanError(f"{sizes}: {type(model).__name__} is multimodal; long context supports text-only causal LMs")
+    media = media_refusal(model)
+    if media:
+        raise PlanError(f"{sizes}: {media}")
     recurrent = recurrent_layers(model)
     if recurrent:
         raise PlanError(f"{sizes}: {type(model).__name__} has sequence mixing that sp/cp cannot run on whole rows "
@@ -381,11 +421,7 @@ def check_sequence_parallel(model: nn.Module, mesh: Mesh) -> str:
     if mesh.sp > 1:
         if not heads:
             raise PlanError(f"sp={mesh.sp}: {type(model).__name__}'s config has no num_attention_heads")
-        if heads % mesh.sp:
-            hint = (f"; use cp (e.g. sp={heads}, cp={mesh.sp // heads}) for the rest" if heads < mesh.sp
-                    and mesh.sp % heads == 0 else "; use a smaller sp, or cp")
-            raise PlanError(f"sp={mesh.sp} does not divide the {heads} query heads of {type(model).__name__}"
-                            f"{hint} (cp is not limited by heads)")
+        check_heads(heads, mesh.sp, type(model).__name__)
         kv_repeat(heads, kv_heads or heads, mesh.sp)
     forward = inspect.signature(model.forward).parameters.values()
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in forward):
@@ -423,7 +459,18 @@ def _keep_wrapped(model: nn.Module, state: SequenceParallel) -> None:
     model.set_attn_implementation(wrapper_name(current))
 
 
-def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel) -> SequenceParallel:
+def _towers_attend_whole(model: nn.Module, inner: str) -> None:
+    """A vision tower attends over its own patches, whole on every rank (the rows are split after it): its
+    submodels keep the inner attention."""
+    towers = tuple(type(getattr(model.config, k)) for k in getattr(model.config, "sub_configs", {})
+                   if k != "text_config" and getattr(model.config, k, None) is not None)
+    for module in model.modules():
+        if module is not model and isinstance(getattr(module, "config", None), towers) and hasattr(
+                module, "set_attn_implementation"):
+            module.set_attn_implementation(inner)
+
+
+def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel: ParallelState) -> SequenceParallel:
     """Set ``model`` to ``xpar_seq_<inner>`` attention and wrap its forward to keep this rank's part of full-length
     rows (see the module docstring); ``parallel`` is the model's parallel state, whose options the attention and the
     mixers read. Call after every other forward wrapper (the global-batch loss must count the split targets)."""
@@ -432,22 +479,23 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
     name = wrapper_name(inner)
     AttentionInterface.register(name, _sequence_attention)
     state = SequenceParallel(mesh, inner, parallel)
+    state.placeholder_ids = {m: getattr(model.config, f"{m}_token_id", None) for m in ("image", "video")}
     _own_config(model)
     model.set_attn_implementation(name)
     if attn_implementation(model.config) != name:
         raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
+    _towers_attend_whole(model, inner)
     for module in model.modules():
-        module.__dict__["_xpar_seq"] = state
-    install_sequence_mixers(model, state, served_indexed_layer_types(model, model.config.get_text_config()))
+        module.__dict__[STATE_ATTRIBUTE] = state
+    install_sequence_mixers(model, state, attention_layer_types(model))
     install_indexers(model, state)  # DSA indexers: this rank's queries against the whole row's keys
+    install_halo_projections(model, state)  # convolutional projections: this rank's runs and their halos
     original = model.forward
     signature = inspect.signature(original)
-    var_kw = next(p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        bound = dict(signature.bind_partial(*args, **kwargs).arguments)
-        named = {**bound, **bound.pop(var_kw, {})}
+        named = call_arguments(signature, args, kwargs)
         if named.get("past_key_values") is not None or named.get("cache") is not None:
             raise ModelStateError(f"a KV cache (generate) is not supported on an sp/cp mesh (sp={state.sp}, "
                                   f"cp={state.cp}); generate on a mesh without sp/cp")
@@ -488,15 +536,11 @@ def check_inner_available(model: nn.Module, inner: str, sizes: str) -> None:
     """Raise :class:`~xpar_zoo.errors.PlanError` when ``inner`` cannot run for ``model`` here: a class that does
     not support it (as transformers refuses it), or flash without its kernels (the ``flash_attn`` /
     ``flash_attn_interface`` package on a GPU, transformers' hub kernels, or kernels transformers has loaded)."""
-    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
-
     if not supports_attn_implementation(model, inner):
         raise PlanError(f"{sizes}: {type(model).__name__} does not support attention implementation {inner!r}")
-    if inner in FLASH_IMPLEMENTATIONS and not flash_kernels_loaded(inner):
-        available = is_flash_attn_2_available if inner == "flash_attention_2" else is_flash_attn_3_available
-        if not available(kernels_fallback_ok=True):
-            raise PlanError(f"{sizes}: {inner} is not available here (no flash_attn kernels for this device); use "
-                            "sdpa, or install flash-attn on a GPU")
+    if inner in FLASH_IMPLEMENTATIONS and not flash_attention_available(inner):
+        raise PlanError(f"{sizes}: {inner} is not available here (no flash_attn kernels for this device); use "
+                        "sdpa, or install flash-attn on a GPU")
 
 
 def set_inner_attention(model: nn.Module, inner: str) -> None:
@@ -506,7 +550,7 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
     name, on one the model's class does not support, and on flash without its kernels."""
     from transformers import AttentionInterface
 
-    state = next((m.__dict__["_xpar_seq"] for m in (model, *model.modules()) if "_xpar_seq" in m.__dict__), None)
+    state = sequence_state(model)
     if state is None:
         raise PlanError(f"{type(model).__name__} is not parallelized with sp/cp; call set_attn_implementation")
     if inner not in INNER_IMPLEMENTATIONS:
@@ -521,15 +565,11 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
 
 # ---- the public helpers -----------------------------------------------------------------------------------------
 
-def _parallel_state(model: nn.Module) -> ParallelState | None:
-    return parallel_state(parallelized_module(model))
-
-
 def data_shard(model: nn.Module) -> tuple[int, int]:
     """``(index, count)``: this rank's data loader reads part ``index`` of ``count`` equal parts of the global batch.
     The ranks of one sp·cp sequence group get the same index and pass the same rows; ``count = world / (sp·cp)``
     (``(rank, world)`` without sp/cp; ``(0, 1)`` for a model that is not parallelized)."""
-    state = _parallel_state(model)
+    state = parallel_state(parallelized_module(model))
     if state is None:
         return 0, 1
     return state.mesh.data_shard()
@@ -540,7 +580,7 @@ def shard_sequence(batch: Mapping[str, torch.Tensor], model: nn.Module) -> dict:
     ``shift_labels``, ``position_ids``, a 2-D ``attention_mask``): tokens, global ``position_ids`` and labels already
     shifted (as ``labels`` and ``shift_labels``), marked with :data:`PART_KEY` so that ``model(**part)`` knows it
     was given its part. Without sp/cp the batch is returned as a new dict, unchanged."""
-    state = next((m.__dict__["_xpar_seq"] for m in (model, *model.modules()) if "_xpar_seq" in m.__dict__), None)
+    state = sequence_state(model)
     if state is None:
         return dict(batch)
     if PART_KEY in batch:

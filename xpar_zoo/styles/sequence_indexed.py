@@ -9,7 +9,7 @@ no all-to-all is needed) against the **whole row's** indexer keys. The keys reac
 protocol: the wrapper hands it a cache whose ``update_indexer(k)`` all-gathers this rank's keys (computed by the
 module's own code) over the sequence group and returns the whole row's, in row order, so the scores, the top-k and
 its tie order are those of one process. The mask the indexer scores under is built from the global positions
-(causal, packed documents, padding: :meth:`~xpar_zoo.styles.sequence_masks._Forward.block_mask`).
+(causal, packed documents, padding: :meth:`~xpar_zoo.styles.sequence_masks.SequenceForward.block_mask`).
 
 **In blocks.** transformers' indexer holds per-head float32 scores ``[b, q, heads, S]`` for its ``q`` queries; the
 wrapper calls it a block of queries at a time so that a block's scores fit the byte budget
@@ -21,8 +21,9 @@ empty key set first computes this rank's keys for the gather. The indexer runs w
 wrapper implementation transformers' DSA attention passes them to the attention function as ``indices`` (it folds
 them into its mask only for ``eager`` / ``sdpa`` by name), and shared-indexer layers (glm_moe_dsa) reuse them. The
 sp/cp attention gathers them over sp (the queries of the cp chunk after the all-to-all) and masks every key a query
-did not select, on top of the global mask (:func:`selected_attention`): the whole ``[b, 1, S/cp, S]`` mask per layer
-where it fits the budget, else a block of queries at a time (each block's selection rebuilt in backward).
+did not select, on top of the global mask (:func:`selected_forward`): the whole ``[b, 1, S/cp, S]`` mask per layer
+where it fits the budget, else a block of queries at a time (each block's selection rebuilt in backward), as
+:func:`~xpar_zoo.styles.sequence_paths.choose_inner_attention` decides.
 
 transformers' DSA attention slices the model's 4-D mask for its indexer (``attention_mask[:, 0]``), which the model
 does not build under a wrapper implementation: the attention module's forward gets a broadcastable placeholder
@@ -37,12 +38,15 @@ import inspect
 import torch
 from torch import nn
 
+from ..compat import AttributeView, view_target
 from ..errors import ModelStateError, PlanError
 from ..parallel.collectives import gather_rows
 from ..parallel.mesh import PlanShard
-from .sequence_inner import blocked_attention
-from .sequence_masks import attention_query_bytes
+from ..zoo.forward_source import forward_source
+from .calls import call_arguments
+from .sequence_masks import SequenceForward, current_forward
 from .sequence_mixers import decoder_layers, gather_rows_in_order
+from .sequence_paths import attention_block_rows
 
 # The indexer's forward parameters the wrapper relies on (transformers' DSA indexer contract).
 INDEXER_PARAMETERS = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "cache")
@@ -52,14 +56,6 @@ INDEXED_LAYER_TYPES = frozenset({"indexed_attention"})
 
 # ---- which modules --------------------------------------------------------------------------------------------
 
-@functools.cache
-def _source(fn) -> str:
-    try:
-        return inspect.getsource(fn)
-    except (OSError, TypeError):
-        return ""
-
-
 def is_dsa_indexer(module: nn.Module) -> bool:
     """Whether ``module`` is a DSA indexer the sp/cp wrapper serves: its forward takes the queries' hidden states,
     ``q_resid``, the rotary embeddings, a mask and a ``cache`` whose ``update_indexer`` supplies its keys, and
@@ -68,13 +64,13 @@ def is_dsa_indexer(module: nn.Module) -> bool:
     if not cls.__name__.endswith("Indexer"):
         return False
     params = inspect.signature(cls.forward).parameters
-    source = _source(cls.forward)
+    source = forward_source(cls.forward)
     return all(p in params for p in INDEXER_PARAMETERS) and "update_indexer" in source and ".topk(" in source
 
 
 def _passes_indices(cls: type) -> bool:
     """Whether the attention class hands the top-k to a non-eager/sdpa attention function as ``indices``."""
-    return "indices=" in _source(cls.forward)
+    return "indices=" in forward_source(cls.forward)
 
 
 def indexed_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -145,8 +141,8 @@ def indexed_attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: i
     local = seq // (sp * cp)
     block = indexer_block_rows(rows, heads, local, seq, budget)
     q_heads = config.num_attention_heads // sp
-    per_attention = attention_query_bytes(rows, q_heads, seq, dtype_bytes, eager) + rows * seq * (1 + dtype_bytes)
-    kept = rows * (seq // cp) * seq * dtype_bytes if (seq // cp) * per_attention <= budget else 0
+    whole = attention_block_rows(rows, q_heads, seq // cp, seq, dtype_bytes, eager, budget, selected=True) is None
+    kept = rows * (seq // cp) * seq * dtype_bytes if whole else 0
     return float((block or local) * per_query), float(kept)
 
 
@@ -168,22 +164,18 @@ class _RowKeys:
 def _indexer_forward(module: nn.Module, state, original, signature: inspect.Signature):
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        batch = state.current
-        if batch is None:
-            raise ModelStateError(f"{type(module).__name__} (sp/cp indexer) ran outside a forward of the "
-                                  "parallelized model")
-        named = dict(signature.bind(*args, **kwargs).arguments)
+        batch = current_forward(state, f"{type(module).__name__} (sp/cp indexer)")
+        named = call_arguments(signature, args, kwargs)
         if named.get("cache") is not None:
             raise ModelStateError("sp/cp: a KV cache reached the indexer; generate on a mesh without sp/cp")
         hidden, q_resid, (cos, sin) = named["hidden_states"], named["q_resid"], named["position_embeddings"]
         b, local = hidden.shape[:2]
         seq_len = batch.keys.numel()
-        if "indexer_local" not in batch.masks:  # this rank's token positions on the device, once per forward
-            batch.masks["indexer_local"] = state.layout(seq_len).local.to(hidden.device)
-        positions = batch.masks["indexer_local"]
+        positions = batch.local  # this rank's token positions
         every = torch.arange(seq_len, device=hidden.device)
         heads = getattr(module.config, "index_n_heads", None) or getattr(module, "n_heads", 1)
         rows = indexer_block_rows(b, heads, local, seq_len, state.options.block_budget(hidden.device.type))
+        state.paths["indexer_whole" if rows is None else "indexer_blocked"] += 1
         cache = _RowKeys(state, batch)
         position_ids = named.get("position_ids")
 
@@ -258,44 +250,36 @@ def gather_selection(indices: torch.Tensor, state) -> torch.Tensor:
     return gather_rows(rows, [rows.shape[0]] * state.sp, shard).transpose(0, 1)
 
 
-class _Selected:
-    """The forward's masks (a :class:`~xpar_zoo.styles.sequence_masks._Forward`) with the keys a query did not
-    select masked too: what :func:`blocked_attention` builds a block's mask from."""
+class _Selected(AttributeView):
+    """The forward's masks (a :class:`~xpar_zoo.styles.sequence_masks.SequenceForward`) with the keys a query did
+    not select masked too: what the whole-mask and blocked paths build their masks from (per layer: the selection is
+    the layer's)."""
 
-    def __init__(self, batch, selection: torch.Tensor) -> None:
-        self._batch, self.selection = batch, selection
+    def __init__(self, batch: SequenceForward, selection: torch.Tensor) -> None:
         local = torch.full((batch.keys.numel(),), -1, dtype=torch.long, device=batch.queries.device)
-        self.local = local.index_put_((batch.queries,), torch.arange(batch.queries.numel(), device=local.device))
-
-    def __getattr__(self, name: str):
-        return getattr(self._batch, name)
+        local = local.index_put_((batch.queries,), torch.arange(batch.queries.numel(), device=local.device))
+        super().__init__(batch, {"selection": selection, "query_rows": local})
 
     def chosen(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """``[b, 1, len(queries), len(keys)]``: whether each query (global positions) selected each key."""
-        rows = self.selection[:, self.local[queries]]
-        picked = torch.zeros(*rows.shape[:2], self._batch.keys.numel(), dtype=torch.bool, device=rows.device)
+        rows = self.selection[:, self.query_rows[queries]]
+        picked = torch.zeros(*rows.shape[:2], self.keys.numel(), dtype=torch.bool, device=rows.device)
         return picked.scatter_(-1, rows, True)[:, None, :, keys]
 
     def block_mask(self, queries, keys, causal, window, additive_dtype):
-        mask = self._batch.block_mask(queries, keys, causal, window, additive_dtype)
+        mask = view_target(self).block_mask(queries, keys, causal, window, additive_dtype)
         chosen = self.chosen(queries, keys)
         if additive_dtype is None:
             return mask & chosen
         return mask.masked_fill(~chosen, torch.finfo(additive_dtype).min)
 
+    def mask(self, causal: bool, window: int | None, additive_dtype):
+        """The whole ``[b, 1, S/cp, S]`` mask of this layer's selection (not shared: each layer selects its own)."""
+        return self.block_mask(self.queries, self.keys, causal, window, additive_dtype)
 
-def selected_attention(state, call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
-                       window: int | None, indices: torch.Tensor, blocked=blocked_attention) -> torch.Tensor:
-    """The masked sp/cp attention (``query`` ``[b, h, S/cp, d]`` against the gathered ``key`` / ``value``) with
-    every key a query's indexer did not select masked: the whole ``[b, 1, S/cp, S]`` mask of the layer where it
-    fits the block budget, else ``blocked`` (:func:`blocked_attention`) a block of queries at a time.
-    ``call(q, k, v, mask)`` is the inner attention."""
-    selected = _Selected(state.current, gather_selection(indices, state))
-    b, heads, queries, keys = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-    size = query.element_size()
-    per_query = attention_query_bytes(b, heads, keys, size, state.inner == "eager") + b * keys * (1 + size)
-    budget = state.options.block_budget(query.device.type)
-    if queries * per_query <= budget:
-        batch = state.current
-        return call(query, key, value, selected.block_mask(batch.queries, batch.keys, causal, window, query.dtype))
-    return blocked(call, query, key, value, selected, causal, window, max(1, int(budget // per_query)))
+
+def selected_forward(state, indices: torch.Tensor) -> _Selected:
+    """The current forward of ``state`` (a :class:`~xpar_zoo.styles.sequence.SequenceParallel`) seen with the DSA
+    top-k ``indices`` of this rank's queries (gathered over sp: :func:`gather_selection`) masking every key a query
+    did not select."""
+    return _Selected(state.current, gather_selection(indices, state))

@@ -12,19 +12,17 @@ ends, aligned lower-right; :meth:`~xpar_zoo.parallel.options.ParallelOptions.cp_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
-from torch import nn
 
-from ..compat import attn_implementation
+from ..compat import attn_implementation, view_target
 from ..errors import PlanError
+from .sequence_masks import SequenceForward
 
 # ---- sdpa without a mask: cp's plain causal rows ----------------------------------------------------------------
 
 
-def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch, dropout: float,
-                          scaling: float | None) -> torch.Tensor:
+def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: SequenceForward,
+                          dropout: float, scaling: float | None) -> torch.Tensor:
     """Causal sdpa of the queries of a cp chunk (``[b, h, S/cp, d]``, runs of consecutive global positions: the
     head and tail chunks) against the cp-gathered keys and values of the whole row (``[b, kv, S, d]``), with no
     mask: the keys are put in row order once, and each run of queries attends to the prefix of the row that ends
@@ -33,8 +31,7 @@ def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     ``[b, S/cp, h, dv]`` as transformers' sdpa does."""
     from torch.nn.attention.bias import causal_lower_right
 
-    order = batch.key_order()
-    key, value = key[:, :, order], value[:, :, order]
+    key, value = batch.keys_in_row_order(key, value)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
@@ -50,17 +47,17 @@ def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 # ---- the masked attention, a block of queries at a time ---------------------------------------------------------
 
-def blocked_attention(call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch, causal: bool,
-                      window: int | None, rows: int) -> torch.Tensor:
+def blocked_attention(call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: SequenceForward,
+                      causal: bool, window: int | None, rows: int) -> torch.Tensor:
     """The masked attention of ``query`` (``[b, h, S/cp, d]``) against ``key`` / ``value`` (``[b, kv, S, d]``,
-    gathered order) in blocks of at most ``rows`` queries (:meth:`_Forward.blocks`), exact: a query is a row of
+    gathered order) in blocks of at most ``rows`` queries (:meth:`SequenceForward.blocks`), exact: a query is a row of
     its own softmax, so the blocks need no log-sum-exp merge. Each block builds its own ``[b, 1, rows, keys]`` mask
     from the global positions, against only the keys a causal block may see, and calls ``call(q, k, v, mask)``
     (the inner attention, ``[b, rows, h, dv]`` out) under non-reentrant activation checkpointing: neither its
     mask nor eager's scores are kept for backward, which rebuilds and recomputes one block at a time. So the mask
-    and score transients are one block (:func:`attention_block_rows`), not ``[b, 1, S/cp, S]`` per forward and
-    ``[b, h, S/cp, S]`` per layer, for one more forward of the attention in backward. Layer checkpointing
-    (``activation_checkpointing_enable``) nests around it."""
+    and score transients are one block (:func:`~xpar_zoo.styles.sequence_paths.block_rows`), not ``[b, 1, S/cp,
+    S]`` per forward and ``[b, h, S/cp, S]`` per layer, for one more forward of the attention in backward. Layer
+    checkpointing (``activation_checkpointing_enable``) nests around it."""
     from torch.utils.checkpoint import checkpoint
 
     outs = []
@@ -74,7 +71,7 @@ def blocked_attention(call, query: torch.Tensor, key: torch.Tensor, value: torch
     return torch.cat(outs, dim=1)
 
 
-def _attention_block(call, batch, causal: bool, window: int | None, start: int, keys, q: torch.Tensor,
+def _attention_block(call, batch: SequenceForward, causal: bool, window: int | None, start: int, keys, q: torch.Tensor,
                      key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """One block of :func:`blocked_attention`: its keys, its mask, the inner attention."""
     mask = batch.block_mask(batch.queries[start:start + q.shape[2]], batch.keys[keys], causal, window, q.dtype)
@@ -83,42 +80,40 @@ def _attention_block(call, batch, causal: bool, window: int | None, start: int, 
 
 # ---- the inner implementations that take no dense mask: flex and flash ---------------------------------------------
 
-def flex_inner(batch, module, query, key, value, causal: bool, dropout: float, scaling, window, kwargs: dict
-               ) -> torch.Tensor:
+def flex_inner(batch: SequenceForward, module, query, key, value, causal: bool, dropout: float, scaling, window,
+               kwargs: dict) -> torch.Tensor:
     """transformers' ``flex_attention`` forward with a ``BlockMask`` built from the global indices
-    (:meth:`_Forward.block_mask`): no dense ``[S/cp, S]`` mask is kept. Key/value heads stay grouped (flex's
+    (:meth:`SequenceForward.flex_block_mask`): no dense ``[S/cp, S]`` mask is kept. Key/value heads stay grouped (flex's
     ``enable_gqa``); a value head dim other than the query's (MLA) is flex's own. Sinks (``s_aux``) need flex's
     log-sum-exp, which transformers does not request on CPU: refused there."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if kwargs.get("s_aux") is not None and query.device.type == "cpu":
-        owner = module._module if isinstance(module, _ModuleView) else module
-        raise PlanError(f"sp/cp: {type(owner).__name__} has attention sinks (s_aux), which flex_attention serves "
-                        "only on CUDA (transformers reads flex's log-sum-exp there); use eager or sdpa on CPU")
+        raise PlanError(f"sp/cp: {type(view_target(module)).__name__} has attention sinks (s_aux), which "
+                        "flex_attention serves only on CUDA (transformers reads flex's log-sum-exp there); use eager "
+                        "or sdpa on CPU")
     block = batch.flex_block_mask(causal, window)
     out, _ = ALL_ATTENTION_FUNCTIONS["flex_attention"](module, query, key, value, block, dropout=dropout,
                                                       scaling=scaling, sliding_window=window, **kwargs)
     return out
 
 
-def flash_inner(batch, module, query, key, value, causal: bool, dropout: float, scaling, window, kwargs: dict
-                ) -> torch.Tensor:
+def flash_inner(batch: SequenceForward, module, query, key, value, causal: bool, dropout: float, scaling, window,
+                kwargs: dict) -> torch.Tensor:
     """transformers' flash forward (``flash_attention_2`` / ``_3``) with no mask: the keys in row order, and each
     run of consecutive query positions (the whole row under sp alone; cp's head and tail chunks) against the key
     prefix that ends where the run ends, causal aligned bottom-right (flash's semantics when fewer queries than
     keys). Packed documents and padding: varlen, with ``cu_seqlens`` for the queries and the keys of each run
-    separately (:meth:`_Forward.flash_segments`). Sliding window, softcap and sinks pass through to flash (whose
+    separately (:meth:`SequenceForward.flash_segments`). Sliding window, softcap and sinks pass through to flash (whose
     window, bottom-right aligned, is then exact in global positions)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if not causal:  # each run attends to its key prefix: causal rows only
-        owner = module._module if isinstance(module, _ModuleView) else module
-        raise PlanError(f"sp/cp: {type(owner).__name__} is not causal; flash attention under sp/cp serves causal "
-                        "attention only (use sdpa or flex_attention)")
+        raise PlanError(f"sp/cp: {type(view_target(module)).__name__} is not causal; flash attention under sp/cp "
+                        "serves causal attention only (use sdpa or flex_attention)")
     function = ALL_ATTENTION_FUNCTIONS[attn_implementation(module.config)]
     if batch.queries.numel() != batch.keys.numel():  # cp: the gathered keys back in row order
-        order = batch.key_order()
-        key, value = key[:, :, order], value[:, :, order]
+        key, value = batch.keys_in_row_order(key, value)
     common = {**kwargs, "dropout": dropout, "scaling": scaling, "sliding_window": window, "is_causal": causal}
     outs = []
     for start, n, end in batch.query_runs():
@@ -152,17 +147,7 @@ OWN_MASK_INNER = {"flex_attention": flex_inner, "flash_attention_2": flash_inner
 LOCAL_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def _global_kwargs(kwargs: dict) -> dict:
+def global_kwargs(kwargs: dict) -> dict:
+    """The attention's keyword arguments without those transformers computed from this rank's tokens
+    (:data:`LOCAL_KWARGS`)."""
     return {k: v for k, v in kwargs.items() if k not in LOCAL_KWARGS}
-
-
-class _ModuleView:
-    """The attention module as the inner attention function sees it under sp: its own attributes, except the
-    local head counts and per-head sinks."""
-
-    def __init__(self, module: nn.Module, overrides: Mapping[str, object]) -> None:
-        object.__setattr__(self, "_module", module)
-        self.__dict__.update(overrides)
-
-    def __getattr__(self, name: str):
-        return getattr(self._module, name)

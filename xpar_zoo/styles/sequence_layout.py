@@ -98,6 +98,16 @@ def gather_sequence(x: torch.Tensor, shard: PlanShard) -> torch.Tensor:
     return full.permute(1, 2, 0, 3)
 
 
+def check_heads(heads: int, sp: int, owner: str) -> None:
+    """Raise :class:`~xpar_zoo.errors.PlanError` (naming ``owner``, the model) when Ulysses ``sp`` does not divide
+    its ``heads`` query heads, with the split that fits (cp is not limited by heads)."""
+    if heads % sp:
+        hint = (f"; use sp={heads}, cp={sp // heads} instead" if sp > heads and sp % heads == 0
+                else "; use a smaller sp, or cp")
+        raise PlanError(f"sp={sp} does not divide the {heads} query heads of {owner}{hint} (cp is not limited by "
+                        "heads)")
+
+
 def kv_repeat(query_heads: int, kv_heads: int, sp: int) -> int:
     """How many times each key/value head is repeated before the sp all-to-all so that the key/value heads divide
     by ``sp`` and still divide the query heads (1: none)."""

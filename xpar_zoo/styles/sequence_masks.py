@@ -1,7 +1,7 @@
-"""The per-forward state of the sp/cp attention (:mod:`xpar_zoo.styles.sequence`): :class:`_Forward` holds the
-global indices of one forward's queries and keys, its packed documents and padding, and the masks built from them
-(dense, per block, flex's ``BlockMask`` through :func:`banded_block_mask`, flash's varlen segments); and the block
-budget that decides between one mask per forward and a block of queries at a time (:func:`attention_block_rows`).
+"""The per-forward state of the sp/cp attention (:mod:`xpar_zoo.styles.sequence`): :class:`SequenceForward` holds
+the global indices of one forward's queries and keys, its packed documents and padding, and in :class:`ForwardCache`
+what the layers share: host-side facts and the masks built from them (dense, per block, flex's ``BlockMask`` through
+:func:`banded_block_mask`, flash's varlen segments) and the hybrid mixers' gathered rows.
 
 The mask is built from the *global* token indices, never from the local mask transformers would build for a shard:
 causal, a ``sliding_window`` (as transformers passes it), packed documents (a new document starts where
@@ -9,7 +9,8 @@ causal, a ``sliding_window`` (as transformers passes it), packed documents (a ne
 too) and padding. Additive in the query dtype (for ``sdpa`` too: a boolean one would become a float copy per layer
 inside it), ``[b, 1, S/cp, S]`` per forward (built once per window, shared by the layers) where it fits a byte
 budget; beyond it a block of queries at a time, each block's mask rebuilt in backward
-(:func:`~xpar_zoo.styles.sequence_inner.blocked_attention`, :func:`attention_block_rows`).
+(:func:`~xpar_zoo.styles.sequence_inner.blocked_attention`; the choice:
+:func:`~xpar_zoo.styles.sequence_paths.choose_inner_attention`).
 """
 
 from __future__ import annotations
@@ -20,79 +21,105 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# ---- the block budget -------------------------------------------------------------------------------------------
+from ..errors import ModelStateError
+from .sequence_paths import MaskKind
 
-def attention_query_bytes(rows: int, heads: int, keys: int, dtype_bytes: int, eager: bool) -> int:
-    """What one query of the masked sp/cp attention holds while its block runs, for ``rows`` rows against ``keys``
-    keys (``heads`` per rank): per key its additive mask (``dtype_bytes``) and the boolean terms it is built from
-    (2), and for eager its scores, their softmax and gradients (``heads·(8 + 2·dtype_bytes)``); sdpa makes no
-    score matrix."""
-    return rows * keys * (dtype_bytes + 2 + (heads * (8 + 2 * dtype_bytes) if eager else 0))
+Block = tuple[int, int, "slice | torch.Tensor"]  # (first local query, queries, keys: an index of the gathered keys)
+Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]  # flash's varlen layout of a run
 
 
-def attention_block_rows(rows: int, heads: int, queries: int, keys: int, dtype_bytes: int, eager: bool,
-                         budget: float) -> int | None:
-    """Queries per block of :func:`blocked_attention` for ``rows`` rows of ``queries`` queries against ``keys``
-    keys, or ``None`` where all of them fit ``budget`` bytes
-    (:meth:`~xpar_zoo.parallel.options.ParallelOptions.block_budget`; a query's bytes: :func:`attention_query_bytes`):
-    then one mask per forward, shared by the layers."""
-    per_query = attention_query_bytes(rows, heads, keys, dtype_bytes, eager)
-    if queries * per_query <= budget:
-        return None
-    return max(1, int(budget // per_query))
+def current_forward(state, what: str) -> SequenceForward:
+    """The forward ``state`` (a :class:`~xpar_zoo.styles.sequence.SequenceParallel`) is in; a
+    :class:`~xpar_zoo.errors.ModelStateError` naming ``what`` ran outside one."""
+    if state.current is None:
+        raise ModelStateError(f"{what} ran outside a forward of the parallelized model")
+    return state.current
 
-
-# ---- the per-forward state --------------------------------------------------------------------------------------
 
 @dataclass
-class _Forward:
+class ForwardCache:
+    """What one forward builds once and its layers share (each a host sync or a mask), by what it is for. The
+    attention fills the first part, the hybrid mixers (:mod:`~xpar_zoo.styles.sequence_mixers`) the second."""
+
+    in_order: bool | None = None  # queries and keys both in row order (no cp)
+    runs: list[tuple[int, int, int]] | None = None  # the queries' runs of consecutive positions
+    key_order: torch.Tensor | None = None  # puts the gathered keys in row order
+    sees_a_key: bool | None = None  # every query has an allowed key under the causal mask
+    dense: dict[tuple[bool, int | None, torch.dtype | None], torch.Tensor] = field(default_factory=dict)
+    blocks: dict[tuple[int, bool, int | None], list[Block]] = field(default_factory=dict)
+    flex: dict[tuple[bool, int | None], object] = field(default_factory=dict)  # BlockMasks by (causal, window)
+    segments: dict[tuple[int, int], Segments] = field(default_factory=dict)  # by (run end, run length)
+    # the hybrid mixers': the whole rows' 0/1 padding mask (None: no padding), and the gathered per-token kwargs by
+    # the id of the local tensor (kept beside it: ids are reused once freed)
+    mixer_mask: torch.Tensor | None = None
+    mixer_kwargs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the halo projections' (zaya): this rank's tokens as runs of consecutive positions
+    halo_runs: list[tuple[int, int, int]] | None = None
+
+
+@dataclass
+class SequenceForward:
     """What the attention of one forward needs: the global indices of the queries and keys (on the device), the
-    packed documents and the padding of the whole rows, and the masks built from them (one per window and kind)."""
+    packed documents and the padding of the whole rows, this rank's own tokens outside attention (``local``, on the
+    device: the hybrid mixers and indexers keep them of their whole-row outputs), and what its layers share
+    (:class:`ForwardCache`)."""
 
     queries: torch.Tensor
     keys: torch.Tensor
     docs: torch.Tensor | None
     key_valid: torch.Tensor | None
-    masks: dict = field(default_factory=dict)
+    local: torch.Tensor | None = None
+    cache: ForwardCache = field(default_factory=ForwardCache)
+
+    def mask_kind(self, causal: bool, window: int | None, keys: int) -> MaskKind:
+        """What this call's mask is (:class:`~xpar_zoo.styles.sequence_paths.MaskKind`): plain causality in row
+        order, plain causality by global position, or more."""
+        if not self.causal_only(causal, window, keys):
+            return MaskKind.MASKED
+        return MaskKind.CAUSAL_IN_ORDER if self.in_order() else MaskKind.CAUSAL
+
+    def in_order(self) -> bool:
+        """Whether the queries and keys are both in row order (no cp). One host sync per forward."""
+        if self.cache.in_order is None:
+            self.cache.in_order = self.queries.shape == self.keys.shape and bool((self.keys == self.queries).all())
+        return self.cache.in_order
 
     def causal_only(self, causal: bool, window: int | None, keys: int) -> bool:
         """Whether the mask is plain causality by global position (no packed documents, no padding, no window
         shorter than the row), whatever the order of the queries and keys."""
         return causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
 
-    def plain_causal(self, causal: bool, window: int | None, keys: int) -> bool:
-        """Whether the mask is the plain causal one of queries and keys both in row order (no cp, no packed
-        documents, no padding, no window shorter than the row)."""
-        if "in_order" not in self.masks:  # one host sync per forward, not per layer
-            self.masks["in_order"] = self.queries.shape == self.keys.shape and bool((self.keys == self.queries).all())
-        return self.causal_only(causal, window, keys) and self.masks["in_order"]
-
     def query_runs(self) -> list[tuple[int, int, int]]:
         """The runs of consecutive global positions in the queries (cp: the head chunk and the tail chunk):
         ``[(first local query, queries, global end)]``; a run attends causally to the row's keys before its end."""
-        if "runs" not in self.masks:  # one host sync per forward
+        if self.cache.runs is None:  # one host sync per forward
             q = self.queries.tolist()
             runs, start = [], 0
             for i in range(1, len(q) + 1):
                 if i == len(q) or q[i] != q[i - 1] + 1:
                     runs.append((start, i - start, q[i - 1] + 1))
                     start = i
-            self.masks["runs"] = runs
-        return self.masks["runs"]
+            self.cache.runs = runs
+        return self.cache.runs
 
     def key_order(self) -> torch.Tensor:
         """Indices that put the cp-gathered keys in row order (``keys[:, :, order]``)."""
-        if "order" not in self.masks:
-            self.masks["order"] = torch.argsort(self.keys)
-        return self.masks["order"]
+        if self.cache.key_order is None:
+            self.cache.key_order = torch.argsort(self.keys)
+        return self.cache.key_order
+
+    def keys_in_row_order(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``[b, h, S, d]`` tensors of the gathered keys (keys, values) put in row order."""
+        order = self.key_order()
+        return tuple(t[:, :, order] for t in tensors)
 
     def mask(self, causal: bool, window: int | None, additive_dtype: torch.dtype | None) -> torch.Tensor:
         """The ``[b, 1, S/cp, S]`` mask of the whole forward (boolean, or additive in ``additive_dtype``), built
         once per window and kind and shared by the layers."""
         key = (causal, window, additive_dtype)
-        if key not in self.masks:
-            self.masks[key] = self.block_mask(self.queries, self.keys, causal, window, additive_dtype)
-        return self.masks[key]
+        if key not in self.cache.dense:
+            self.cache.dense[key] = self.block_mask(self.queries, self.keys, causal, window, additive_dtype)
+        return self.cache.dense[key]
 
     def block_mask(self, queries: torch.Tensor, keys: torch.Tensor, causal: bool, window: int | None,
                    additive_dtype: torch.dtype | None) -> torch.Tensor:
@@ -113,15 +140,15 @@ class _Forward:
                                  device=allowed.device).masked_fill_(allowed, 0)  # in place: no second copy
         return allowed
 
-    def blocks(self, rows: int, causal: bool, window: int | None) -> list[tuple[int, int, slice | torch.Tensor]]:
+    def blocks(self, rows: int, causal: bool, window: int | None) -> list[Block]:
         """The query blocks of :func:`blocked_attention`: ``[(first local query, queries, keys)]``, at most
         ``rows`` consecutive global positions each (never across a run: cp's head and tail chunks apart). ``keys``
         indexes the gathered keys: with a causal mask and no padding only those a query of the block may see (the
         row up to the block's last position, from its first less the window, and on packed rows from the start of
         its first query's document, the earliest over the rows), else all. One host sync per forward."""
-        cache = ("blocks", rows, causal, window)
-        if cache in self.masks:
-            return self.masks[cache]
+        cache = (rows, causal, window)
+        if cache in self.cache.blocks:
+            return self.cache.blocks[cache]
         # a query no key is allowed to (left padding) attends to every key: keep them all where one may exist
         trim = causal and (self.key_valid is None or (window is None and self.every_query_sees_a_key()))
         order = self.key_order().tolist() if trim else None
@@ -138,20 +165,20 @@ class _Forward:
                     lo = bisect.bisect_left(positions, earliest)
                     keys = _index(order[lo:bisect.bisect_right(positions, first + m - 1)], self.keys.device)
                 out.append((s, m, keys))
-        self.masks[cache] = out
+        self.cache.blocks[cache] = out
         return out
 
     def every_query_sees_a_key(self) -> bool:
         """Whether, under the causal mask without a window, every query of the rows has an allowed key: each row's
         first token and the first token of each of its packed documents is not padding (right-padded rows are;
         then no query falls back to attending to every key, and a block's keys may be trimmed). One host sync."""
-        if "sees_a_key" not in self.masks:
+        if self.cache.sees_a_key is None:
             first = torch.zeros_like(self.key_valid)
             first[:, 0] = True
             if self.docs is not None:
                 first[:, 1:] |= self.docs[:, 1:] != self.docs[:, :-1]
-            self.masks["sees_a_key"] = bool((self.key_valid | ~first).all())
-        return self.masks["sees_a_key"]
+            self.cache.sees_a_key = bool((self.key_valid | ~first).all())
+        return self.cache.sees_a_key
 
     def document_starts(self) -> list[int]:
         """Per global position, the first position of its packed document, the earliest over the rows (a causal
@@ -164,8 +191,8 @@ class _Forward:
         """The mask of :meth:`mask` as a flex ``BlockMask`` (:func:`banded_block_mask` over a ``mask_mod`` that
         computes the global indices): per forward and window, shared by the layers. A query with no
         key left (padding) gets no output, as in flex's own single-process masks."""
-        key = ("block", causal, window)
-        if key not in self.masks:
+        key = (causal, window)
+        if key not in self.cache.flex:
             docs, valid = self.docs, self.key_valid
             query_at, key_at = _positions(self.queries), _positions(self.keys)
 
@@ -181,20 +208,19 @@ class _Forward:
                 return allowed
 
             rows = next((t.shape[0] for t in (docs, valid) if t is not None), None)
-            self.masks[key] = banded_block_mask(mask_mod, rows, self.queries.numel(), self.keys.numel(),
-                                                self.queries.device)
-        return self.masks[key]
+            self.cache.flex[key] = banded_block_mask(mask_mod, rows, self.queries.numel(), self.keys.numel(),
+                                                    self.queries.device)
+        return self.cache.flex[key]
 
-    def flash_segments(self, end: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                         int, int]:
+    def flash_segments(self, end: int, n: int) -> Segments:
         """The varlen layout of the query run of global positions ``[end-n, end)`` against the keys ``[0, end)`` in
         row order, every row flattened into one: ``(query index into [b·n], key index into [b·end], cu_seqlens_q,
         cu_seqlens_k, max_seqlen_q, max_seqlen_k)``. A segment is one document of one row that has an unpadded
         query in the run; its keys are that document's unpadded keys before ``end``, so its queries are the last of
         its keys and flash's bottom-right causal alignment is exact. Padded queries are in no segment (no output, as
         in flash's own unpadding). Once per forward and run (host syncs), shared by the layers."""
-        key = ("segments", end, n)
-        if key not in self.masks:
+        key = (end, n)
+        if key not in self.cache.segments:
             ref = self.docs if self.docs is not None else self.key_valid
             rows, device = ref.shape[0], ref.device
             docs = self.docs if self.docs is not None else torch.zeros_like(ref, dtype=torch.long)
@@ -208,8 +234,8 @@ class _Forward:
             _, k_counts = torch.unique_consecutive(segment[k_valid], return_counts=True)
             cu_q, cu_k = (nn.functional.pad(c.cumsum(0, dtype=torch.int32), (1, 0)) for c in (q_counts, k_counts))
             longest = [int(c.max()) if c.numel() else 0 for c in (q_counts, k_counts)]
-            self.masks[key] = (q_index, k_index, cu_q, cu_k, *longest)
-        return self.masks[key]
+            self.cache.segments[key] = (q_index, k_index, cu_q, cu_k, *longest)
+        return self.cache.segments[key]
 
 
 def _index(indices: list[int], device: torch.device) -> slice | torch.Tensor:

@@ -45,6 +45,9 @@ from ..compat import no_split_modules
 from ..errors import ModelStateError
 from ..parallel.collectives import GatherRows
 from ..parallel.mesh import PlanShard
+from ..zoo.forward_source import forward_source
+from .calls import call_arguments
+from .sequence_masks import current_forward
 
 # Layer types (config.layer_types) that attention through the AttentionInterface serves.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
@@ -67,10 +70,7 @@ LAYER_TYPE_REASONS = {
 def dispatches_attention(cls: type) -> bool:
     """Whether ``cls.forward`` calls transformers' ``ALL_ATTENTION_FUNCTIONS`` (its attention is the
     ``AttentionInterface``'s, which the sp/cp attention wraps)."""
-    try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
+    return "ALL_ATTENTION_FUNCTIONS" in forward_source(cls.forward)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -99,9 +99,43 @@ def sequence_mixers(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def _layer_type_reason(kind: str) -> str:
-    why = next((r for f, r in LAYER_TYPE_REASONS.items() if f in kind),
-               "its layers hold no sequence mixer module that takes the layer's hidden states")
+# Why a module inside attention keeps its layer type from splitting, by a fragment of the module's class name
+# (checked before LAYER_TYPE_REASONS: the precise reason of the layers that hold such a module).
+MODULE_REASONS = {
+    "RelativeLogits": "a dense relative-position bias [b, heads, q, k] over the distances between the tokens the "
+                      "attention is given (an arange of its own length, not position_ids; InklingAttention also "
+                      "scales its queries by those local positions), passed to the attention function whole: under "
+                      "sp/cp it would cover this rank's tokens only, and widening it to the row means recomputing "
+                      "it outside the module",
+    "RelativePositionBias": "a dense relative-position bias [b, heads, q, k] over the relative_distance the model "
+                            "computes for the tokens it is given (not position_ids), passed to the attention "
+                            "function whole: under sp/cp it would cover this rank's tokens only",
+    "Compressor": "compressed attention: the compressor's entries (windows of the row, picked per query by an "
+                  "indexer in CSA layers) are appended to this rank's keys inside the attention module, their causal "
+                  "bias dropped when the model passes no 4-D mask (as under sp/cp); the sp/cp attention cannot tell "
+                  "them from tokens, and their windows and bias are of the tokens the module is given",
+    "M3VLIndexer": "a block-sparse indexer whose key blocks are slots of the tokens the attention is given and "
+                   "whose choice becomes a [b, heads, s, s] mask inside the attention module for eager and sdpa "
+                   "by name (block indices the sp/cp attention does not apply otherwise)",
+    "QSAIndexer": "the indexer returns a dense [b, 1, s, S] selection mask built a query at a time from the "
+                  "attention mask and keys it is given (not DSA's top-k positions), folded into the attention mask "
+                  "the sp/cp attention replaces",
+}
+
+
+def _module_reason(layer: nn.Module) -> str | None:
+    for name, module in layer.named_modules():
+        cls = type(module).__name__
+        why = next((r for f, r in MODULE_REASONS.items() if f in cls), None)
+        if why:
+            return f"{cls} ({name}): {why}"
+    return None
+
+
+def _layer_type_reason(kind: str, layer: nn.Module | None = None) -> str:
+    module = _module_reason(layer) if layer is not None else None
+    why = module or next((r for f, r in LAYER_TYPE_REASONS.items() if f in kind),
+                         "its layers hold no sequence mixer module that takes the layer's hidden states")
     return f"layer type {kind!r}: {why}"
 
 
@@ -114,17 +148,21 @@ def unserved_mixers(model: nn.Module, config, attention_types: frozenset[str] = 
     types = list(getattr(config, "layer_types", None) or ())
     layers = decoder_layers(model)
     served: dict[str, bool] = {}
+    first: dict[str, nn.Module] = {}
+    aligned = len(layers) == len(types)
     for i, kind in enumerate(types):
         if kind not in ATTENTION_LAYER_TYPES and kind not in CHANNEL_LAYER_TYPES and kind not in attention_types:
-            ok = len(layers) == len(types) and id(layers[i]) in owners
-            served[kind] = served.get(kind, True) and ok
-    found = [_layer_type_reason(kind) for kind, ok in served.items() if not ok]
+            served[kind] = served.get(kind, True) and aligned and id(layers[i]) in owners
+            first.setdefault(kind, layers[i] if aligned else None)
+    found = [_layer_type_reason(kind, first[kind]) for kind, ok in served.items() if not ok]
+    explained = {id(m) for kind, ok in served.items() if not ok and first[kind] is not None
+                 and _module_reason(first[kind]) for layer in layers for m in layer.modules()}
     seen = set()
     for name, module in model.named_modules():
         cls = type(module).__name__
         if (cls in seen or not any(f in cls for f in RECURRENT_MIXERS) or isinstance(module, nn.Linear)
                 or dispatches_attention(type(module)) or name in mixers or id(module) in owners
-                or any(name.startswith(k + ".") for k in mixers)):
+                or id(module) in explained or any(name.startswith(k + ".") for k in mixers)):
             continue
         seen.add(cls)
         found.append(f"{cls} ({name}): not a module that takes the layer's hidden states [b, s, H] (e.g. a "
@@ -152,7 +190,7 @@ def _gather_kwarg(value, state, local: int):
     if isinstance(value, (tuple, list)):
         return type(value)(_gather_kwarg(v, state, local) for v in value)
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local:
-        cache = state.current.masks.setdefault("mixer_kwargs", {})
+        cache = state.current.cache.mixer_kwargs
         kept = cache.get(id(value))
         if kept is None or kept[0] is not value:
             kept = cache[id(value)] = (value, gather_rows_in_order(value, state))
@@ -173,23 +211,16 @@ def _on_whole_rows(original, state, batch, hidden: torch.Tensor, seq_len: int, n
     """The mixer's own forward on the group's whole rows (of the forward ``batch``: the recompute in backward
     reads the same one), and this rank's tokens of its output."""
     out = original(gather_rows_in_order(hidden, state, batch), **named)
-    return _keep_local(out, batch.masks["mixer_local"], seq_len)
+    return _keep_local(out, batch.local, seq_len)
 
 
 def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.Signature,
                         layer: nn.Module | None = None):
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        batch = state.current
-        if batch is None:
-            raise ModelStateError(f"{type(module).__name__} (sp/cp sequence mixer) ran outside a forward of the "
-                                  "parallelized model")
+        batch = current_forward(state, f"{type(module).__name__} (sp/cp sequence mixer)")
         seq_len = batch.keys.numel()
-        bound = signature.bind(*args, **kwargs)
-        named = dict(bound.arguments)
-        extra = named.pop(next((p.name for p in signature.parameters.values()
-                                if p.kind is inspect.Parameter.VAR_KEYWORD), "\0"), {})
-        named.update(extra)
+        named = call_arguments(signature, args, kwargs)
         hidden = named.pop("hidden_states")
         local = hidden.shape[1]
         for name in PACKING_KWARGS:
@@ -197,12 +228,12 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
         for name in SEQUENCE_KWARGS:
             if named.get(name) is not None:
                 named[name] = _gather_kwarg(named[name], state, local)
-        # the whole rows' padding, as the integer 0/1 mask transformers passes its mixers (None: no padding)
-        if "mixer_mask" not in batch.masks:  # once per forward, shared by the mixer layers
-            batch.masks["mixer_mask"] = None if batch.key_valid is None else batch.key_valid.long()
-        named["attention_mask"] = batch.masks["mixer_mask"]
-        if "mixer_local" not in batch.masks:  # this rank's tokens on the device, once per forward
-            batch.masks["mixer_local"] = state.layout(seq_len).local.to(hidden.device)
+        # the whole rows' padding, as the integer 0/1 mask transformers passes its mixers (None: no padding): once per
+        # forward, shared by the mixer layers
+        cache = batch.cache
+        if cache.mixer_mask is None and batch.key_valid is not None:
+            cache.mixer_mask = batch.key_valid.long()
+        named["attention_mask"] = cache.mixer_mask
         # not inside a checkpointed decoder layer: its own recompute already keeps nothing of the mixer's rows
         layer_recomputes = layer is not None and layer.training and getattr(layer, "gradient_checkpointing", False)
         if torch.is_grad_enabled() and state.options.mixer_recompute and not layer_recomputes:

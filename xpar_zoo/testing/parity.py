@@ -8,7 +8,7 @@ use (:func:`saved_for_backward_bytes`, :func:`live_peak_bytes`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ class RunRecord:
     grad_norms: list[float]
     params: dict[str, torch.Tensor]  # full parameters after the last step
     local_shapes: dict[str, tuple[int, ...]]  # this rank's local shard shapes (parallel run only)
+    attention_paths: dict[str, int] = field(default_factory=dict)  # sp/cp: attention calls per inner path
 
 
 def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | range | None = None) -> dict:
@@ -118,7 +119,7 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     from ..parallel.state import full_state_dict
     from ..parallelize import parallelize
     from ..styles.experts import set_experts_kernels
-    from ..styles.sequence import data_shard, set_inner_attention
+    from ..styles.sequence import data_shard, sequence_state, set_inner_attention
 
     mesh = Mesh(**mesh_kwargs)
     model = build_model(config, seed)
@@ -147,7 +148,9 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
         losses.append(mean.item() / dist.get_world_size())
         norms.append(norm.item())
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if hasattr(p, "to_local")}
-    return RunRecord(losses, norms, full_state_dict(model), local)
+    sequence = sequence_state(model)
+    paths = dict(sequence.paths) if sequence is not None else {}
+    return RunRecord(losses, norms, full_state_dict(model), local, paths)
 
 
 def forward_reference(config, data: torch.Tensor, seed: int = 0, labels: torch.Tensor | None = None,

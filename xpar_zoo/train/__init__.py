@@ -3,8 +3,12 @@ xpar_zoo plan, under torchrun on one node or many. See the README's "Training".
 
 - :mod:`~xpar_zoo.train.config`  the settings (YAML file + flags), validated before any work;
 - :mod:`~xpar_zoo.train.data`    reading, tokenizing, packing documents into rows, dealing rows to the ranks;
-- :mod:`~xpar_zoo.train.loop`    setup, the optimizer step, checkpoints and resume, export;
-- :mod:`~xpar_zoo.loss.balance` expert load, the router auxiliary loss over the global batch, the bias update;
+- :mod:`~xpar_zoo.train.loop`    setup, then the loop: each step, metrics, export; it calls the components:
+- :mod:`~xpar_zoo.train.optim`   AdamW and the learning-rate schedule;
+- :mod:`~xpar_zoo.train.checkpointer` the checkpoints due after a step, and resume;
+- :mod:`~xpar_zoo.train.evaluate` held-out evaluation when due;
+- :mod:`~xpar_zoo.train.router_loss` the router auxiliary loss over the global batch;
+- :mod:`~xpar_zoo.loss.balance` expert load, the global router auxiliary loss, the bias update;
 - :mod:`~xpar_zoo.train.metrics` ``metrics.jsonl``, the progress bar, TensorBoard.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..parallel.teardown import end_process_group
 from .config import TrainConfig, add_arguments, config_from_args, read_config_file
 from .loop import TrainResult, train
 
@@ -20,10 +25,14 @@ __all__ = ["TrainConfig", "TrainResult", "add_arguments", "config_from_args", "r
 
 def run(cfg: TrainConfig) -> TrainResult:
     """:func:`train` in a process of its own (a torchrun worker or a plain process): initialises the process group
-    from the launcher's environment and destroys it at the end."""
+    from the launcher's environment and ends it (a barrier, then ``destroy_process_group``) at the end."""
     owned = not dist.is_initialized()
     try:
-        return train(cfg)
-    finally:
-        if owned and dist.is_initialized():
+        result = train(cfg)
+    except BaseException:
+        if owned and dist.is_initialized():  # no barrier: another rank may have died
             dist.destroy_process_group()
+        raise
+    if owned:
+        end_process_group()
+    return result

@@ -27,14 +27,19 @@ class Evaluator:
     """The held-out rows of ``corpus`` (one epoch, in the corpus's epoch-0 order) dealt to the ranks."""
 
     def __init__(self, corpus, *, world: int, rank: int, micro_batch: int, max_batches: int | None, flatten: bool,
-                 device: torch.device, pad_id: int, part: int | None = None, parts: int | None = None):
-        self.corpus, self.world, self.rank, self.micro_batch = corpus, world, rank, micro_batch
+                 device: torch.device, pad_id: int, part: int | None = None, parts: int | None = None,
+                 every: int | None = None):
+        self.corpus, self.world, self.rank, self.micro_batch, self.every = corpus, world, rank, micro_batch, every
         self.part, self.parts = (rank, world) if parts is None else (part, parts)
         self.group = world // self.parts  # ranks that read the same rows (a sequence group)
         self.flatten, self.device, self.pad_id = flatten, device, pad_id
         self.batches = math.ceil(corpus.rows_per_epoch / (self.parts * micro_batch))
         if max_batches is not None:
             self.batches = min(self.batches, max_batches)
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether the run evaluates after ``step``: every ``every`` steps (``--eval-every``) and after its last."""
+        return step == last_step or bool(self.every and step % self.every == 0)
 
     def _batch(self, b: int) -> dict[str, torch.Tensor]:
         first = (b * self.parts + self.part) * self.micro_batch

@@ -23,6 +23,7 @@ from ..errors import TrainConfigError
 
 LAUNCHED = "XPAR_ZOO_TRAIN_LAUNCHED"  # set in the ranks this launcher starts
 GRACE_S = 30.0  # how long the other ranks may take to exit after one failed before they are killed
+AGAIN_GRACE_S = 3.0  # the same after a second signal: the user asked to stop at once
 
 
 def launched_by_us() -> bool:
@@ -119,7 +120,8 @@ def _wait(procs: list[subprocess.Popen], first_rank: int, signals: list[int] | N
             first = next(((i, c) for i, c in bad if c not in (2, 130, 143)), None)
         if all(c is not None for c in codes):
             break
-        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+        grace = GRACE_S if not signals or len(signals) < 2 else AGAIN_GRACE_S  # asked twice: no long wait
+        if failed_at is not None and time.monotonic() - failed_at > grace:
             for p in procs:
                 if p.poll() is None:
                     p.kill()

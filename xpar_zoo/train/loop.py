@@ -1,4 +1,6 @@
-"""``train(config)``: the training run behind ``xpar-zoo train`` — setup, the step, checkpoints, metrics.
+"""``train(config)``: the training run behind ``xpar-zoo train``: setup, then the loop, which calls its components:
+the optimizer and schedule (:mod:`.optim`), the router auxiliary loss (:mod:`.router_loss`), the evaluator
+(:mod:`.evaluate`) and the checkpointer (:mod:`.checkpointer`), each deciding itself when it is due.
 
 One optimizer step on every rank:
 
@@ -11,15 +13,14 @@ One optimizer step on every rank:
    are exactly those of the step's global-batch mean; FSDP reduce-scatters only after the last micro-batch
    (``set_requires_gradient_sync``); with a router auxiliary loss, each micro-batch adds its global-batch share;
 3. :func:`xpar_zoo.clip_grad_norm_`, AdamW, the LR schedule; the correction-bias update from the step's global
-   expert load; metrics; a checkpoint when due (model, optimizer, schedule, data position, RNG).
+   expert load; metrics; the evaluation and the checkpoints that are due (model, optimizer, schedule, data
+   position, RNG).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
-import json
 import math
 import os
 import signal
@@ -34,15 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import EXTRA_FILE, load_checkpoint, save_checkpoint
-from ..checkpoint.layout import complete_record
-from ..compat import attn_implementation
+from ..compat import attn_implementation, flash_attention_available
 from ..errors import DataError, TrainConfigError, counted
-from ..io.integrity import verify_files
 from ..loss.balance import (
     ExpertLoad,
     correction_biases,
-    global_router_aux_loss,
     load_summary,
     update_correction_biases,
 )
@@ -54,6 +51,7 @@ from ..styles.sequence import ATTENTION_PREFIX, data_shard, set_inner_attention
 from . import sft_config
 from .agreement import check_same_settings, resume_changes
 from .chat import conversation_corpus, has_parts, load_examples, pad_token_id
+from .checkpointer import Checkpointer, check_resumable
 from .config import DTYPES, TrainConfig, parallel_options, validate
 from .data import (
     PackedCorpus,
@@ -66,7 +64,7 @@ from .data import (
 )
 from .evaluate import Evaluator
 from .lora import export_adapter, export_merged, from_pretrained_kwargs, is_lora
-from .metrics import MetricsLog, peak_memory_bytes, read_metrics
+from .metrics import MetricsLog, peak_memory_bytes
 from .multimodal import (
     copy_processor_files,
     freeze_vision,
@@ -75,9 +73,8 @@ from .multimodal import (
     load_processor,
     media_corpus,
 )
+from .optim import build_optimizer, build_scheduler
 from .outputs import (
-    BEST,
-    CHECKPOINTS,
     ExportTarget,
     OutputPlan,
     check_finished_resume,
@@ -85,14 +82,13 @@ from .outputs import (
 )
 from .packing import EpochLimit, steps_for_epochs
 from .reporting import Reporter
+from .router_loss import RouterAux, router_aux
 from .stop import StopAtOnce, StopOnSignal, Stopped
 from .tiny_vl import resolve_model
 
-SCHEDULER_NAMES = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
 # transformers' masking utilities build a block-causal mask from restarting position_ids for these (no attention
 # mask, no cache); its flash-attention kernels run packed rows as varlen from position_ids in a batch of one row.
 DOCUMENT_MASKING = ("eager", "sdpa", "flex_attention")
-AUX_CHECK_RTOL = 1e-4
 
 
 @dataclass
@@ -190,12 +186,6 @@ def resolve_epochs(cfg: TrainConfig, corpus, tokenizer, world: int) -> tuple[Tra
     return cfg, EpochLimit(corpus, cfg.epochs, pad_token_id(tokenizer) if tokenizer is not None else 0)
 
 
-def best_eval_loss(output: Path, step: int) -> float:
-    """Rank 0: the lowest ``eval_loss`` in ``metrics.jsonl`` up to ``step`` (a resumed ``--save-best`` run)."""
-    seen = [m["eval_loss"] for m in read_metrics(output) if m.get("step", 0) <= step and "eval_loss" in m]
-    return min(seen, default=math.inf)
-
-
 def text_vocab_size(config) -> int:
     """The language model's vocabulary: a multimodal config keeps it in its text config."""
     return int(config.get_text_config().vocab_size)
@@ -208,134 +198,10 @@ def _model_config(name: str):
     return load_config(resolve_config(name).parent)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.adam_betas)
-
-
-def lr_factor(cfg: TrainConfig, done: int) -> float:
-    """The learning rate of step ``done + 1`` as a fraction of ``cfg.lr`` (``done`` steps finished). Warmup:
-    step ``k`` ≤ ``warmup`` trains at ``k / warmup`` (step 1 at ``lr / warmup``, never at 0); after it,
-    transformers' schedules over the remaining steps (cosine down to ``min_lr_ratio``, linear to 0, constant)."""
-    if done < cfg.warmup:
-        return (done + 1) / cfg.warmup
-    if cfg.schedule == "constant":
-        return 1.0
-    progress = (done - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    if cfg.schedule == "linear":
-        return max(0.0, 1.0 - progress)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, done: int = 0):
-    """The schedule of :func:`lr_factor` over ``cfg.steps`` steps, positioned after ``done`` steps (a resumed run:
-    ``cfg.lr`` and the schedule settings are this run's, whatever the checkpoint's were)."""
-    for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] = cfg.lr
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg), last_epoch=done - 1)
-
-
-def apply_optimizer_settings(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
-    """This run's weight decay (matrices' group) and betas on an optimizer whose state was loaded from a
-    checkpoint (loading restores the saved hyperparameters)."""
-    for group in optimizer.param_groups:
-        if all(p.dim() >= 2 for p in group["params"]):  # the matrices' group (build_optimizer)
-            group["weight_decay"] = cfg.weight_decay
-        group["betas"] = tuple(cfg.adam_betas)
-
-
-@dataclass
-class RouterAux:
-    """The router auxiliary loss the run adds over the global batch: its coefficient and the model's sizes."""
-
-    coef: float
-    num_experts: int
-    top_k: int
-    checked: bool = False
-
-
-def router_aux(model: nn.Module, cfg: TrainConfig) -> RouterAux | None:
-    """The router auxiliary loss to add (``None``: off). transformers' own per-rank term is switched off on the
-    model (its coefficient set to 0) so that only the global-batch term trains."""
-    config = model.config
-    coef = cfg.router_aux_loss_coef
-    if coef is None:
-        coef = getattr(config, "router_aux_loss_coef", 0.0) if getattr(config, "output_router_logits", False) else 0.0
-    if not coef:
-        return None
-    missing = [a for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok") if not hasattr(model, a)]
-    if missing:
-        raise TrainConfigError(f"{type(model).__name__} has no router auxiliary loss (no {', '.join(missing)}); "
-                               "leave --router-aux-loss-coef unset")
-    model.router_aux_loss_coef = 0.0
-    return RouterAux(float(coef), int(model.num_experts), int(model.num_experts_per_tok))
-
-
-def _check_aux(aux: RouterAux, local: torch.Tensor, model_aux: torch.Tensor) -> None:
-    """Once per run: our per-rank term equals the model's own, so the global version computes the model's loss."""
-    err = ((local - model_aux.detach().float()).abs() / model_aux.detach().float().abs().clamp_min(1e-12)).reshape(1)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(err, op=dist.ReduceOp.MAX)
-    if err.item() > AUX_CHECK_RTOL:
-        raise TrainConfigError(f"this model's router auxiliary loss is not transformers' Switch-Transformer form "
-                               f"(relative difference {err.item():.2e}); train it without (--router-aux-loss-coef 0)")
-    aux.checked = True
-
-
-def _save(cfg: TrainConfig, model, optimizer, scheduler, step: int, position: int, corpus: PackedCorpus,
-          root: Path | None = None, keep_last: int | None = None) -> Path:
-    extra = {
-        "step": step,
-        "data": {"position": position, "fingerprint": corpus.fingerprint(), "rows_per_epoch": corpus.rows_per_epoch,
-                 "seq_len": corpus.seq_len, "seed": corpus.seed, "source": corpus.source},
-        "scheduler": scheduler.state_dict(),
-        "world_size": dist.get_world_size(),
-        "config": cfg.to_json(),
-    }
-    return save_checkpoint(root or Path(cfg.output) / CHECKPOINTS, model, optimizer, extra_state=extra, step=step,
-                           keep_last=keep_last or cfg.keep_last, trainable_only=is_lora(model))
-
-
-def _check_resumable(ckpt: Path, corpus: PackedCorpus) -> None:
-    """Rank 0, before the model is loaded: the checkpoint's data position means the same rows for this run. A
-    saved state that fails its checksum is named as damage; a real difference names only what differs."""
-    damage = verify_files(ckpt, *_recorded(ckpt, EXTRA_FILE))
-    if damage:
-        raise TrainConfigError(f"{ckpt} is damaged ({damage[0]}): move it aside to resume from the checkpoint "
-                               "before it")
-    data = json.loads((ckpt / EXTRA_FILE).read_text()).get("data") or {}
-    if data.get("fingerprint") == corpus.fingerprint():
-        return
-    ours = {"source": corpus.source, "seq_len": corpus.seq_len, "seed": corpus.seed,
-            "rows_per_epoch": corpus.rows_per_epoch}
-    differ = [f"{k} {data.get(k)!r} then, {v!r} now" for k, v in ours.items() if data.get(k) != v]
-    what = "; ".join(differ) if differ else f"the tokens of {corpus.source} changed since"
-    raise TrainConfigError(f"{ckpt} was trained on other data ({what}): its data position would not continue the "
-                           "same order; resume with the same data, seq_len and seed, or start a new --output")
-
-
-def _recorded(ckpt: Path, name: str) -> tuple[dict[str, str], dict[str, int]]:
-    """The checksum and size the checkpoint's COMPLETE marker records for file ``name`` (empty when none)."""
-    try:
-        record = complete_record(ckpt)
-        return {name: record["checksums"][name]}, {name: record["files"][name]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}, {}
-
-
-def _resume(ckpt: Path, model, optimizer, cfg: TrainConfig) -> tuple[int, int]:
-    extra = load_checkpoint(ckpt, model, optimizer, trainable_only=is_lora(model))
-    apply_optimizer_settings(optimizer, cfg)
-    return int(extra["step"]), int(extra["data"]["position"])
-
-
-@dataclass
+@dataclass(kw_only=True)
 class _Run:
-    """What every step of a run uses."""
+    """What every step of a run uses: the model and its components (optimizer and schedule, router loss, expert
+    load and biases, checkpointer, evaluator), the data, and where this rank stands."""
 
     cfg: TrainConfig
     model: nn.Module
@@ -345,6 +211,8 @@ class _Run:
     load: ExpertLoad
     biases: list
     aux: RouterAux | None
+    checkpointer: Checkpointer
+    evaluator: Evaluator | None = None
     flatten: bool
     device: torch.device
     world: int
@@ -361,12 +229,7 @@ def check_attention_here(name: str | None, device_type: str = "cuda") -> None:
     if name == "flex_attention" and device_type == "cpu":
         raise TrainConfigError("--attn-implementation flex_attention cannot train on the CPU (torch has no flex "
                                "backward there); use sdpa or eager, or train on a GPU")
-    if name not in ("flash_attention_2", "flash_attention_3"):
-        return
-    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
-
-    available = is_flash_attn_2_available if name == "flash_attention_2" else is_flash_attn_3_available
-    if not available(kernels_fallback_ok=True):
+    if name in ("flash_attention_2", "flash_attention_3") and not flash_attention_available(name):
         raise TrainConfigError(f"--attn-implementation {name}: no flash-attn kernels on this machine (a GPU with the "
                                "flash-attn package, or transformers' hub kernels); use sdpa or flex_attention")
 
@@ -410,11 +273,8 @@ def _forward_backward(run: _Run, batches: list[dict[str, torch.Tensor]], n_items
         loss = out.loss
         loss_sum += loss.detach().double()
         if run.aux:
-            share, local = global_router_aux_loss(out.router_logits, run.aux.num_experts, run.aux.top_k)
-            if not run.aux.checked:
-                _check_aux(run.aux, local, out.aux_loss)
-            loss = loss + share * (run.aux.coef / len(batches))
-            aux_sum += share.detach().double() / len(batches)
+            loss, share = run.aux.add(out, loss, len(batches))
+            aux_sum += share
         loss.backward()
     return loss_sum, aux_sum
 
@@ -446,7 +306,7 @@ def optimizer_step(run: _Run, position: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     position += rows_per_step(run.parts, cfg.micro_batch, cfg.grad_accum)
     record = {"loss": loss / run.world, "grad_norm": float(grad_norm), "lr": lr, "tokens": int(tokens),
-              "targets": int(targets), "target_tokens": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+              "target_tokens": int(targets), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
               "peak_mem_bytes": int(peak.item()), "data_position": position,
               "epoch": (position - 1) // run.corpus.rows_per_epoch}
     if run.aux:
@@ -555,7 +415,7 @@ def _read_inputs(cfg: TrainConfig, world: int) -> _Inputs:
         eval_corpus = run_everywhere(lambda: load_corpus(cfg, text_vocab_size(model_config), cfg.eval_data,
                                                                   model_config=model_config)[0])
     if ckpt is not None:
-        run_everywhere(lambda: _check_resumable(ckpt, corpus), rank0_only=True)
+        run_everywhere(lambda: check_resumable(ckpt, corpus), rank0_only=True)
     run_everywhere(plan.apply, rank0_only=True)  # --force over a run: only now that every input is checked
     return _Inputs(cfg, model_config, corpus, tokenizer, eval_corpus, ckpt, changes)
 
@@ -579,10 +439,18 @@ def _build_run(inputs: _Inputs, device: torch.device, rank: int, world: int) -> 
         raise TrainConfigError(f"--expert-bias-update-rate {cfg.expert_bias_update_rate}: {type(model).__name__} "
                                "has no router with an e_score_correction_bias (DeepSeek-V3 / GLM-4-MoE style)")
     optimizer = build_optimizer(model, cfg)
-    step, position = _resume(inputs.ckpt, model, optimizer, cfg) if inputs.ckpt is not None else (0, 0)
+    checkpointer = Checkpointer(cfg, inputs.corpus)
+    step, position = checkpointer.load(inputs.ckpt, model, optimizer) if inputs.ckpt is not None else (0, 0)
     part, parts = data_shard(model)
-    run = _Run(cfg, model, optimizer, build_scheduler(optimizer, cfg, step), inputs.corpus, load, biases,
-               router_aux(model, cfg), attn.startswith("flash_attention"), device, world, rank, part, parts,
+    flatten = attn.startswith("flash_attention")
+    evaluator = None
+    if cfg.eval_data:
+        evaluator = Evaluator(inputs.eval_corpus, world=world, rank=rank, part=part, parts=parts,
+                              micro_batch=cfg.micro_batch, max_batches=cfg.eval_batches, flatten=flatten,
+                              device=device, pad_id=pad_token_id(inputs.tokenizer), every=cfg.eval_every)
+    run = _Run(cfg=cfg, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg, step),
+               corpus=inputs.corpus, load=load, biases=biases, aux=router_aux(model, cfg), checkpointer=checkpointer,
+               evaluator=evaluator, flatten=flatten, device=device, world=world, rank=rank, part=part, parts=parts,
                counts_once=mesh.sequence_rank("sp") == 0 and mesh.sequence_rank("cp") == 0)
     return run, mesh, step, position
 
@@ -616,34 +484,25 @@ def packed_documents_note(attn: str, flatten: bool) -> str | None:
             f"(transformers does so for {', '.join(DOCUMENT_MASKING)} and flash_attention_*)")
 
 
-def _run_steps(run: _Run, log: MetricsLog, report: Reporter, evaluator: Evaluator | None, best: float,
-               step: int, position: int) -> tuple[int, dict | None]:
-    """Train from ``step`` to the last step: each step's metrics (and evaluation) logged, the best and the periodic
-    checkpoints saved; on an agreed SIGINT/SIGTERM, save and raise :class:`Stopped`. Returns the last step and
-    its record."""
-    cfg, model, optimizer = run.cfg, run.model, run.optimizer
-    output, last_step = Path(cfg.output), cfg.stop_after or cfg.steps
+def _run_steps(run: _Run, log: MetricsLog, report: Reporter, step: int, position: int) -> tuple[int, dict | None]:
+    """Train from ``step`` to the last step: each step's metrics (and the evaluation when due) logged, the
+    checkpoints the checkpointer finds due saved; on an agreed SIGINT/SIGTERM, save and raise :class:`Stopped`.
+    Returns the last step and its record."""
+    last_step = run.cfg.stop_after or run.cfg.steps
     record = None
-    with StopOnSignal(announce=log.message, output=output) as stop:
+    with StopOnSignal(announce=log.message, output=run.cfg.output) as stop:
         while step < last_step:
             record = {"step": step + 1, **optimizer_step(run, position)}
             step, position = record["step"], record["data_position"]
-            if evaluator is not None and (step == last_step or (cfg.eval_every and step % cfg.eval_every == 0)):
-                record.update(evaluator(model))
+            if run.evaluator is not None and run.evaluator.due(step, last_step):
+                record.update(run.evaluator(run.model))
                 run.load.take()  # the evaluation's tokens are no step's expert load
             log.write(record)
             report.write(record)
             if (line := report.line(record)) is not None:
                 log.message(line)
             signum = stop.agreed(run.device)
-            if cfg.save_best and "eval_loss" in record and record["eval_loss"] < best:
-                best = record["eval_loss"]
-                path = _save(cfg, model, optimizer, run.scheduler, step, position, run.corpus, root=output / BEST,
-                             keep_last=1)
-                log.message(f"step {step}: eval_loss {best:.4f}, the lowest so far: saved {path}")
-            if step == last_step or signum or (cfg.save_every and step % cfg.save_every == 0):
-                path = _save(cfg, model, optimizer, run.scheduler, step, position, run.corpus)  # every rank
-                log.message(f"step {step}: saved {path}")
+            run.checkpointer.after_step(run, record, stopping=bool(signum))
             if signum:
                 name = signal.Signals(signum).name
                 log.message(f"{name}: saved step-{step}; rerun with --resume to continue")
@@ -684,16 +543,13 @@ def train(cfg: TrainConfig) -> TrainResult:
                      tensorboard="tensorboard" in sinks, log_every=cfg.log_every,
                      lines=not cfg.progress)  # with --progress the Reporter's line per step says it
     report = Reporter(cfg, output, active=rank == 0, start_step=step, total_steps=cfg.steps, wandb="wandb" in sinks)
-    evaluator, best = None, math.inf
+    run.checkpointer.say = log.message
     if cfg.eval_data:
-        evaluator = Evaluator(inputs.eval_corpus, world=world, rank=rank, part=run.part, parts=run.parts,
-                              micro_batch=cfg.micro_batch, max_batches=cfg.eval_batches, flatten=run.flatten,
-                              device=device, pad_id=pad_token_id(inputs.tokenizer))
-        best = run_everywhere(lambda: best_eval_loss(output, step), rank0_only=True)
+        run.checkpointer.read_best(step)
     _announce(log, run, inputs, mesh, step)
     record = None
     try:
-        step, record = _run_steps(run, log, report, evaluator, best, step, position)
+        step, record = _run_steps(run, log, report, step, position)
         if step == cfg.steps:
             with StopAtOnce(rank, "while exporting (nothing exported: the unfinished export is removed)", output):
                 _export_outputs(cfg, run.model, inputs.tokenizer, rank, log)

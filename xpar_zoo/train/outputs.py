@@ -27,6 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..checkpoint.layout import EXTRA_FILE, scan_root
+from ..checkpoint.layout import RUN_CHECKPOINTS as CHECKPOINTS
 from ..errors import TrainConfigError
 from ..io.atomic_dir import StagingDir, clear_leftovers, remove_aside
 from ..parallel.distributed import broadcast, rank
@@ -34,7 +35,6 @@ from .config import TrainConfig
 from .metrics import METRICS_FILE
 from .tiny_vl import TINY_MODELS
 
-CHECKPOINTS = "checkpoints"
 BEST = "best"  # --save-best: the checkpoint with the lowest eval_loss
 RUN_ENTRIES = (CHECKPOINTS, METRICS_FILE, "tensorboard")
 MOVED_METRICS = re.compile(r"metrics\.before-\d{8}T\d{6}\.jsonl")  # moved aside by --force over a finished run
@@ -187,6 +187,12 @@ def _own_leftover(output: Path, name: str) -> bool:
     return False
 
 
+def blocks_a_new_run(output: Path) -> bool:
+    """Whether ``output`` holds anything that is not a leftover of a start that never trained (a new run there
+    would need ``--force``)."""
+    return any(not n.startswith(".") and not _own_leftover(output, n) for n in _non_empty(output, limit=None))
+
+
 def _records(path: Path) -> list[dict]:
     out = []
     for line in path.read_bytes().split(b"\n"):
@@ -223,6 +229,8 @@ def _replacement(cfg: TrainConfig, plan: OutputPlan, inputs: list[tuple[str, str
     keep = [Path(p) for _, p in inputs] + [p for _, p in exports(cfg)]
     named = [Path(plan.saved[k]) for k in ("export_hf", "export_adapter") if plan.saved.get(k)]
     candidates = [output / CHECKPOINTS, output / BEST, output / "tensorboard", *named]
+    if plan.newest is None:  # no run to replace (train into the folder, metrics appended): only a best checkpoint
+        candidates = [output / BEST]  # that this run's --save-best would otherwise collide with
     for path in candidates:
         if not (path.exists() or path.is_symlink()) or path in plan.remove:
             continue
@@ -232,7 +240,7 @@ def _replacement(cfg: TrainConfig, plan: OutputPlan, inputs: list[tuple[str, str
             continue
         plan.remove.append(path)
     metrics = output / METRICS_FILE
-    if metrics.is_file() and any(r.get("step") for r in _records(metrics)):
+    if plan.newest is not None and metrics.is_file() and any(r.get("step") for r in _records(metrics)):
         stamp = time.strftime("%Y%m%dT%H%M%S")
         plan.moves.append((metrics, output / f"metrics.before-{stamp}.jsonl"))
 
@@ -286,15 +294,18 @@ def plan_outputs(cfg: TrainConfig) -> OutputPlan:
         raise TrainConfigError(f"--output {output} exists and is not a directory")
     plan = survey_run(output)
     _refuse_run(cfg, plan)
-    if cfg.resume and plan.newest is not None:
-        if plan.skipped and cfg.resume == "strict":
-            name, why = plan.skipped[-1]
-            raise TrainConfigError(f"--resume=strict: {output / CHECKPOINTS / name} is newer than {plan.newest.name} "
-                                   f"and cannot be resumed ({why}); move it aside to continue from "
-                                   f"{plan.newest.name}, or pass --resume to do so")
+    if plan.skipped and cfg.resume == "strict":
+        name, why = plan.skipped[-1]
+        older = plan.newest.name if plan.newest is not None else "step 0 (no complete checkpoint)"
+        raise TrainConfigError(f"--resume=strict: {output / CHECKPOINTS / name} is newer than "
+                               f"{plan.newest.name if plan.newest is not None else 'any complete checkpoint'} and "
+                               f"cannot be resumed ({why}); move it aside to continue from {older}, or pass --resume "
+                               "to do so")
+    if not cfg.resume:
+        plan.skipped = []  # what a resume would skip: nothing to say to a new run
+    elif plan.newest is not None:
         plan.resume_from = plan.newest
-    found = [n for n in _non_empty(output, limit=None) if not n.startswith(".")]
-    blocking = [n for n in found if not _own_leftover(output, n)]
+    blocking = [n for n in _non_empty(output, limit=None) if not n.startswith(".") and not _own_leftover(output, n)]
     if blocking and plan.newest is None and not cfg.resume and not cfg.force:
         raise TrainConfigError(f"--output {output} is not empty ({', '.join(blocking[:3])}) and holds no "
                                "checkpoint: choose another --output, or pass --force to train into it "

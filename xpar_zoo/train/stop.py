@@ -1,7 +1,7 @@
 """Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM (SLURM preemption, ``kill``, our launcher forwarding
 either): the signal only sets a flag; after each step every rank learns whether any rank got one (one all-reduce of
 an integer), so all ranks stop after the same step, save a checkpoint there and exit with 128 + the signal
-(130, 143). A second signal stops at once, saving nothing. Outside the loop (starting, loading, exporting) a signal
+(130, 143). A second signal (more than :data:`REPEAT_WINDOW_S` after the first) stops at once, saving nothing. Outside the loop (starting, loading, exporting) a signal
 stops at once. Every way ends with one line on rank 0 saying what is saved and what to type next
 (:func:`saved_hint`)."""
 
@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A signal this soon after the first is the same request passed on (torchrun forwards the terminal's Ctrl-C to ranks
+# that got it already), not a second one.
+REPEAT_WINDOW_S = 2.0
 
 
 def saved_hint(output) -> str:
@@ -25,9 +29,13 @@ def saved_hint(output) -> str:
 
     if output is None:
         return "rerun the command to start again"
-    complete, _ = scan_root(Path(output) / "checkpoints")
+    from .outputs import CHECKPOINTS, blocks_a_new_run
+
+    complete, _ = scan_root(Path(output) / CHECKPOINTS)
     if complete:
         return f"the run is saved at {complete[-1][1].name}: rerun with --resume to continue"
+    if blocks_a_new_run(Path(output)):  # steps trained, none saved
+        return "no checkpoint was saved: rerun with --force to start again"
     return "no checkpoint was saved yet: rerun the same command to start again"
 
 
@@ -66,19 +74,24 @@ class StopOnSignal(_SignalHandlers):
     :meth:`agreed` is the largest signal number any rank received (0: none). Outside the main thread it does
     nothing (signals are delivered to the main thread only)."""
 
-    def __init__(self, announce=print, output=None) -> None:
+    def __init__(self, announce=print, output=None, repeat_window_s: float = REPEAT_WINDOW_S) -> None:
         self.signum = 0
         self._announce = announce
         self._output = output
+        self._window = repeat_window_s
+        self._first_at = 0.0
         self._old: dict[int, object] = {}
 
     def _handler(self, signum, frame) -> None:
+        if self.signum and time.monotonic() - self._first_at < self._window:
+            return  # the same request passed on again (torchrun sends each rank the Ctrl-C they already got)
         if self.signum:  # the second one: stop now
             self.__exit__(None, None, None)
             name = signal.Signals(signum).name
             self._announce(f"{name} again: stopped at once without saving this step; {saved_hint(self._output)}")
             raise Stopped(signum, f"stopped by a second {name}")
         self.signum = signum
+        self._first_at = time.monotonic()
         self._announce(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                        "(send it again to stop without saving)")
 

@@ -132,6 +132,20 @@ def save_tiny_files(name: str, directory: str | os.PathLike) -> None:
         tiny_tokenizer().save_pretrained(directory)
 
 
+def _without_progress_bars(fn, *args):
+    """``fn(*args)`` with transformers' progress bars off (a model of a few KiB needs no "Writing model shards" bar
+    in the run's log), as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return fn(*args)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def resolve_model(name: str, output: str | os.PathLike) -> str:
     """``name``, or for a tiny model built in code (:data:`TINY_MODELS`) the directory ``OUTPUT/<name>`` it is
     saved in (written by the caller's rank 0 when missing, whole or not at all: an interrupted start leaves no
@@ -147,7 +161,7 @@ def resolve_model(name: str, output: str | os.PathLike) -> str:
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory.parent))
         try:
-            save(staging)
+            _without_progress_bars(save, staging)
             shutil.rmtree(directory, ignore_errors=True)  # an older, incomplete one
             os.replace(staging, directory)
         finally:
