@@ -69,3 +69,22 @@ def test_size_refuses_a_number_that_is_not_finite_and_positive(tmp_path, capsys,
         cli.main(["size", str(tmp_path), "--world", "2", "--simulate", flag, value])
     assert e.value.code == 2
     assert f"argument {flag}: must be a finite number above 0, got {value}" in capsys.readouterr().err
+
+
+def test_a_config_whose_architectures_and_model_type_disagree_is_refused_in_one_line():
+    """A qwen3_moe checkpoint whose config.json says model_type llama built Qwen3MoeForCausalLM from a LlamaConfig:
+    `convert to-dcp` and `train` ended in `AttributeError: 'LlamaConfig' object has no attribute 'num_experts'`."""
+    import torch
+    from transformers import LlamaConfig
+
+    from xpar_zoo.errors import UnknownArchitectureError
+    from xpar_zoo.zoo.registry import build_meta
+
+    def config(arch):
+        return LlamaConfig(architectures=[arch], num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                           num_attention_heads=2, vocab_size=64)
+
+    with pytest.raises(UnknownArchitectureError, match=r"architectures name Qwen3MoeForCausalLM \(a 'qwen3_moe' "
+                                                       r"model\) but its model_type is 'llama' \("):
+        build_meta(config("Qwen3MoeForCausalLM"), torch.float32)
+    assert type(build_meta(config("LlamaForCausalLM"), torch.float32)).__name__ == "LlamaForCausalLM"

@@ -72,8 +72,17 @@ def model_class(config) -> type[nn.Module]:
 def build_meta(config, dtype: torch.dtype) -> nn.Module:
     """The transformers language model for ``config`` (:func:`model_class`: the causal LM, or
     the config's own multimodal class) with every parameter and buffer on the meta device."""
-    with torch.device("meta"):
-        return from_config(model_class(config), config, dtype=dtype)
+    cls = model_class(config)
+    try:
+        with torch.device("meta"):
+            return from_config(cls, config, dtype=dtype)
+    except AttributeError as e:  # the config's architectures name a class of another model type
+        own = getattr(cls, "config_class", None)
+        if own is None or isinstance(config, own):
+            raise
+        raise UnknownArchitectureError(
+            f"the config's architectures name {cls.__name__} (a {getattr(own, 'model_type', own.__name__)!r} model) "
+            f"but its model_type is {config.model_type!r} ({e}): fix config.json so that the two agree") from None
 
 
 def derive_plan(model: nn.Module) -> Plan | None:
