@@ -17,7 +17,7 @@ TINY_MOE = {"hidden_size": 256, "moe_intermediate_size": 128, "vocab_size": 2048
 MID_MOE = {"hidden_size": 1024, "moe_intermediate_size": 512, "vocab_size": 32000, "num_experts": 32, "num_hidden_layers": 4,
                "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}
 GLOO = ("tiny MoE, ep2 on 4", {"ep": 2}, 512)  # also run on 4 gloo ranks
-CASES = {"mid MoE, ep16 on 64": ["qwen3_moe", MID_MOE, {"world": 64, "sizes": {"ep": 16}, "seq": 4096}],
+CASES = {"mid MoE, ep16 on 64": ["qwen3_moe", MID_MOE, {"world": 64, "sizes": {"ep": 16}, "seq": 2048}],
          GLOO[0]: ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": GLOO[1], "seq": GLOO[2]}]}
 SUPPORT = Path(__file__).resolve().parents[1] / "support" / "simulated_sizes.py"
 

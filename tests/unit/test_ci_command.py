@@ -1,5 +1,5 @@
-"""CI runs exactly the README's test command, and that command lints the tree with the pinned linter before the
-tests."""
+"""CI runs exactly the README's test command, and that command lints the tree and type-checks the public API with the
+pinned checkers before the tests."""
 
 import re
 from pathlib import Path
@@ -21,6 +21,6 @@ def test_the_test_command_lints_with_the_pinned_checkers_before_the_tests():
     command = _readme_test_command()
     pins = dict(line.split("==") for line in (ROOT / "requirements-test.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
-    for checker in ("ruff",):
+    for checker in ("ruff", "mypy"):
         assert checker in pins, f"{checker} is not pinned in requirements-test.txt"
         assert command.index(f".venv/bin/{checker} ") < command.index("pytest")

@@ -101,7 +101,8 @@ def foreign(path: Path, why: str) -> bool:
 def scan_root(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
     """Complete checkpoints ``[(step, dir)]`` sorted by step, and broken directories ``[(dir, reason)]`` (links
     among them: never loaded, never removed)."""
-    complete, broken = [], []
+    complete: list[tuple[int, Path]] = []
+    broken: list[tuple[Path, str]] = []
     if not root.is_dir():
         return complete, broken
     for child in sorted(root.iterdir()):

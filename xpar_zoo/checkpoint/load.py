@@ -125,7 +125,7 @@ def load_checkpoint(
     except Exception as e:
         error = distributed.describe_error(e)
     error = distributed.every_error(error)
-    if error:
+    if error or side is None:
         raise CheckpointError(f"{ckpt} cannot be loaded (nothing was loaded):\n{error}")
     meta, extra, rng, dcp_meta = side
     saved = {k: tuple(v.size) for k, v in dcp_meta.state_dict_metadata.items()
@@ -140,7 +140,7 @@ def load_checkpoint(
     with quiet_single_process():
         dcp.load(dcp_state(msd, osd), storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(),
                  no_dist=not distributed.is_distributed())
-    if osd is None:
+    if optimizer is None or osd is None:
         set_model_state_dict(model, msd, options=state_options(trainable_only))
     else:
         saved_opt = meta.get("optimizer") or {}

@@ -9,8 +9,9 @@ import os
 import threading
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -202,8 +203,8 @@ def save_checkpoint(
     wait_pending(ctl)
     msd, osd = state_dicts(model, optimizer, trainable_only)  # collective
     extra_json = _checked_values(root, extra, msd, osd, allow_nonfinite)
-    n, tmp = distributed.run_everywhere(lambda: _new_step_dir(root, step, extra), rank0_only=True)
-    tmp, final = Path(tmp), root / checkpoint_name(n)
+    n, tmp_name = distributed.run_everywhere(lambda: _new_step_dir(root, step, extra), rank0_only=True)
+    tmp, final = Path(tmp_name), root / checkpoint_name(n)
     _write_side_files(tmp, final, root, model, n, optimizer, osd, extra_json, trainable_only)
     writer, written = dcp_writer(tmp)
     state = dcp_state(msd, osd)
@@ -285,7 +286,7 @@ def _save_in_background(ctl, state: dict, writer, written, tmp: Path, final: Pat
     with quiet_single_process():
         fut = dcp.async_save(state, storage_writer=writer, process_group=ctl.group,
                              no_dist=not distributed.is_distributed())
-    fut.add_done_callback(handle._on_saved)
+    cast(Future, fut).add_done_callback(handle._on_saved)  # a Future: no AsyncStager was given
     ctl.pending = handle
     return handle
 

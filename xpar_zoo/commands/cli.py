@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import re
 import sys
@@ -212,8 +213,9 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from ..parallel.teardown import exit_rank
     from ..train import config_from_args, run
-    from ..train.launcher import launch, launched_by_us
+    from ..train.launcher import launch, launched_by_us, under_torchrun
     from ..train.stop import StopAtOnce, Stopped
 
     rank = launcher_rank()
@@ -229,12 +231,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and not launched_by_us():
         return launch(args.argv, args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
                       args.master_port)
+    code = 0
     try:
         with StopAtOnce(rank, "while starting", cfg.output):
             run(cfg)
     except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
-        return e.code
-    return 0
+        code = e.code
+    if launched_by_us() or under_torchrun():  # this process is a rank and nothing else: end it safely
+        exit_rank(code)
+    return code
 
 
 def _add_train(sub) -> None:
@@ -256,6 +261,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (argparse names the option in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
     return value
 
 
@@ -351,10 +367,10 @@ def _add_size(sub) -> None:
     p.add_argument("--lora-parameters", help="LoRA target_parameters, comma-separated, or none (default: the fused "
                    "experts tensors)")
     p.add_argument("--suggest", action="store_true", help="rank the meshes that fit --world")
-    p.add_argument("--memory-gib", type=float, help="per-rank memory budget for --suggest")
+    p.add_argument("--memory-gib", type=_positive_number, help="per-rank memory budget for --suggest")
     p.add_argument("--simulate", action="store_true", help="also run the real code on one rank of a fake --world "
                    "world (fake tensors, torch's fake process group and memory tracker): the simulated peak by kind")
-    p.add_argument("--route-imbalance", type=float, default=1.0, metavar="F",
+    p.add_argument("--route-imbalance", type=_positive_number, default=1.0, metavar="F",
                    help="with --simulate: this rank receives F x the mean routed tokens (default 1: balanced)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_size)

@@ -100,7 +100,7 @@ def _path_reason(name: str | os.PathLike, cache_dir: str | os.PathLike | None) -
     return None
 
 
-def _refuse_missing_local(name: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> None:
+def refuse_missing_local(name: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> None:
     """Raise :class:`HubResolutionError` at once for a local path that is no directory, before any hub request."""
     path = Path(name).expanduser()
     if path.exists() and not path.is_dir():
@@ -125,7 +125,7 @@ def resolve(name: str | os.PathLike, revision: str | None = None, *, cache_dir: 
         if not (path / CONFIG_FILE).is_file():
             raise HubResolutionError(f"{path} is a directory without {CONFIG_FILE}")
         return ResolvedModel(path.resolve(), "local")
-    _refuse_missing_local(name, cache_dir)
+    refuse_missing_local(name, cache_dir)
     return _resolve_hub(str(name), revision, cache_dir, token, weights)
 
 
@@ -141,7 +141,7 @@ def resolve_config(name: str | os.PathLike, revision: str | None = None, *, cach
         if not (path / CONFIG_FILE).is_file():
             raise HubResolutionError(f"{path} is a directory without {CONFIG_FILE}")
         return path / CONFIG_FILE
-    _refuse_missing_local(name, cache_dir)
+    refuse_missing_local(name, cache_dir)
     where = f"{str(name)!r}" + (f" at revision {revision!r}" if revision else "")
     local_only, mode = _search_mode()
     try:

@@ -44,11 +44,12 @@ def clip_grad_norm_(
     non-finite norm (and become NaN); with ``error_if_nonfinite=True`` a :class:`~xpar_zoo.errors.NonFiniteError`
     (a ``RuntimeError``, as torch raises) is raised on every rank before any gradient changes, naming the
     parameters whose gradients hold NaN or inf on each rank."""
+    named: list[tuple[str, torch.Tensor]]
     if isinstance(model_or_params, nn.Module):
         named = [(n, p) for n, p in model_or_params.named_parameters() if p.grad is not None]
     else:
         named = [(f"parameter #{i}", p) for i, p in enumerate(model_or_params) if p.grad is not None]
-    grads = [p.grad for _, p in named]
+    grads = [g for _, p in named if (g := p.grad) is not None]  # every one: named holds those with a gradient
     norm_type = float(norm_type)
     device = to_local(grads[0]).device if grads else torch.device("cpu")
     groups = _local_groups(grads)
@@ -62,7 +63,8 @@ def clip_grad_norm_(
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
     total = acc if math.isinf(norm_type) else acc ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):  # the same on every rank: total is all-reduced
-        _raise_nonfinite(total, norm_type, [n for n, p in named if not bool(torch.isfinite(to_local(p.grad)).all())])
+        _raise_nonfinite(total, norm_type, [n for (n, _), g in zip(named, grads)
+                                            if not bool(torch.isfinite(to_local(g)).all())])
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for (_, piece_device, dtype), pieces in groups.items():
         foreach_mul_(pieces, coef.to(piece_device, dtype))  # one batched kernel per group (CPU: a loop)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -83,6 +83,10 @@ def every_error(message: str | None, group: dist.ProcessGroup | None = None) -> 
     return join_errors(all_gather(message, group))
 
 
+@overload
+def run_everywhere(fn: Callable[[], T], *, rank0_only: bool = ..., active: Literal[True] = ...) -> T: ...
+@overload
+def run_everywhere(fn: Callable[[], T], *, rank0_only: bool = ..., active: bool) -> T | None: ...
 def run_everywhere(fn: Callable[[], T], *, rank0_only: bool = False, active: bool = True) -> T | None:
     """``fn()`` on every rank (``rank0_only``: on rank 0, its result broadcast to all; ``active=False``: not on this
     rank, which still takes part): an :class:`~xpar_zoo.errors.XparError` raised on any rank is raised on every

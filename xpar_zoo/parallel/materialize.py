@@ -90,7 +90,8 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if state.mesh.device_type == "cuda" else "cpu"
         model.to_empty(device=device)
-    owner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel: its base's names
+    base = getattr(model, "get_base_model", None)
+    owner = base() if base is not None else model  # a PeftModel: its base's names
     initialise_buffers(owner, set(state.unset_buffers))
     state.unset_buffers = ()
     return model

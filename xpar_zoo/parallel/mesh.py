@@ -20,6 +20,7 @@ plain single process, ``Mesh()`` initialises a process group of one rank itself:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -66,18 +67,16 @@ def init_single_process() -> None:
 
 # DeviceMeshes are canonical per process group: torch caches DTensor specs by mesh *equality* and fully_shard
 # demands mesh *identity*, so two equal meshes built by two Mesh objects would break the second parallelize.
-# Reusing them also avoids creating new process groups for every Mesh. Keyed by the default group, so a new
-# init_process_group starts afresh.
-_DEVICE_MESHES: dict[int, tuple[object, dict[tuple, DeviceMesh]]] = {}
+# Reusing them also avoids creating new process groups for every Mesh. Keyed weakly by the default group: a new
+# init_process_group starts afresh, and destroy_process_group is not kept from releasing the group.
+_DEVICE_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, DeviceMesh]] = weakref.WeakKeyDictionary()
 
 
 def _device_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
     world = dist.group.WORLD
-    owner, cache = _DEVICE_MESHES.get(id(world), (None, None))
-    if owner is not world:
-        owner, cache = world, {}
-        _DEVICE_MESHES.clear()
-        _DEVICE_MESHES[id(world)] = (owner, cache)
+    if world is None:
+        raise MeshError("torch.distributed.init_process_group was not called; call it before building a Mesh")
+    cache = _DEVICE_MESHES.setdefault(world, {})
     key = (device_type, tuple(layout.shape), tuple(layout.flatten().tolist()), names)
     if key not in cache:
         cache[key] = DeviceMesh(device_type, layout, mesh_dim_names=names)
@@ -311,13 +310,13 @@ class Mesh:
         """The process group of this rank's ``sp`` or ``cp`` group (``None`` when that size is 1)."""
         if name not in SEQUENCE_DIMS:
             raise MeshError(f"{name!r} is not a sequence dimension ({', '.join(SEQUENCE_DIMS)})")
-        if getattr(self, name) == 1:
+        if getattr(self, name) == 1 or self.sequence_mesh is None:
             return None
         return self.sequence_mesh.get_group(name)
 
     def sequence_rank(self, name: str) -> int:
         """This rank's coordinate (0 … size-1) in its ``sp`` or ``cp`` group (0 when that size is 1)."""
-        if self.sequence_group(name) is None:
+        if self.sequence_group(name) is None or self.sequence_mesh is None:
             return 0
         return self.sequence_mesh.get_local_rank(name)
 

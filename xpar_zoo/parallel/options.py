@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import PlanError
 
@@ -88,7 +89,7 @@ class ParallelOptions:
         ``cpu_collectives="gloo"``). A bad value is one :class:`PlanError` line naming the variable. Called where a
         user's call enters the library, once."""
         environ = os.environ if environ is None else environ
-        values = {}
+        values: dict[str, Any] = {}
         for name, variable in ENV.items():
             raw = environ.get(variable, "").strip()
             if name in given or not raw:

@@ -5,6 +5,7 @@ holds (:func:`local_region`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -68,7 +69,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Rank 0 gets ``{in-memory HF name: full CPU tensor}`` at global shapes (every expert, every vocab row);
     other ranks get ``{}``. A collective: every rank must call it."""
     with exact_gathers():
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)  # full_state_dict: every value a tensor
 
 
 def held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
@@ -77,12 +79,15 @@ def held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
     keeps only the first), so that a ``_StridedShard`` (what FSDP2 makes of a dim-0 shard of a slice already split
     on dim 0) can be checked or read."""
     mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
-    shape, held = list(tensor.shape), {}
+    if coordinate is None:
+        raise LoadError(f"this rank holds no part of a tensor on {mesh}")
+    shape, held = list(tensor.shape), dict[int, torch.Tensor]()
     for i, placement in enumerate(tensor.placements):
         if isinstance(placement, (Shard, StridedShard)):
             d = placement.dim
-            shape[d], held[d] = shard_size_and_offsets(shape[d], mesh.size(i), coordinate[i], placement,
-                                                            held.get(d), tensor.shape[d], False)
+            # the indices themselves (return_first_offset=False), never None
+            shape[d], held[d] = cast(tuple[int, torch.Tensor], shard_size_and_offsets(
+                shape[d], mesh.size(i), coordinate[i], placement, held.get(d), tensor.shape[d], False))
     return shape, held
 
 

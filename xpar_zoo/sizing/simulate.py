@@ -156,7 +156,9 @@ def _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, re
 
         model, plan = lora_meta_model(model, plan, lora_rank, lora_modules, lora_parameters)
     if sp * cp == 1:
-        model.set_attn_implementation(PLAIN_ROWS_SDPA if attention == "sdpa" else attention)
+        model.set_attn_implementation(attention)  # refused here as in a real run where the model lacks it
+        if attention == "sdpa":
+            model.set_attn_implementation(PLAIN_ROWS_SDPA)
     compute = COMPUTE_DTYPES[param_dtype]
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else False
     mesh = Mesh(extra=sizes, replicate=replicate, sp=sp, cp=cp, device_type="cpu")

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from ..parallel.teardown import exit_rank
+
 START_METHOD_ENV = "XPAR_ZOO_START_METHOD"
 # What the fork server imports once for all the runs of a process (the import every rank would otherwise repeat).
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils", "xpar_zoo")
@@ -126,6 +128,8 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, queue, fn: 
         raise
     finally:
         dist.destroy_process_group()
+    if from_caller is None:  # spawned: end the process safely (a forked rank ends with os._exit already)
+        exit_rank(0)
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,

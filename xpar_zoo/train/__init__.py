@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..parallel.teardown import end_process_group
 from .config import TrainConfig, add_arguments, config_from_args, read_config_file
 from .loop import TrainResult, train
 
@@ -24,10 +25,14 @@ __all__ = ["TrainConfig", "TrainResult", "add_arguments", "config_from_args", "r
 
 def run(cfg: TrainConfig) -> TrainResult:
     """:func:`train` in a process of its own (a torchrun worker or a plain process): initialises the process group
-    from the launcher's environment and destroys it at the end."""
+    from the launcher's environment and ends it (a barrier, then ``destroy_process_group``) at the end."""
     owned = not dist.is_initialized()
     try:
-        return train(cfg)
-    finally:
-        if owned and dist.is_initialized():
+        result = train(cfg)
+    except BaseException:
+        if owned and dist.is_initialized():  # no barrier: another rank may have died
             dist.destroy_process_group()
+        raise
+    if owned:
+        end_process_group()
+    return result

@@ -6,6 +6,7 @@ line, or is refused with the reason: never silently ignored; docs/training.md li
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from ..errors import TrainConfigError
@@ -25,6 +26,8 @@ RESUME_REFUSED = {
     "lora_targets": "the checkpoint holds adapters of its own target modules",
     "lora_experts": "the checkpoint holds (or lacks) adapters of the experts",
 }
+# Settings naming a local file or directory: another spelling of the same path is no change.
+PATH_SETTINGS = {"data", "tokenizer", "model"}
 # Settings of this job only (where to write, how to report, when to stop): they apply without a word.
 PER_JOB = {"output", "resume", "stop_after", "force", "progress", "tensorboard", "log_every", "export_hf",
            "export_adapter", "timeout_minutes", "save_every", "keep_last", "max_line_bytes", "eval_data", "eval_every",
@@ -69,6 +72,16 @@ def check_same_settings(cfg: TrainConfig, **resolved: Any) -> None:
                                + " (give every rank the same flags and files)")
 
 
+def _same_path(name: str, old: Any, new: Any) -> bool:
+    """Whether ``old`` and ``new`` name the same existing file or directory (``data.jsonl`` and its absolute path)."""
+    if name not in PATH_SETTINGS or not isinstance(old, str) or not isinstance(new, str):
+        return False
+    try:
+        return os.path.samefile(old, new)
+    except OSError:  # either is missing (or a hub id): compared as given
+        return False
+
+
 def resume_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> list[str]:
     """The settings ``cfg`` changes from the checkpoint's (``saved``, at ``step``), one line each ("lr 0.003 →
     0.05 from step 5"); :class:`TrainConfigError` when one cannot change (the reason given)."""
@@ -78,7 +91,7 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> list[s
         if name in PER_JOB or name not in saved or (name == "steps" and value is None):  # --epochs: known later
             continue
         old = saved[name]
-        if json.dumps(old, sort_keys=True) == json.dumps(value, sort_keys=True):
+        if json.dumps(old, sort_keys=True) == json.dumps(value, sort_keys=True) or _same_path(name, old, value):
             continue
         if name in RESUME_REFUSED:
             raise TrainConfigError(f"--resume: {name} was {_show(old)} at step {step}, now {_show(value)}: cannot "

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..errors import DataError, HubResolutionError
 from ..loss.global_batch import IGNORE_INDEX
 from .config import DEFAULT_MAX_LINE_BYTES, INT64_MAX
 
@@ -254,7 +254,13 @@ def load_tokenizer(name_or_dir: str):
     is none."""
     from transformers import AutoTokenizer
 
+    from ..hub.resolve import refuse_missing_local
+
     hint = "pass --tokenizer NAME_OR_DIR, or give pre-tokenized data ('input_ids' records)"
+    try:
+        refuse_missing_local(name_or_dir)
+    except HubResolutionError as e:
+        raise DataError(f"no tokenizer: {e}; {hint}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:

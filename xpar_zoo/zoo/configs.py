@@ -22,6 +22,8 @@ from ..errors import LoadError, RemoteCodeError
 CONFIG_FILE = "config.json"
 REMOTE_CODE_KEY = "auto_map"
 MAX_CONFIG_BYTES = 16 << 20  # a config is metadata: a bigger file is not one
+SIZE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size",
+             "num_attention_heads", "vocab_size")
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,22 @@ def read_config_json(directory: str | os.PathLike, error: type[Exception] = Load
     if not isinstance(data, dict):
         raise error(f"{path}: a model config is a JSON object, got {type(data).__name__}")
     check_remote_code(data, path)
+    check_sizes(data, path, error)
     return data
+
+
+def check_sizes(data: dict, where: str | os.PathLike, error: type[Exception] = LoadError) -> None:
+    """Raise ``error`` naming the key when one of the model's sizes in config ``data`` (or its ``text_config``) is
+    not a whole number of at least 1: a zero or negative layer count or width only gives wrong shapes later."""
+    for part in (data, data.get("text_config")):
+        if not isinstance(part, dict):
+            continue
+        for key in SIZE_KEYS:
+            value = part.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                prefix = "text_config." if part is not data else ""
+                raise error(f"{where}: {prefix}{key} is {json.dumps(value)}: a model size must be a whole number of "
+                            "at least 1")
 
 
 def load_config(directory: str | os.PathLike, error: type[Exception] = LoadError):
