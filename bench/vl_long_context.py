@@ -99,7 +99,7 @@ def _worst_peak(step, trace: str) -> int:
     return max(peaks)
 
 
-def _runs(seq: int, images: int, grid: int, trace_dir: str) -> dict | None:
+def _runs(seq: int, images: int, grid: int, meshes: list[str], trace_dir: str) -> dict | None:
     """On every rank: per mesh, the worst rank's peak with images and without (the same rows, text only)."""
     import torch
     import torch.distributed as dist
@@ -112,7 +112,8 @@ def _runs(seq: int, images: int, grid: int, trace_dir: str) -> dict | None:
     rank = dist.get_rank()
     config = vl_config(seq)
     out = {}
-    for name, mesh in MESHES.items():
+    for name in meshes:
+        mesh = MESHES[name]
         torch.manual_seed(0)
         model = xpar_zoo.parallelize(parity.build_model(config), xpar_zoo.Mesh(**mesh))
         model.train()
@@ -147,6 +148,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--images", type=int, default=4, help="images per row")
     ap.add_argument("--grid", type=int, default=32, help="an image's side in patches (grid² / 4 placeholders)")
+    ap.add_argument("--meshes", default=",".join(MESHES), help="meshes to run, fsdp first")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -158,7 +160,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        res = launch.run(_runs, WORLD, args.seq, args.images, args.grid, tmp, timeout_s=1800)
+        res = launch.run(_runs, WORLD, args.seq, args.images, args.grid, args.meshes.split(","), tmp, timeout_s=1800)
     tokens = args.images * (args.grid // 2) ** 2
     lines = ["## Long context on a vision-language MoE model: sp / cp against FSDP alone, and the vision tower (issue 38)",
              "", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: {cpu_model()}, "
