@@ -27,6 +27,7 @@ Where we change an upstream object without a public extension point, it is said 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from torch import nn
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers.integrations.moe import _default_apply_gate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # ---- torch ---------------------------------------------------------------------------------------------------
 
@@ -162,7 +166,7 @@ def apply_gate(experts: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return experts._apply_gate(h)
 
 
-def can_set_experts_implementation(model: nn.Module) -> bool:
+def can_set_experts_implementation(model: nn.Module) -> TypeGuard[PreTrainedModel]:
     """Whether the model's class takes ``set_experts_implementation`` and its config names one (transformers asks
     the same through a private class method and config attribute)."""
     return type(model)._can_set_experts_implementation() and bool(
@@ -175,7 +179,7 @@ def attn_implementation(config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
-def from_config(model_class: type, config, **kwargs) -> nn.Module:
+def from_config(model_class: type[PreTrainedModel], config, **kwargs) -> PreTrainedModel:
     """``model_class._from_config``: builds the model from ``config`` with the dtype and implementations resolved as
     ``from_pretrained`` does; the public ``from_config`` is on the auto classes only, and we choose the class."""
     return model_class._from_config(config, **kwargs)

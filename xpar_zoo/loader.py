@@ -21,6 +21,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ from .parallelize import parallelize
 from .zoo.plan import Plan
 from .zoo.registry import build_meta, check_supported, plan_for
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 @dataclass(frozen=True)
 class LoadStats:
@@ -60,10 +64,12 @@ def resolve_on_each_node(name: str | os.PathLike, revision: str | None = None, *
     in the cache). A failure on any rank raises on every rank, so no rank is left waiting in a collective."""
     if distributed.world_size() == 1 or Path(name).is_dir():
         return resolve(name, revision, **kwargs)  # nothing to download: every rank on its own
-    first = launcher_local_rank(distributed.rank()) == 0
-    result = distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=first)
-    later = distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=not first)
-    return result if first else later
+    if launcher_local_rank(distributed.rank()) == 0:
+        result = distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=True)
+        distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=False)
+        return result
+    distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=False)
+    return distributed.run_everywhere(lambda: resolve(name, revision, **kwargs), active=True)
 
 
 def _torch_dtype(dtype, config) -> torch.dtype:
@@ -114,7 +120,7 @@ class HubCheckpoint:
 
     resolved: ResolvedModel
     config: object
-    model: nn.Module
+    model: PreTrainedModel
     layout: HubLayout
     plan: Plan | None = None  # with ``for_training``: the plan the model trains under
 
@@ -249,7 +255,8 @@ def from_pretrained(
     hub = open_hub_checkpoint(name, revision, dtype, cache_dir=cache_dir, token=token, on_each_node=True,
                               for_training=True, plan=plan)
     model, layout = hub.model, hub.layout
-    outer, initial = model, None
+    outer: nn.Module = model
+    initial: dict[str, torch.Tensor] | None = None
     if peft_config is not None or adapter is not None:
         from .hub.adapter_files import attach_adapter
         from .styles.lora import unwrapped_name
@@ -257,6 +264,7 @@ def from_pretrained(
         outer, initial = attach_adapter(model, peft_config=peft_config, adapter=adapter, name_or_path=str(name))
     parallelize(outer, mesh, plan=hub.plan, **parallelize_kwargs)
     state = parallel_state(model)
+    assert state is not None  # parallelize set it
     state.unset_buffers = tuple(sorted(set(state.unset_buffers) | set(layout.init_buffers)))
     materialize(model, device)
     names = {unwrapped_name(n): n for n in _live_tensors(model)} if initial is not None else None
@@ -268,5 +276,5 @@ def from_pretrained(
     if (hub.directory / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(hub.directory, trust_remote_code=False)
     model.config.name_or_path = str(name)
-    model._xpar_load = stats
+    setattr(model, "_xpar_load", stats)  # noqa: B010 (nn.Module types attributes set with `.` as tensors or modules)
     return outer.eval()

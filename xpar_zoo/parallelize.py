@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -58,6 +60,9 @@ from .styles.vocab import (
     install_vocab_lm_head,
 )
 from .zoo.plan import Plan
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 from .zoo.registry import plan_for
 
 logger = logging.getLogger(__name__)
@@ -115,41 +120,51 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, units: list[FSDPUnit], *, cpu_colle
     and prefetch decisions. Planned units go over their plan's mesh, each parameter on its ``shard_dim``, with the
     gradient divide factor of the whole world. On the CPU, with ``cpu_collectives="in_place"``, every unit gathers
     and reduces through :mod:`xpar_zoo.parallel.gloo_comms` (in place, without gloo's staging copies)."""
-    in_place = None
+    in_place: Callable[[FSDPModule], None] | None = None
     if mesh.dense.device_type == "cpu" and cpu_collectives == "in_place":  # gloo's own stage a copy of every buffer
-        from .parallel.gloo_comms import use_in_place_collectives as in_place
+        from .parallel.gloo_comms import use_in_place_collectives
+
+        in_place = use_in_place_collectives
+    sharded: dict[str, FSDPModule] = {}  # fully_shard returns the module it was given, now an FSDPModule
     for unit in units:
         module = model.get_submodule(unit.fqn)
-        if unit.kind == "planned":
+        if unit.kind == "planned" and unit.plan_name is not None:
             dims = {id(model.get_parameter(f)): unit.shard_dim(f) for f in unit.params}
             logger.debug("FSDP %s over %s_fsdp=%d: %s", unit.fqn, unit.plan_name,
                          mesh.shard_size // mesh.size(unit.plan_name),
                          ", ".join(f"{f.rpartition('.')[2]} on dim {unit.shard_dim(f)}" for f in unit.params))
-            fully_shard(module, mesh=mesh.plan_mesh(unit.plan_name), dp_mesh_dims=mesh.fsdp_dims(unit.plan_name),
-                        shard_placement_fn=lambda p, dims=dims: Shard(dims[id(p)]), **fsdp_kwargs)
+            sharded[unit.fqn] = fsdp = fully_shard(
+                module, mesh=mesh.plan_mesh(unit.plan_name), dp_mesh_dims=mesh.fsdp_dims(unit.plan_name),
+                shard_placement_fn=_placement_by_id(dims), **fsdp_kwargs)
             # FSDP averages over the ranks it reduces across (world / size); every rank saw its own micro-batch, so
             # the data-parallel average is over the whole world: without this, gradients are `size` times too large.
-            module.set_gradient_divide_factor(float(mesh.world_size))
+            fsdp.set_gradient_divide_factor(float(mesh.world_size))
             # A divide factor other than the group size makes FSDP2 reduce with PREMUL_SUM, which gloo rejects and
             # NCCL zeroes in bf16 up to torch 2.13 (pytorch#190747): reduce with SUM, then divide locally. Only where
             # a reduce-scatter really runs: with a single FSDP rank, torch 2.13 divides once in the local copy and
             # again after it when sums are forced.
             if mesh.shard_size // mesh.size(unit.plan_name) > 1:
-                module.set_force_sum_reduction_for_comms(True)
+                fsdp.set_force_sum_reduction_for_comms(True)
         elif unit.kind == "root":  # FSDP2 never reshards the root after forward
-            fully_shard(module, mesh=mesh.dense, **{k: v for k, v in fsdp_kwargs.items() if k != "reshard_after_forward"})
+            sharded[unit.fqn] = fully_shard(module, mesh=mesh.dense, **{k: v for k, v in fsdp_kwargs.items()
+                                                                        if k != "reshard_after_forward"})
         else:
-            fully_shard(module, mesh=mesh.dense, **fsdp_kwargs)
+            sharded[unit.fqn] = fully_shard(module, mesh=mesh.dense, **fsdp_kwargs)
         if in_place is not None:
-            in_place(module)
+            in_place(sharded[unit.fqn])
     for unit in units:
-        module = model.get_submodule(unit.fqn)
+        fsdp = sharded[unit.fqn]
         if unit.kind != "root" and not unit.reshard_after_forward and fsdp_kwargs.get("reshard_after_forward", True):
-            module.set_reshard_after_forward(False, recurse=False)
+            fsdp.set_reshard_after_forward(False, recurse=False)
         if unit.forward_prefetch:
-            module.set_modules_to_forward_prefetch([model.get_submodule(f) for f in unit.forward_prefetch])
+            fsdp.set_modules_to_forward_prefetch([sharded[f] for f in unit.forward_prefetch])
         if unit.backward_prefetch:
-            module.set_modules_to_backward_prefetch([model.get_submodule(f) for f in unit.backward_prefetch])
+            fsdp.set_modules_to_backward_prefetch([sharded[f] for f in unit.backward_prefetch])
+
+
+def _placement_by_id(dims: dict[int, int]) -> Callable[[nn.Parameter], Shard]:
+    """FSDP's ``shard_placement_fn``: each parameter on its dim in ``dims`` (keyed by ``id(parameter)``)."""
+    return lambda p: Shard(dims[id(p)])
 
 
 def reshard_after_inference(model: nn.Module) -> None:
@@ -173,7 +188,8 @@ def reshard_after_inference(model: nn.Module) -> None:
 def _fingerprint(model: nn.Module, plan: Plan) -> str:
     """A short digest of the model's parameter names and shapes and of the plan, to compare across ranks."""
     text = repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]) + repr(sorted(plan.extra.items()))
-    return f"{model.config.model_type}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+    config = cast("PretrainedConfig", model.config)  # a transformers model's (nn.Module types attributes as modules)
+    return f"{config.model_type}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
 def _unmanaged(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -249,7 +265,7 @@ def resolve_options(options: ParallelOptions | None, cpu_collectives: str | None
     (:meth:`ParallelOptions.from_env`, read here once); ``cpu_collectives`` (the older keyword) sets that field.
     :class:`PlanError` on a bad value, or on ``cpu_collectives`` that disagrees with ``options``."""
     if options is None:
-        given = {} if cpu_collectives is None else {"cpu_collectives": cpu_collectives}
+        given: dict[str, Any] = {} if cpu_collectives is None else {"cpu_collectives": cpu_collectives}
         return ParallelOptions.from_env(**given)
     if not isinstance(options, ParallelOptions):
         raise PlanError(f"options must be a xpar_zoo.ParallelOptions, got {type(options).__name__}")
@@ -322,7 +338,7 @@ def parallelize(
     unset = tuple(sorted(unread_buffers(model))) if meta_tensors(model) else ()
     if mixed_precision is True:
         mixed_precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fsdp_kwargs = {"reshard_after_forward": reshard_after_forward}
+    fsdp_kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mixed_precision:
         fsdp_kwargs["mp_policy"] = mixed_precision
     split_planned(model, mesh, planned)
@@ -332,12 +348,12 @@ def parallelize(
     apply_fsdp(model, mesh, fsdp_layout(model, plan, planned, sizes=mesh.active, shard_size=mesh.shard_size,
                                         reshard_after_forward=reshard_after_forward, prefetch=prefetch),
                cpu_collectives=options.cpu_collectives, **fsdp_kwargs)
-    set_parallel_state(model, ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset,
-                                            options=options))
+    state = ParallelState(mesh=mesh, plan=plan, planned=planned, unset_buffers=unset, options=options)
+    set_parallel_state(model, state)
     reshard_after_inference(model)
     install_global_loss(model, mesh.world_size)
     if inner_attention is not None:  # outermost: the global-batch loss counts this rank's split targets
-        install_sequence_parallel(model, mesh, inner_attention, parallel_state(model))
+        install_sequence_parallel(model, mesh, inner_attention, state)
     install_encoder_agreement(model, mesh.device_type)  # outermost: images encoded on whole rows, before a split
     # before FSDP's own pre-forward hook, so that nothing is gathered or prefetched when the model is refused
     _watch_module_tree()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from torch import nn
 from ..compat import from_config
 from ..errors import RefusedArchitectureError, UnknownArchitectureError
 from .plan import ExtraPlan, Plan, embedding, lm_head
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # transformers' auto mappings that name a trainable language model, in the order a text-only config tries them;
 # a composite config (one with a ``text_config``) tries the multimodal ones first.
@@ -49,7 +53,7 @@ def refused_architectures() -> dict[str, str]:
     return dict(sorted(REFUSED.items()))
 
 
-def model_class(config) -> type[nn.Module]:
+def model_class(config) -> type[PreTrainedModel]:
     """The transformers class that trains ``config`` as a language model: the config's own architecture
     (``config.architectures[0]``) where transformers has it, else the auto mappings' causal-LM class, or for a
     composite config (vision/audio + text) its image-text-to-text / multimodal-LM class. Raises
@@ -69,7 +73,7 @@ def model_class(config) -> type[nn.Module]:
         "image-text-to-text or multimodal-LM class)")
 
 
-def build_meta(config, dtype: torch.dtype) -> nn.Module:
+def build_meta(config, dtype: torch.dtype) -> PreTrainedModel:
     """The transformers language model for ``config`` (:func:`model_class`: the causal LM, or
     the config's own multimodal class) with every parameter and buffer on the meta device."""
     cls = model_class(config)
