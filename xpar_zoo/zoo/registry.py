@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from ..errors import RefusedArchitectureError, UnknownArchitectureError
 from .plan import ExtraPlan, Plan, embedding, lm_head
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # transformers' auto mappings that name a trainable language model, in the order a text-only config tries them;
 # a composite config (one with a ``text_config``) tries the multimodal ones first.
@@ -32,7 +32,7 @@ _LM_MAPPINGS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TE
 @lru_cache(maxsize=1)
 def curated_plans() -> dict[str, Plan]:
     """``{model_type: PLAN}`` of every plan file in ``plans/`` (cached; treat as read-only)."""
-    from .. import plans
+    plans = importlib.import_module("..plans", __package__)  # the top-level plans/ folder, installed as xpar_zoo.plans
 
     found: dict[str, Plan] = {}
     for info in sorted(pkgutil.iter_modules(plans.__path__), key=lambda i: i.name):
@@ -89,6 +89,12 @@ def build_meta(config, dtype: torch.dtype) -> PreTrainedModel:
             f"but its model_type is {config.model_type!r} ({e}): fix config.json so that the two agree") from None
 
 
+
+def _model_type(model: nn.Module) -> str:
+    """The ``model_type`` of a transformers model's config (PEFT's wrappers forward the lookup to their model)."""
+    return cast("PretrainedConfig", model.config).model_type  # nn.Module types attributes as tensors or modules
+
+
 def derive_plan(model: nn.Module) -> Plan | None:
     """The automatic plan of a transformers model, from transformers' own declarations on the instance: its resolved
     ``ep_plan`` (``grouped_gemm`` entries are the fused expert tensors, split on dim 0 by ``ep``; a multimodal
@@ -108,7 +114,7 @@ def derive_plan(model: nn.Module) -> Plan | None:
         if isinstance(module, kind) and id(module) in names:
             extra[plan_name] = make(f"{names[id(module)]}.weight")
     modules = sorted({t.rpartition(".")[0] for t in tensors})
-    return Plan(model_type=model.config.model_type, extra=extra, auto=True,
+    return Plan(model_type=_model_type(model), extra=extra, auto=True,
                 notes=f"automatic: derived from {type(model).__name__}.ep_plan ({', '.join(modules)})")
 
 
@@ -120,7 +126,8 @@ def _static_plan(model_type: str) -> Plan | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(config_class, None)
+    # transformers types the auto mappings' values as its tokenizer pairs; a model mapping's are model classes
+    model_cls = cast("type[PreTrainedModel] | None", MODEL_FOR_CAUSAL_LM_MAPPING.get(config_class, None))
     tensors = [k for k, v in (getattr(config_class, "base_model_ep_plan", None) or {}).items() if v == "grouped_gemm"]
     if model_cls is None or not tensors or getattr(config_class, "sub_configs", {}):
         return None
@@ -192,7 +199,7 @@ def plan_for(model: nn.Module) -> Plan:
     """The plan ``parallelize`` applies to ``model`` by default: the curated plan of its ``model_type``, else its
     automatic plan (:func:`derive_plan` on the model itself); refused and unknown types raise as in
     :func:`get_plan`."""
-    model_type = model.config.model_type
+    model_type = _model_type(model)
     plans = curated_plans()
     if model_type in plans:
         return plans[model_type]
