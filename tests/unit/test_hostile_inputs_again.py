@@ -7,6 +7,7 @@ import pytest
 
 from xpar_zoo.commands import cli
 from xpar_zoo.errors import DataError
+from xpar_zoo.zoo.configs import check_sizes
 
 
 @pytest.mark.parametrize("key, value", [("num_hidden_layers", -4), ("hidden_size", 0), ("vocab_size", True),
@@ -25,6 +26,15 @@ def test_size_refuses_a_nested_text_config_size(tmp_path, capsys):
                                                        "text_config": {"num_hidden_layers": 0}}))
     assert cli.main(["size", str(tmp_path), "--world", "2"]) == 2
     assert "text_config.num_hidden_layers is 0" in capsys.readouterr().err
+
+
+def test_a_list_of_sizes_per_modality_is_a_size_and_a_bad_entry_is_not():
+    """ernie4_5_vl_moe gives one expert width per modality (`moe_intermediate_size: [16, 8]`): the size check took it
+    for a bad size and refused the zoo's own round trip."""
+    check_sizes({"text_config": {"moe_intermediate_size": [16, 8]}}, "config.json", DataError)
+    for bad in ([16, 0], [], [16, [8]], [16, 2.5]):
+        with pytest.raises(DataError, match="moe_intermediate_size"):
+            check_sizes({"moe_intermediate_size": bad}, "config.json", DataError)
 
 
 def test_a_missing_local_tokenizer_path_is_said_missing_without_asking_the_hub(monkeypatch):

@@ -85,15 +85,25 @@ def read_config_json(directory: str | os.PathLike, error: type[Exception] = Load
     return data
 
 
+def _is_size(value) -> bool:
+    """A whole number of at least 1, or a non-empty flat list (one per modality) or dict (lxmert) of them."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    parts = list(value.values()) if isinstance(value, dict) else value
+    return whole(value) or (isinstance(parts, list) and bool(parts) and all(whole(v) for v in parts))
+
+
 def check_sizes(data: dict, where: str | os.PathLike, error: type[Exception] = LoadError) -> None:
     """Raise ``error`` naming the key when one of the model's sizes in config ``data`` (or its ``text_config``) is
-    not a whole number of at least 1: a zero or negative layer count or width only gives wrong shapes later."""
+    not a whole number of at least 1 (or a non-empty list or dict of them: ernie4_5_vl_moe gives one expert width
+    per modality): a zero or negative layer count or width only gives wrong shapes later."""
     for part in (data, data.get("text_config")):
         if not isinstance(part, dict):
             continue
         for key in SIZE_KEYS:
             value = part.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and not _is_size(value):
                 prefix = "text_config." if part is not data else ""
                 raise error(f"{where}: {prefix}{key} is {json.dumps(value)}: a model size must be a whole number of "
                             "at least 1")
