@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import cast
 
 import torch
 from torch import nn
@@ -235,4 +236,5 @@ class _Compressed(AttributeView):
 def compressed_forward(state, batch: SequenceForward, allowed: torch.Tensor | None, count: int) -> SequenceForward:
     """``batch`` (the current forward, or a view of it) seen with ``count`` compressed entries after the whole row's
     keys, ``allowed`` (``[b, S/(sp·cp), count]`` of this rank's queries, gathered over sp) masking each query's."""
-    return _Compressed(batch, None if allowed is None else _gather_over_sp(allowed, state), count)
+    view = _Compressed(batch, None if allowed is None else _gather_over_sp(allowed, state), count)
+    return cast(SequenceForward, view)  # an AttributeView: a SequenceForward to its readers
