@@ -52,6 +52,7 @@ import inspect
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,9 @@ from .sequence_paths import (
     block_rows,
     choose_inner_attention,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION_PREFIX = "xpar_seq_"
 INNER_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *FLASH_IMPLEMENTATIONS)
@@ -288,7 +292,7 @@ class SequenceParallel:
         """This call's inner path (:func:`~xpar_zoo.styles.sequence_paths.choose_inner_attention`), counted in
         :attr:`paths`."""
         sinks = kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None
-        mask = self.current.mask_kind(causal, window, key.shape[2])
+        mask = current_forward(self, "sp/cp attention").mask_kind(causal, window, key.shape[2])
         path = choose_inner_attention(self.inner, query.device.type, mask, self.sizes(query, key), self.options,
                                       sinks=sinks, selected=selected)
         self.paths[path.value] += 1
@@ -303,7 +307,9 @@ class SequenceParallel:
         """The inner attention of the local heads' queries (``[b, h, S/cp, d]``) against the whole rows' keys and
         values on the path :meth:`choose` takes (``selected``: a DSA top-k, masking the keys a query did not
         select): ``[b, S/cp, h, dv]``."""
-        batch = self.current if selected is None else selected_forward(self, selected)
+        batch = current_forward(self, "sp/cp attention")
+        if selected is not None:  # a view of the forward's state with the keys no query selected masked too
+            batch = cast(SequenceForward, selected_forward(self, selected))
         causal = bool(getattr(module, "is_causal", True))
         path = self.choose(module, query, key, causal, window, kwargs, selected is not None)
         if path in (InnerPath.FLEX, InnerPath.FLASH):  # their own masks from the global indices
@@ -317,6 +323,7 @@ class SequenceParallel:
         if path is InnerPath.WHOLE_MASK:  # additive, once per forward, shared by the layers (a selection: per layer)
             return call(query, key, value, batch.mask(causal, window, query.dtype))
         rows = block_rows(self.inner, query.device.type, self.sizes(query, key), self.options, selected is not None)
+        assert rows is not None  # the blocked path: the whole mask does not fit the block budget
         return blocked_attention(call, query, key, value, batch, causal, window, rows)
 
     def inner_function(self, module: nn.Module):
@@ -355,7 +362,7 @@ def sequence_state(model: nn.Module) -> SequenceParallel | None:
                 None)
 
 
-def _sequence_attention(module, *args, **kwargs):
+def _sequence_attention(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The function registered as ``xpar_seq_<inner>``: the attention of the model ``module`` belongs to."""
     state: SequenceParallel | None = module.__dict__.get(STATE_ATTRIBUTE)
     if state is None:
@@ -390,7 +397,7 @@ def attention_outside_interface(model: nn.Module) -> str | None:
     that run on gathered whole rows (linear attention) are not attention here."""
     mixers, layers = tuple(sequence_mixers(model)), {id(m) for m in decoder_layers(model)}
     for name, module in model.named_modules():
-        cls = type(module)
+        cls: type = type(module)  # a class is hashable: mypy's check of a class against Hashable is wrong (mypy#20409)
         if (name in mixers or name.startswith(tuple(m + "." for m in mixers)) or id(module) in layers
                 or "Attention" not in cls.__name__):
             continue
@@ -461,7 +468,7 @@ def _keep_wrapped(model: nn.Module, state: SequenceParallel) -> None:
 
     AttentionInterface.register(wrapper_name(current), _sequence_attention)
     state.inner = current
-    model.set_attn_implementation(wrapper_name(current))
+    _set_attn_implementation(model, wrapper_name(current))
 
 
 def _towers_attend_whole(model: nn.Module, inner: str) -> None:
@@ -469,7 +476,7 @@ def _towers_attend_whole(model: nn.Module, inner: str) -> None:
     submodels keep the inner attention."""
     for module in tower_models(model):
         if hasattr(module, "set_attn_implementation"):
-            module.set_attn_implementation(inner)
+            _set_attn_implementation(module, inner)
 
 
 def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel: ParallelState) -> SequenceParallel:
@@ -484,7 +491,7 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
     state.placeholder_ids = {m: getattr(model.config, f"{m}_token_id", None) for m in ("image", "video")}
     state.bidirectional_images = bidirectional_images(model)
     _own_config(model)
-    model.set_attn_implementation(name)
+    _set_attn_implementation(model, name)
     if attn_implementation(model.config) != name:
         raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
     _towers_attend_whole(model, inner)
@@ -531,8 +538,13 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
         raise ModelStateError(f"generate is not supported on an sp/cp mesh (sp={state.sp}, cp={state.cp}); "
                               "generate on a mesh without sp/cp (checkpoints load on any mesh)")
 
-    model.generate = generate
+    setattr(model, "generate", generate)  # noqa: B010 (nn.Module types attributes set with `.` as tensors or modules)
     return state
+
+
+def _set_attn_implementation(model: nn.Module, name: str) -> None:
+    """``model.set_attn_implementation(name)`` of a transformers model (or one of its towers)."""
+    cast("PreTrainedModel", model).set_attn_implementation(name)
 
 
 def check_inner_available(model: nn.Module, inner: str, sizes: str) -> None:
@@ -563,7 +575,7 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
     name = wrapper_name(inner)
     AttentionInterface.register(name, _sequence_attention)
     state.inner = inner
-    model.set_attn_implementation(name)
+    _set_attn_implementation(model, name)
 
 
 # ---- the public helpers -----------------------------------------------------------------------------------------
