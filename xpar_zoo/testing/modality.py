@@ -112,8 +112,8 @@ def _one_image(inputs: str, config, g: torch.Generator) -> tuple[list[int], dict
 def mixed_batches(inputs: str, config, world: int, rows: tuple[tuple[int, ...], ...] = MIXED_ROWS, seq: int = 20,
                   seed: int = 5) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
     """Token ids ``[world, batch, seq]`` whose row ``b`` of rank ``r`` holds ``rows[r][b]`` images (none: text
-    only) and, per rank, the pixel inputs of its images (none where it has none; ``mm_token_type_ids`` on every
-    rank for the grid layout, as the processor gives them)."""
+    only) and, per rank, the pixel inputs of its images (none where it has none) and ``mm_token_type_ids`` (on every
+    rank, as the processors give them)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(20, TEXT_VOCAB, (world, len(rows[0]), seq), generator=g)
     extra = []
@@ -127,8 +127,7 @@ def mixed_batches(inputs: str, config, world: int, rows: tuple[tuple[int, ...], 
                 at += len(tokens) + 1
                 parts.append(pixels)
         mine = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
-        if inputs == "image":
-            mine["mm_token_type_ids"] = (ids[r] == config.image_token_id).long()
+        mine["mm_token_type_ids"] = (ids[r] == config.image_token_id).long()
         extra.append(mine)
     return ids, extra
 
