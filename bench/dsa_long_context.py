@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import gc
 import inspect
 import os
-import platform
+import sys
 import tempfile
 import time
 import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WORLD = 4
-MB = 1024 * 1024
+sys.path.insert(0, str(HERE))
+
+from long_context import MB, WORLD, peak_and_time, run_line, write_results  # noqa: E402  (the measuring helpers)
+
 CONFIG = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64,
           "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32,
           "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "intermediate_size": 256,
@@ -76,17 +77,7 @@ def _runs(seq: int, trace_dir: str) -> dict:
             return run
 
         step(256)()
-        gc.collect()
-        dist.barrier()
-        peak = parity.live_peak_bytes(step(seq), f"{trace_dir}/{name}-{rank}.json")
-        gc.collect()
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(seq)()
-        seconds = time.perf_counter() - t0
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, peak)
-        out[name] = {"peak": max(peaks), "seconds": seconds}
+        out[name] = peak_and_time(step(seq), f"{trace_dir}/{name}-{rank}.json")
         del model
         gc.collect()
     return out if rank == 0 else None
@@ -137,7 +128,6 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
-    import transformers
 
     from xpar_zoo.testing import launch
 
@@ -149,11 +139,7 @@ def main() -> None:
         res = launch.run(_runs, WORLD, args.seq, tmp, timeout_s=3000)
     base = res["fsdp"]["peak"]
     lines = ["## Long context on indexed sparse attention: deepseek_v32 under cp against FSDP alone (issue 39)", "",
-             (f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: "
-              f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (a shared VM), load {load:.1f} "
-              f"before / {os.getloadavg()[0]:.1f} after; torch {torch.__version__}, transformers "
-              f"{transformers.__version__}; `python bench/dsa_long_context.py --seq {args.seq} --indexer-seq "
-              f"{args.indexer_seq}` ({(time.time() - t0) / 60:.1f} min)"),
+             run_line(f"python bench/dsa_long_context.py --seq {args.seq} --indexer-seq {args.indexer_seq}", t0, load),
              ("- model: deepseek_v32 fp32, 2 layers, hidden 128, MLA (4 heads, q/kv rank 64), 16 experts of 128 "
               "(top-2) + a shared expert, indexer 2 heads of 32, top-256; sdpa; 4 gloo ranks; one row per "
               "micro-batch; worst rank's live peak of one forward+backward; the CPU's 16 MiB block budget"), "",
@@ -166,11 +152,7 @@ def main() -> None:
                    f"{one['seconds']:.1f} s; transformers' indexer on that row makes the whole-row score tensor "
                    f"`[1, S, 2, S]` float32 of {one['scores'] / MB:.0f} MiB (with its ReLU, the summed scores and "
                    f"the mask {one['transformers'] / MB:.0f} MiB)")]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.no_write:
-        with open(HERE / "RESULTS.md", "a") as f:
-            f.write("\n" + text)
+    write_results("\n".join(lines) + "\n", args.no_write)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,52 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
+def run_line(command: str, started: float, load: float) -> str:
+    """The RESULTS.md line saying when, where and with what a bench ran: ``command`` took since ``started``
+    (``time.time()``), the host's 1-minute load average ``load`` before and now after."""
+    import torch
+    import transformers
+
+    return (f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: {cpu_model()}, "
+            f"{os.cpu_count()} cores (a shared VM), load {load:.1f} before / {os.getloadavg()[0]:.1f} after; torch "
+            f"{torch.__version__}, transformers {transformers.__version__}; `{command}` "
+            f"({(time.time() - started) / 60:.1f} min)")
+
+
+def write_results(text: str, no_write: bool) -> None:
+    """Print ``text`` and, unless ``no_write``, append it to bench/RESULTS.md as a section of its own."""
+    print(text)
+    if not no_write:
+        with open(HERE / "RESULTS.md", "a") as f:
+            f.write("\n" + text)
+
+
+def worst_peak(step, trace: str) -> int:
+    """The worst rank's :func:`~xpar_zoo.testing.parity.live_peak_bytes` of ``step`` (every rank calls it)."""
+    import torch.distributed as dist
+
+    from xpar_zoo.testing import parity
+
+    gc.collect()
+    dist.barrier()
+    peak = parity.live_peak_bytes(step, trace)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return max(peaks)
+
+
+def peak_and_time(step, trace: str) -> dict:
+    """``{"peak": worst rank's live peak of step(), "seconds": this rank's time of one more step() unprofiled}``."""
+    import torch.distributed as dist
+
+    peak = worst_peak(step, trace)
+    gc.collect()
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    return {"peak": peak, "seconds": time.perf_counter() - t0}
+
+
 def _predicted(stack: str, seq: int, attention: str) -> float:
     """The sizer's activation peak of one forward+backward on a rank of ``stack`` (bytes)."""
     from xpar_zoo import sizing

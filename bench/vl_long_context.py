@@ -18,7 +18,6 @@ micro-batch.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from long_context import MB, WORLD, cpu_model  # noqa: E402  (the measuring bench's helpers: one source)
+from long_context import MB, WORLD, run_line, worst_peak, write_results  # noqa: E402  (the measuring bench's helpers: one source)
 
 MESHES = {"fsdp": {}, "sp4": {"sp": 4}, "cp4": {"cp": 4}}
 LABELS = {"fsdp": "FSDP alone `Mesh()`", "sp4": "`Mesh(sp=4)`", "cp4": "`Mesh(cp=4)`"}
@@ -85,20 +84,6 @@ def _step(model, row: dict):
     return run
 
 
-def _worst_peak(step, trace: str) -> int:
-    """The worst rank's :func:`~xpar_zoo.testing.parity.live_peak_bytes` of ``step`` (every rank calls it)."""
-    import torch.distributed as dist
-
-    from xpar_zoo.testing import parity
-
-    gc.collect()
-    dist.barrier()
-    peak = parity.live_peak_bytes(step, trace)
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
-    return max(peaks)
-
-
 def _runs(seq: int, images: int, grid: int, meshes: list[str], trace_dir: str) -> dict | None:
     """On every rank: per mesh, the worst rank's peak with images and without (the same rows, text only)."""
     import torch
@@ -123,7 +108,7 @@ def _runs(seq: int, images: int, grid: int, meshes: list[str], trace_dir: str) -
         for kind, with_images in (("images", True), ("text", False)):
             row = vl_row(config, seq, images, grid, seed, with_images)
             t0 = time.perf_counter()
-            r[kind] = _worst_peak(_step(model, row), f"{trace_dir}/{name}-{kind}-{rank}.json")
+            r[kind] = worst_peak(_step(model, row), f"{trace_dir}/{name}-{kind}-{rank}.json")
             r.setdefault("seconds", time.perf_counter() - t0)
         out[name] = r
         del model
@@ -152,9 +137,6 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import transformers
-
     from xpar_zoo.testing import launch
 
     load = os.getloadavg()[0]
@@ -163,21 +145,14 @@ def main() -> None:
         res = launch.run(_runs, WORLD, args.seq, args.images, args.grid, args.meshes.split(","), tmp, timeout_s=1800)
     tokens = args.images * (args.grid // 2) ** 2
     lines = ["## Long context on a vision-language MoE model: sp / cp against FSDP alone, and the vision tower (issue 38)",
-             "", f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; hardware: {cpu_model()}, "
-             f"{os.cpu_count()} cores (a shared VM, other jobs running: load {load:.1f} before / "
-             f"{os.getloadavg()[0]:.1f} after); torch {torch.__version__}, transformers {transformers.__version__}; "
-             f"`python bench/vl_long_context.py --seq {args.seq} --images {args.images} --grid {args.grid}` "
-             f"({(time.time() - t0) / 60:.1f} min)",
+             "", run_line(f"python bench/vl_long_context.py --seq {args.seq} --images {args.images} --grid {args.grid}",
+                          t0, load),
              "- model: `tiny-qwen3-vl-moe` fp32 (2 layers, hidden 64, 8 experts of 32, top-2; a one-block vision tower "
              "of width 16, patches of 4, merged 2 × 2) with positions for the row; sdpa; 4 gloo ranks; one row per "
              f"micro-batch of {args.seq} tokens holding {args.images} images of {args.grid} × {args.grid} patches "
              f"({tokens} placeholders); worst rank's live peak of one forward+backward above its start", ""]
     lines += _table(res, args)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.no_write:
-        with open(HERE / "RESULTS.md", "a") as f:
-            f.write("\n" + text)
+    write_results("\n".join(lines) + "\n", args.no_write)
 
 
 if __name__ == "__main__":

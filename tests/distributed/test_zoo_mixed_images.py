@@ -3,8 +3,9 @@ image rows (4 gloo ranks, fp32, one SGD step): two ranks hold no image at all, o
 (:data:`xpar_zoo.testing.modality.MIXED_ROWS`). Ranks without images run the vision tower on a dummy image
 (:mod:`xpar_zoo.styles.encoders`), so its FSDP collectives match; without that the ranks' collectives mismatch.
 Under long context (``sp=2, ep=2`` and ``cp=2``) each sequence group encodes its whole rows' images, computes their
-multimodal RoPE positions on the whole rows and keeps each rank's features (:mod:`xpar_zoo.styles.sequence_media`);
-the families sp/cp cannot split are refused with the reason. The jobs run in the zoo's one 4-rank run
+multimodal RoPE positions on the whole rows and keeps each rank's features (:mod:`xpar_zoo.styles.sequence_media`):
+qwen3_5_moe's gated delta nets run on the whole rows, gemma4's images are seen both ways on its sliding layers (as
+its published configs set); the families sp/cp cannot split are refused with the reason. The jobs run in the zoo's one 4-rank run
 (``zoo_proofs`` in tests/conftest.py)."""
 
 import pytest
@@ -18,13 +19,16 @@ from xpar_zoo.testing.proofs import (
 )
 
 ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
-LONG_CONTEXT = ("qwen3_vl_moe",)  # the others are refused under sp/cp (test_the_other_families_are_refused…)
-REFUSED = {"qwen3_5_moe": "linear_attention", "gemma4": "without multimodal RoPE"}
+BIDIRECTIONAL_IMAGES = ("gemma4",)
+PACKED = "qwen3_vl_moe"  # proved on packed rows with images too, on these meshes (its job: PACKED_JOB)
+PACKED_JOB = f"{PACKED} packed"
+PACKED_MESHES = {"ep2": {"ep": 2}, "sp2_ep2": {"sp": 2, "ep": 2}, "cp2": {"cp": 2}}
+REFUSED = {"aria": "without multimodal RoPE"}  # a family not proved with images
 
 
 def _meshes(arch: str) -> dict[str, dict]:
     meshes = {name: m for name, m in proof_meshes(arch).items() if name != "fsdp"}
-    return {**meshes, **(long_context_meshes(arch) if arch in LONG_CONTEXT else {})}
+    return {**meshes, **long_context_meshes(arch)}
 
 
 CASES = [(a, m) for a in ARCHS for m in _meshes(a)]
@@ -35,6 +39,8 @@ def _job(arch: str) -> dict:
 
     rank = dist.get_rank()
     cfg = parity.tiny_config(arch)
+    if arch in BIDIRECTIONAL_IMAGES:  # its published configs' image blocks, seen both ways on sliding layers
+        cfg.get_text_config().use_bidirectional_attention = "vision"
     ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD)
     data, extra = ids[None], [images]
     before = parity.build_model(cfg).state_dict() if rank == 0 else None
@@ -48,9 +54,36 @@ def _job(arch: str) -> dict:
     return out
 
 
+def _packed_job(arch: str) -> dict:
+    """Packed rows (:data:`~xpar_zoo.testing.modality.PACKED_ROWS`), their multimodal RoPE positions computed per
+    document as the training data makes them, on :data:`PACKED_MESHES`."""
+    import torch.distributed as dist
+
+    from xpar_zoo.styles.encoders import document_positions
+
+    rank = dist.get_rank()
+    cfg = parity.tiny_config(arch)
+    for config in (cfg, cfg.get_text_config()):  # transformers masks packed documents only without a cache
+        config.use_cache = False
+    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD, rows=modality.PACKED_ROWS)
+    host = parity.build_model(cfg)
+    images = [{**images[r], "position_ids": document_positions(host, {"input_ids": ids[r], **images[r]})["position_ids"]}
+              for r in range(PROOF_WORLD)]
+    data, extra = ids[None], [images]
+    before = host.state_dict() if rank == 0 else None
+    ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
+    out = {}
+    for name, mesh in PACKED_MESHES.items():
+        rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
+        if rank == 0:
+            out[PACKED_JOB, name] = {"loss": (rec.losses[0], ref.losses[0]),
+                                     "errors": parity.param_errors(rec.params, ref.params, before)}
+    return out
+
+
 def zoo_jobs(tmp_path_factory) -> dict:
-    """This module's part of the zoo's 4-rank run: a job per architecture."""
-    return {arch: (_job, (arch,)) for arch in ARCHS}
+    """This module's part of the zoo's 4-rank run: a job per architecture, and one of packed rows."""
+    return {**{arch: (_job, (arch,)) for arch in ARCHS}, PACKED_JOB: (_packed_job, (PACKED,))}
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +98,13 @@ def test_images_in_some_rows_only_match_single_process(results, arch, mesh):
     parity.assert_params_match(row["errors"], what=f"{arch} on {mesh}, mixed rows:")
 
 
+@pytest.mark.parametrize("job,mesh", [(PACKED_JOB, m) for m in PACKED_MESHES])
+def test_packed_rows_with_images_match_single_process(results, job, mesh):
+    row = results[job, mesh]
+    parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{job} rows on {mesh}")
+    parity.assert_params_match(row["errors"], what=f"{job} rows on {mesh}:")
+
+
 def test_the_mixed_rows_leave_ranks_without_images():
     cfg = parity.tiny_config("qwen3_vl_moe")
     _, images = modality.mixed_batches("image", cfg, PROOF_WORLD)
@@ -73,7 +113,7 @@ def test_the_mixed_rows_leave_ranks_without_images():
 
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))
-def test_the_other_families_are_refused_under_long_context_with_the_reason(arch):
+def test_families_not_proved_with_images_are_refused_under_long_context_with_the_reason(arch):
     from xpar_zoo.commands.model_cards import long_context_refusal
 
     message = long_context_refusal(parity.build_model(parity.tiny_config(arch)))

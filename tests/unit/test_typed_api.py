@@ -1,6 +1,5 @@
 """The public API is type-checked: every module that defines a name of ``xpar_zoo.__all__`` (or is published as
-``xpar_zoo.moe`` / ``xpar_zoo.registry`` / ``xpar_zoo.vocab``) is in pyproject's ``[tool.mypy] files``, except those
-listed in ``UNCHECKED`` below, which shrinks as they are made clean (and must leave it once they are checked)."""
+``xpar_zoo.moe`` / ``xpar_zoo.registry`` / ``xpar_zoo.vocab``) is in pyproject's ``[tool.mypy] files``."""
 
 from __future__ import annotations
 
@@ -12,16 +11,6 @@ import tomllib
 import xpar_zoo
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# Modules of the public API that mypy does not check yet (not yet clean; pyproject's [tool.mypy] comment says the
-# same). Remove a module from here when it joins the files list.
-UNCHECKED = {
-    "xpar_zoo/hub/adapter_files.py",  # save_adapter
-    "xpar_zoo/styles/experts.py",  # xpar_zoo.moe
-    "xpar_zoo/styles/sequence.py",  # data_shard, shard_sequence
-    "xpar_zoo/styles/vocab.py",  # full_logits, xpar_zoo.vocab
-}
-
 
 def public_modules() -> set[str]:
     """The files, relative to the tree, of the modules that define the public API's names."""
@@ -40,16 +29,11 @@ def mypy_files() -> set[str]:
 
 
 def test_every_public_module_is_type_checked():
-    missing = public_modules() - mypy_files() - UNCHECKED
+    missing = public_modules() - mypy_files()
     assert not missing, f"add to [tool.mypy] files in pyproject.toml (and make clean): {sorted(missing)}"
-
-
-def test_unchecked_list_holds_only_unchecked_public_modules():
-    assert not UNCHECKED & mypy_files(), f"checked now, remove from UNCHECKED: {sorted(UNCHECKED & mypy_files())}"
-    assert UNCHECKED <= public_modules(), f"not public API modules: {sorted(UNCHECKED - public_modules())}"
 
 
 def test_the_check_catches_a_missing_module():
     """Without ``parallelize.py`` in the files list, the first check fails."""
     files = mypy_files() - {"xpar_zoo/parallelize.py"}
-    assert "xpar_zoo/parallelize.py" in public_modules() - files - UNCHECKED
+    assert "xpar_zoo/parallelize.py" in public_modules() - files

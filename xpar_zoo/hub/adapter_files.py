@@ -9,7 +9,9 @@ import functools
 import json
 import math
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,10 @@ from ..styles.lora import (
 from ..zoo.plan import WRAPPED_ATTR
 from ..zoo.registry import build_meta
 
+if TYPE_CHECKING:  # PEFT is optional: imported where it runs
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+    from transformers import PretrainedConfig
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MAX_RANK = 1 << 16  # a LoRA rank past this is no low-rank adapter of any model xpar_zoo trains
@@ -46,11 +52,11 @@ MAX_ALPHA = 1e6
 
 
 # ---- adapter records: checked before PEFT sees them -------------------------------------------------------------
-def _is_int(value) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -119,7 +125,7 @@ def adapter_keys(model: nn.Module) -> dict[str, str]:
     ``get_peft_model_state_dict``."""
     from peft.utils import get_peft_model_state_dict
 
-    (adapter,) = adapter_names(model) or [None]
+    adapter = _the_adapter(model)
     if adapter is None:
         raise AdapterError(f"{type(model).__name__} has no PEFT adapter")
     placeholders = {n: torch.empty(0) for n in model.state_dict(keep_vars=True)}
@@ -129,7 +135,19 @@ def adapter_keys(model: nn.Module) -> dict[str, str]:
     return {by_id[id(t)]: key for key, t in selected.items()}
 
 
-def _owner_wrapper(model: nn.Module, name: str) -> nn.Module | None:
+def _the_adapter(model: nn.Module) -> str | None:
+    """The name of ``model``'s one adapter, or None without one (several: ValueError, from the unpacking)."""
+    names: list[str | None] = [*adapter_names(model)]
+    (adapter,) = names or [None]
+    return adapter
+
+
+def _peft_configs(model: nn.Module) -> dict[str, Any]:
+    """``{adapter name: PEFT config}`` of a PEFT model (its ``peft_config``); empty for another model."""
+    return getattr(model, "peft_config", None) or {}
+
+
+def _owner_wrapper(model: nn.Module, name: str) -> ParamWrapper | None:
     """The ``ParamWrapper`` whose factor ``name`` is (``…lora_A.<adapter>.weight``), or None."""
     from peft.tuners.lora import ParamWrapper
 
@@ -202,7 +220,7 @@ def _check_adapter_output(model: nn.Module, directory: Path, force: bool) -> str
     from ..io.atomic_dir import check_apart
 
     base = getattr(getattr(base_of(model), "config", None), "name_or_path", None)
-    recorded = [getattr(c, "base_model_name_or_path", None) for c in (getattr(model, "peft_config", None) or {}).values()]
+    recorded = [getattr(c, "base_model_name_or_path", None) for c in _peft_configs(model).values()]
     inputs = [p for p in (base, *recorded) if isinstance(p, str) and p and Path(p).expanduser().is_dir()]
     try:
         check_apart(directory, [Path(p).expanduser() for p in inputs], AdapterError)
@@ -229,8 +247,8 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, force: bool 
     the new ones are complete (its other files stay). Returns the directory."""
     from safetensors.torch import save_file
 
-    (adapter,) = adapter_names(model) or [None]
-    if adapter is None or not getattr(model, "peft_config", None):
+    adapter, configs = _the_adapter(model), _peft_configs(model)
+    if adapter is None or not configs:
         raise AdapterError(f"{type(model).__name__} has no PEFT adapter (peft_config) to save")
     directory = Path(directory).expanduser().absolute()
     refused = broadcast(_check_adapter_output(model, directory, force) if rank() == 0 else None)
@@ -246,7 +264,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, force: bool 
             staging = StagingDir(directory, AdapterError, merge=lambda name: False,
                                  last=lambda name: name == ADAPTER_CONFIG)
             save_file(state, str(staging.path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-            config = copy.deepcopy(model.peft_config[adapter])
+            config = copy.deepcopy(configs[adapter])
             config.inference_mode = True  # as PEFT saves it
             config.save_pretrained(str(staging.path))
             staging.commit()
@@ -261,7 +279,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, force: bool 
 
 
 # ---- attaching to a model built on meta -------------------------------------------------------------------------
-def _creation_order(model: nn.Module, adapter: str) -> list[nn.Module]:
+def _creation_order(model: nn.Module, adapter: str) -> list[LoraLayer]:
     """The LoRA layers in the order PEFT creates them: ``target_modules`` in module order, then each experts
     module's ``ParamWrapper`` chain from the inside out."""
     from peft.tuners.lora import LoraLayer, ParamWrapper
@@ -269,10 +287,10 @@ def _creation_order(model: nn.Module, adapter: str) -> list[nn.Module]:
     layers = [m for m in model.modules() if isinstance(m, LoraLayer) and adapter in m.lora_A]
     dense = [m for m in layers if not isinstance(m, ParamWrapper)]
     inner = {id(getattr(m, WRAPPED_ATTR)) for m in layers if isinstance(m, ParamWrapper)}
-    chains = []
+    chains: list[LoraLayer] = []
     for m in layers:
         if isinstance(m, ParamWrapper) and id(m) not in inner:  # outermost of its chain
-            chain = []
+            chain: list[LoraLayer] = []
             while isinstance(m, ParamWrapper):
                 chain.append(m)
                 m = getattr(m, WRAPPED_ATTR)
@@ -284,8 +302,7 @@ def _fresh_adapter(peft_model: nn.Module, adapter: str) -> dict[str, torch.Tenso
     """Initial values of the adapter of a PEFT model built on meta, on the CPU as ``get_peft_model`` draws them on a
     real model (the same layers in the same order from the same RNG: rank 0's, so that every rank agrees); the
     adapter modules go back to meta."""
-    config = peft_model.peft_config[adapter]
-    init = config.init_lora_weights
+    init = _peft_configs(peft_model)[adapter].init_lora_weights
     if init not in FRESH_INITS:
         raise AdapterError(f"init_lora_weights={init!r} reads the base weights, which xpar_zoo loads only after "
                            f"parallelizing: initialise the adapter in one process with PEFT, save it, and pass "
@@ -298,7 +315,7 @@ def _fresh_adapter(peft_model: nn.Module, adapter: str) -> dict[str, torch.Tenso
         for layer in _creation_order(peft_model, adapter):
             for lin in (layer.lora_A[adapter], layer.lora_B[adapter]):
                 lin.to_empty(device="cpu")
-                lin.reset_parameters()
+                cast("nn.Linear", lin).reset_parameters()  # PEFT's factors: nn.Linear (or a conv, alike)
             if init:
                 layer.reset_lora_parameters(adapter, init)
     names = adapter_keys(peft_model)
@@ -363,7 +380,8 @@ def attach_adapter(model: nn.Module, *, peft_config=None, adapter: str | os.Path
     peft_config = copy.deepcopy(peft_config)
     if name_or_path is not None and not peft_config.base_model_name_or_path:
         peft_config.base_model_name_or_path = name_or_path
-    model.config.name_or_path = name_or_path or model.config.name_or_path
+    config = cast("PretrainedConfig", model.config)  # a transformers model's (nn.Module types attributes as modules)
+    config.name_or_path = name_or_path or config.name_or_path
     try:
         peft_model = get_peft_model(model, peft_config, low_cpu_mem_usage=True)
     except (ValueError, TypeError, KeyError) as e:
@@ -371,6 +389,7 @@ def attach_adapter(model: nn.Module, *, peft_config=None, adapter: str | os.Path
     check_supported(peft_model)
     if tensors is None:
         return peft_model, _fresh_adapter(peft_model, "default")
+    assert adapter is not None  # the tensors are its files'
     keys = adapter_keys(peft_model)
     by_key = {k: n for n, k in keys.items()}
     unexpected = sorted(set(tensors) - set(by_key))
@@ -415,7 +434,7 @@ def config_fingerprint(config) -> str:
 def adapter_metadata(model: nn.Module) -> dict | None:
     """``{adapter name: PEFT config as JSON data}`` of a model with a PEFT adapter (for checkpoint metadata), or
     None."""
-    configs = getattr(model, "peft_config", None)
+    configs = _peft_configs(model)
     if not configs or not uses_peft(model):
         return None
     return {name: config_json(config) for name, config in configs.items()}
@@ -491,7 +510,8 @@ def _deltas(model: nn.Module, adapter: str) -> tuple[dict[str, list[tuple[str, s
             kind = "experts" if lora_swapped_in_out(layer) else "experts_transposed"
         else:
             base = f"{fqn_of[id(layer.get_base_layer())]}.weight"
-            kind = "transposed" if layer.fan_in_fan_out else "linear"
+            # LoraLayer declares no fan_in_fan_out: its linear layers set it
+            kind = "transposed" if getattr(layer, "fan_in_fan_out") else "linear"  # noqa: B009
         deltas.setdefault(base, []).append((a, b, layer.scaling[adapter], kind))
     return deltas, adapter_names
 
@@ -510,7 +530,7 @@ class AdapterMerge:
         adapter, lora = _one_lora_record(adapters, where)
         model = _peft_meta_model(config, lora, adapter, where)
         if not any(n.startswith("base_model.model.") for n in specs):  # saved from the transformers model itself
-            model = model.get_base_model()
+            model = base_of(model)
         _check_tensors_fit(model.state_dict(), specs, lora, where)
         self._deltas, adapter_names = _deltas(model, adapter)
         prefix = "base_model.model." if any(n.startswith("base_model.model.") for n in specs) else ""
@@ -523,7 +543,7 @@ class AdapterMerge:
         return [r for hf in names for n in [self._source[hf]]
                 for r in [*(x for a, b, _, _ in self._deltas.get(n, ()) for x in (a, b)), n]]
 
-    def merged(self, stream):
+    def merged(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(transformers name, merged tensor)`` for the ``(checkpoint name, tensor)`` pairs of :meth:`reads`."""
         held: dict[str, torch.Tensor] = {}
         for name, tensor in stream:
@@ -553,9 +573,10 @@ def finish(outer: nn.Module, hf: nn.Module) -> nn.Module:
                               "PeftModel's save_pretrained), or merged hub weights from a checkpoint with "
                               "`xpar-zoo convert to-hf --merge-adapter`")
 
-    hf.save_pretrained = refuse
+    # setattr: nn.Module types attributes set with `.` as tensors or modules
+    setattr(hf, "save_pretrained", refuse)  # noqa: B010
     if outer is not hf:
-        outer.save_pretrained = functools.partial(_save_pretrained, outer)
+        setattr(outer, "save_pretrained", functools.partial(_save_pretrained, outer))  # noqa: B010
     return outer
 
 

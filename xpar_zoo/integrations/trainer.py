@@ -42,6 +42,7 @@ from ..parallel.options import ParallelOptions
 from ..parallelize import set_parallel_options
 from ..styles.sequence import data_shard
 from ..styles.vocab import full_logits
+from ..train.router_loss import RouterAux, model_router_aux
 from .accelerate import check_accelerator, parallelized_module
 
 XPAR_CHECKPOINT_DIR = "xpar_checkpoint"  # inside the Trainer's checkpoint-N: the DCP checkpoint of model + optimizer
@@ -135,25 +136,19 @@ def _fused_lm_head(module: nn.Module, forward: Any, head: FusedHead, args: tuple
     loss = -log_probs.sum() / (mask.sum().clamp(min=1) if n_items is None else n_items)
     aux_loss = None
     if out.get("aux_loss") is not None:  # TRL adds it after its world factor: the share is what FSDP averages
-        aux_loss = _global_aux_share(module, out, kwargs.get("attention_mask"))
-        loss = loss + _aux_coef(module) * aux_loss
+        aux = model_router_aux(module)
+        aux_loss = _global_aux_share(aux, out, kwargs.get("attention_mask"))
+        loss = loss + aux.coef * aux_loss
     return FusedCausalLMOutput(loss=loss, log_probs=log_probs, label_mask=mask, aux_loss=aux_loss, **stats)
 
 
-def _aux_coef(module: nn.Module) -> float:
-    return float(getattr(module.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0)
-
-
-def _global_aux_share(module: nn.Module, out: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _global_aux_share(aux: RouterAux, out: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """This rank's share of the router load-balancing loss over every rank's tokens (its mean over the ranks is
     what transformers computes on the whole batch in one process), in place of the model's per-rank one."""
-    from ..loss.balance import global_router_aux_loss
-
     if not out.get("router_logits"):
         raise IntegrationError("the model returned an aux_loss without its router_logits; cannot compute the router "
                                "auxiliary loss over the global batch")
-    return global_router_aux_loss(out.router_logits, module.num_experts, module.num_experts_per_tok,
-                                  attention_mask)[0]
+    return aux.share(out.router_logits, attention_mask)[0]
 
 
 @contextlib.contextmanager
@@ -173,9 +168,9 @@ def transformers_loss_convention(state: XparState, world: int):
         if out.get("aux_loss") is not None and out.get("loss") is not None:
             # The model added its per-rank router loss, which the Trainer's world factor would scale too: swap it
             # for the share of the global-batch one, divided by that factor.
-            coef = _aux_coef(module)
-            out.loss = out.loss - coef * out.aux_loss + coef * _global_aux_share(
-                module, out, kwargs.get("attention_mask")) / world
+            aux = model_router_aux(module)
+            out.loss = out.loss - aux.coef * out.aux_loss + aux.coef * _global_aux_share(
+                aux, out, kwargs.get("attention_mask")) / world
         return out
 
     previous = module.__dict__.get("forward")

@@ -18,8 +18,9 @@ def to_local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Exchange a ``[size, ...]`` integer tensor: row ``i`` goes to rank ``i`` of ``group``; returns the rows received."""
+def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Exchange a ``[size, ...]`` integer tensor: row ``i`` goes to rank ``i`` of ``group`` (``None``: the default
+    group, as in ``torch.distributed``); returns the rows received."""
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
@@ -42,8 +43,10 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Rows ``x[sum(in_splits[:i]) : …+in_splits[i]]`` go to rank ``i``; returns the rows received, by source rank.
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+               ) -> torch.Tensor:
+    """Rows ``x[sum(in_splits[:i]) : …+in_splits[i]]`` go to rank ``i`` of ``group`` (``None``: the default group);
+    returns the rows received, by source rank.
     Differentiable: the backward sends gradients back along the same routes."""
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 

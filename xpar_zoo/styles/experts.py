@@ -34,6 +34,10 @@ if TYPE_CHECKING:  # the experts path imports nothing of FSDP's (the GPU bench r
 EXPERTS_IMPLEMENTATION = "xpar_zoo"
 KERNELS = ("torch", "triton")
 
+# What this style keeps on an experts module, each attribute named once here: set with setattr (nn.Module types
+# attributes set with `.` as tensors or modules), read with getattr and a default. (``_xpar_routes``: styles/routes.py.)
+_EP, _KERNELS, _TILES, _ADAPTERS = "_xpar_ep", "_xpar_kernels", "_xpar_tiles", "_xpar_adapters"
+
 
 @functools.cache
 def _triton_module():
@@ -60,9 +64,9 @@ def standard_swiglu(module: nn.Module) -> bool:
 def triton_module_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
     """The Triton module when this module's experts are set to ``"triton"``, else ``None``; the inputs' dtype and
     device are checked here (the module's layout and Triton itself when the kernels were chosen)."""
-    if getattr(module, "_xpar_kernels", "torch") != "triton":
+    if getattr(module, _KERNELS, "torch") != "triton":
         return None
-    if getattr(module, "_xpar_adapters", None):
+    if _adapters(module):
         raise KernelError(f"{type(module).__name__}: the Triton experts kernels do not run expert adapters (LoRA); "
                           "keep kernels='torch' for this model")
     if x.dtype != weight.dtype:
@@ -90,20 +94,20 @@ def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = No
     if kernels not in KERNELS:
         raise KernelError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     experts = [m for m in model.modules()
-               if isinstance(getattr(m, "down_proj", None), nn.Parameter) and m.down_proj.dim() == 3]
+               if isinstance(down := getattr(m, "down_proj", None), nn.Parameter) and down.dim() == 3]
     if kernels == "triton":
         if _triton_module() is None:
             raise KernelError("the Triton experts kernels need Triton (pip install xpar_zoo[triton]; CUDA builds of "
                               "torch bring it)")
         odd = sorted({type(m).__name__ for m in experts
-                      if not standard_swiglu(m) or getattr(m, "_xpar_adapters", None)})
+                      if not standard_swiglu(m) or _adapters(m)})
         if odd:
             raise KernelError(f"the Triton experts kernels run plain SwiGLU experts in transformers' standard layout "
                               f"(gate_up_proj [E, 2I, H], down_proj [E, H, I], no biases, the default gate); {odd} "
                               "are not, or carry expert adapters (LoRA): keep kernels='torch' for this model")
     for module in experts:
-        module._xpar_kernels = kernels
-        module._xpar_tiles = tiles
+        setattr(module, _KERNELS, kernels)
+        setattr(module, _TILES, tiles)
     return len(experts)
 
 
@@ -241,22 +245,21 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
     has_bias = getattr(module, "has_bias", False)
     transposed = getattr(module, "is_transposed", False)
     up_name = "gate_up_proj" if has_gate else "up_proj"
-    up_w = to_local(getattr(module, up_name))
-    down_w = to_local(module.down_proj)
-    up_b = to_local(getattr(module, f"{up_name}_bias")) if has_bias else None
-    down_b = to_local(module.down_proj_bias) if has_bias else None
+    up_w, down_w = _local(module, up_name), _local(module, "down_proj")
+    up_b = _local(module, f"{up_name}_bias") if has_bias else None
+    down_b = _local(module, "down_proj_bias") if has_bias else None
     if up_w.shape[0] != num:  # not EP-sharded: every expert is local
         up_w, down_w = up_w[first:first + num], down_w[first:first + num]
         up_b = up_b[first:first + num] if up_b is not None else None
         down_b = down_b[first:first + num] if down_b is not None else None
     if triton_path is not None:
         return triton_path.grouped_swiglu(x, up_w, down_w, counts, tiles, perm=perm)
-    adapters = getattr(module, "_xpar_adapters", None) or {}
+    adapters = _adapters(module)
     h = _adapted(grouped_linear(x, up_w, counts, transposed=transposed, bias=up_b), adapters.get(up_name),
                  x, counts, first, num)
     if "down_proj" in adapters:  # the adapter needs the activation itself
         act = (SiluGate.apply(h) if _default_silu_gate(module) and h.requires_grad
-               else apply_gate(module, h) if has_gate else module.act_fn(h))
+               else apply_gate(module, h) if has_gate else _submodule(module, "act_fn")(h))
         y = _adapted(grouped_linear(act, down_w, counts, transposed=transposed, bias=down_b), adapters["down_proj"],
                      act, counts, first, num)
     elif _default_silu_gate(module) and h.requires_grad:
@@ -268,15 +271,30 @@ def _experts_mlp(module: nn.Module, x: torch.Tensor, counts: torch.Tensor, first
         else:
             y = grouped_linear(SiluGate.apply(h), down_w, counts, transposed=transposed, bias=down_b)
     else:
-        h = apply_gate(module, h) if has_gate else module.act_fn(h)
+        h = apply_gate(module, h) if has_gate else _submodule(module, "act_fn")(h)
         y = grouped_linear(h, down_w, counts, transposed=transposed, bias=down_b)
     if getattr(module, "has_post_expert_norm", False):
-        y = module.post_expert_norm(y)
+        y = _submodule(module, "post_expert_norm")(y)
     return y
 
 
+def _local(module: nn.Module, name: str) -> torch.Tensor:
+    """This rank's part of the experts module's weight or bias ``name`` (its local experts under EP)."""
+    return to_local(getattr(module, name))
+
+
+def _submodule(module: nn.Module, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The experts module's activation (``act_fn``) or norm (``post_expert_norm``): a module or a function."""
+    return getattr(module, name)
+
+
+def _adapters(module: nn.Module) -> dict[str, ExpertAdapter]:
+    """The expert adapters of ``module`` by projection (:func:`install_expert_adapter`); empty without."""
+    return getattr(module, _ADAPTERS, None) or {}
+
+
 def _tiles(module: nn.Module, triton_path, x: torch.Tensor):
-    tiles = getattr(module, "_xpar_tiles", None)
+    tiles = getattr(module, _TILES, None)
     if tiles is not None:
         return tiles
     return triton_path.Tiles() if x.is_cuda else triton_path.INTERPRETER_TILES
@@ -326,14 +344,14 @@ def experts_forward(
 ) -> torch.Tensor:
     """``ExpertsInterface`` entry: the MoE experts of one layer for ``hidden_states [T, H]`` routed by
     ``top_k_index / top_k_weights [T, k]``, with expert parallelism when the module has an EP group."""
-    ep: PlanShard | None = getattr(self, "_xpar_ep", None)
+    ep: PlanShard | None = getattr(self, _EP, None)
     num_tokens, top_k = top_k_index.shape
-    down = to_local(self.down_proj)
+    down = _local(self, "down_proj")
     num_experts = down.shape[0] * (ep.size if ep else 1)
     triton_path = triton_module_for(self, hidden_states, down)
     tiles = _tiles(self, triton_path, hidden_states) if triton_path is not None else None
     if ep is None and triton_path is not None:  # routing, permute and unpermute fused into the kernels
-        out = triton_path.moe_experts(hidden_states, top_k_index, top_k_weights, to_local(self.gate_up_proj),
+        out = triton_path.moe_experts(hidden_states, top_k_index, top_k_weights, _local(self, "gate_up_proj"),
                                       down, tiles)
         return out.to(hidden_states.dtype)
     flat = top_k_index.reshape(-1)
@@ -343,6 +361,7 @@ def experts_forward(
     if ep is None:
         out = _experts_mlp(self, rows, counts, 0, num_experts)
     else:
+        assert recv is not None  # _route_counts receives rows under EP
         received = all_to_all(rows, recv_splits, send_splits, ep.group)
         regroup = _source_major_to_expert_major(recv, sum(recv_splits))
         if triton_path is not None:  # the regrouping happens inside the GEMMs' loads and stores
@@ -367,9 +386,10 @@ def install_expert_parallel(module: nn.Module, ep: PlanShard | None) -> None:
     the chain."""
     from ..zoo.plan import WRAPPED_ATTR
 
-    while isinstance(module, nn.Module):
-        module._xpar_ep = ep
-        module = getattr(module, WRAPPED_ATTR, None)
+    chain: nn.Module | None = module
+    while isinstance(chain, nn.Module):
+        setattr(chain, _EP, ep)
+        chain = getattr(chain, WRAPPED_ATTR, None)
 
 
 ExpertAdapter = Callable[[torch.Tensor, torch.Tensor, int, int], "torch.Tensor | None"]
@@ -381,6 +401,6 @@ def install_expert_adapter(module: nn.Module, param: str, adapter: ExpertAdapter
     (``counts[g]`` rows for expert ``first + g``, ``num`` experts) and returns what to add to its output (or
     ``None``, e.g. while disabled). It runs inside the same EP dispatch, after the grouped GEMM
     (:func:`grouped_linear` serves it as well). The Triton kernels refuse such modules."""
-    adapters = dict(getattr(module, "_xpar_adapters", None) or {})
+    adapters = dict(_adapters(module))
     adapters[param] = adapter
-    module._xpar_adapters = adapters
+    setattr(module, _ADAPTERS, adapters)

@@ -52,6 +52,7 @@ import inspect
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -93,13 +94,14 @@ from .sequence_layout import (
     token_layout,
 )
 from .sequence_masks import SequenceForward, current_forward
+from .sequence_media import bidirectional_images, split_media, split_positions, vision_blocks
 from .sequence_media import refusal as media_refusal
-from .sequence_media import split_media, split_positions
 from .sequence_mixers import (
     decoder_layers,
     dispatches_attention,
     install_sequence_mixers,
     sequence_mixers,
+    tower_models,
     unserved_mixers,
 )
 from .sequence_paths import (
@@ -109,6 +111,9 @@ from .sequence_paths import (
     block_rows,
     choose_inner_attention,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION_PREFIX = "xpar_seq_"
 INNER_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", *FLASH_IMPLEMENTATIONS)
@@ -136,6 +141,7 @@ class SequencePart:
     seq_len: int
     docs: torch.Tensor | None = None
     key_valid: torch.Tensor | None = None
+    vision_blocks: torch.Tensor | None = None
 
 
 class SequenceParallel:
@@ -149,6 +155,7 @@ class SequenceParallel:
     def __init__(self, mesh: Mesh, inner: str, parallel: ParallelState) -> None:
         self.parallel = parallel
         self.placeholder_ids: dict[str, int | None] = {}  # each modality's placeholder token (multimodal rows)
+        self.bidirectional_images = False  # an image's tokens see each other both ways on sliding layers (Gemma 4)
         self.sp, self.cp = mesh.sp, mesh.cp
         self.sp_group, self.cp_group = mesh.sequence_group("sp"), mesh.sequence_group("cp")
         self.sp_rank, self.cp_rank = mesh.sequence_rank("sp"), mesh.sequence_rank("cp")
@@ -204,7 +211,8 @@ class SequenceParallel:
             out["inputs_embeds"] = embeds[:, local]
         out["position_ids"] = rows[..., local] if rows.shape[0] > 1 else positions[:, local]
         split_media(named, out, local, self.placeholder_ids)
-        return out, SequencePart(seq_len, document_ids(positions), key_valid)
+        blocks = vision_blocks(named.get("mm_token_type_ids")) if self.bidirectional_images else None
+        return out, SequencePart(seq_len, document_ids(positions), key_valid, blocks)
 
     def check_same_rows(self, rows: torch.Tensor) -> None:
         """Raise :class:`~xpar_zoo.errors.BatchError` on every rank of the sequence group when its ranks were given
@@ -228,8 +236,9 @@ class SequenceParallel:
 
     def begin(self, part: SequencePart, device: torch.device) -> None:
         layout = self.layout(part.seq_len)
+        blocks = None if part.vision_blocks is None else part.vision_blocks.to(device)
         self.current = SequenceForward(layout.queries.to(device), layout.keys.to(device), part.docs, part.key_valid,
-                                       layout.local.to(device))
+                                       layout.local.to(device), vision_blocks=blocks)
 
     # ---- attention: to heads, gather keys and values, run the inner path, back to sequence ---------------------
     def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -283,7 +292,7 @@ class SequenceParallel:
         """This call's inner path (:func:`~xpar_zoo.styles.sequence_paths.choose_inner_attention`), counted in
         :attr:`paths`."""
         sinks = kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None
-        mask = self.current.mask_kind(causal, window, key.shape[2])
+        mask = current_forward(self, "sp/cp attention").mask_kind(causal, window, key.shape[2])
         path = choose_inner_attention(self.inner, query.device.type, mask, self.sizes(query, key), self.options,
                                       sinks=sinks, selected=selected)
         self.paths[path.value] += 1
@@ -298,7 +307,9 @@ class SequenceParallel:
         """The inner attention of the local heads' queries (``[b, h, S/cp, d]``) against the whole rows' keys and
         values on the path :meth:`choose` takes (``selected``: a DSA top-k, masking the keys a query did not
         select): ``[b, S/cp, h, dv]``."""
-        batch = self.current if selected is None else selected_forward(self, selected)
+        batch = current_forward(self, "sp/cp attention")
+        if selected is not None:  # a view of the forward's state with the keys no query selected masked too
+            batch = cast(SequenceForward, selected_forward(self, selected))
         causal = bool(getattr(module, "is_causal", True))
         path = self.choose(module, query, key, causal, window, kwargs, selected is not None)
         if path in (InnerPath.FLEX, InnerPath.FLASH):  # their own masks from the global indices
@@ -312,6 +323,7 @@ class SequenceParallel:
         if path is InnerPath.WHOLE_MASK:  # additive, once per forward, shared by the layers (a selection: per layer)
             return call(query, key, value, batch.mask(causal, window, query.dtype))
         rows = block_rows(self.inner, query.device.type, self.sizes(query, key), self.options, selected is not None)
+        assert rows is not None  # the blocked path: the whole mask does not fit the block budget
         return blocked_attention(call, query, key, value, batch, causal, window, rows)
 
     def inner_function(self, module: nn.Module):
@@ -350,7 +362,7 @@ def sequence_state(model: nn.Module) -> SequenceParallel | None:
                 None)
 
 
-def _sequence_attention(module, *args, **kwargs):
+def _sequence_attention(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The function registered as ``xpar_seq_<inner>``: the attention of the model ``module`` belongs to."""
     state: SequenceParallel | None = module.__dict__.get(STATE_ATTRIBUTE)
     if state is None:
@@ -385,7 +397,7 @@ def attention_outside_interface(model: nn.Module) -> str | None:
     that run on gathered whole rows (linear attention) are not attention here."""
     mixers, layers = tuple(sequence_mixers(model)), {id(m) for m in decoder_layers(model)}
     for name, module in model.named_modules():
-        cls = type(module)
+        cls: type = type(module)  # a class is hashable: mypy's check of a class against Hashable is wrong (mypy#20409)
         if (name in mixers or name.startswith(tuple(m + "." for m in mixers)) or id(module) in layers
                 or "Attention" not in cls.__name__):
             continue
@@ -456,18 +468,15 @@ def _keep_wrapped(model: nn.Module, state: SequenceParallel) -> None:
 
     AttentionInterface.register(wrapper_name(current), _sequence_attention)
     state.inner = current
-    model.set_attn_implementation(wrapper_name(current))
+    _set_attn_implementation(model, wrapper_name(current))
 
 
 def _towers_attend_whole(model: nn.Module, inner: str) -> None:
     """A vision tower attends over its own patches, whole on every rank (the rows are split after it): its
     submodels keep the inner attention."""
-    towers = tuple(type(getattr(model.config, k)) for k in getattr(model.config, "sub_configs", {})
-                   if k != "text_config" and getattr(model.config, k, None) is not None)
-    for module in model.modules():
-        if module is not model and isinstance(getattr(module, "config", None), towers) and hasattr(
-                module, "set_attn_implementation"):
-            module.set_attn_implementation(inner)
+    for module in tower_models(model):
+        if hasattr(module, "set_attn_implementation"):
+            _set_attn_implementation(module, inner)
 
 
 def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel: ParallelState) -> SequenceParallel:
@@ -480,8 +489,9 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
     AttentionInterface.register(name, _sequence_attention)
     state = SequenceParallel(mesh, inner, parallel)
     state.placeholder_ids = {m: getattr(model.config, f"{m}_token_id", None) for m in ("image", "video")}
+    state.bidirectional_images = bidirectional_images(model)
     _own_config(model)
-    model.set_attn_implementation(name)
+    _set_attn_implementation(model, name)
     if attn_implementation(model.config) != name:
         raise PlanError(f"{type(model).__name__} did not take the sp/cp attention implementation {name!r}")
     _towers_attend_whole(model, inner)
@@ -528,8 +538,13 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
         raise ModelStateError(f"generate is not supported on an sp/cp mesh (sp={state.sp}, cp={state.cp}); "
                               "generate on a mesh without sp/cp (checkpoints load on any mesh)")
 
-    model.generate = generate
+    setattr(model, "generate", generate)  # noqa: B010 (nn.Module types attributes set with `.` as tensors or modules)
     return state
+
+
+def _set_attn_implementation(model: nn.Module, name: str) -> None:
+    """``model.set_attn_implementation(name)`` of a transformers model (or one of its towers)."""
+    cast("PreTrainedModel", model).set_attn_implementation(name)
 
 
 def check_inner_available(model: nn.Module, inner: str, sizes: str) -> None:
@@ -560,7 +575,7 @@ def set_inner_attention(model: nn.Module, inner: str) -> None:
     name = wrapper_name(inner)
     AttentionInterface.register(name, _sequence_attention)
     state.inner = inner
-    model.set_attn_implementation(name)
+    _set_attn_implementation(model, name)
 
 
 # ---- the public helpers -----------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ import functools
 import inspect
 import re
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,11 +40,15 @@ from ..parallel.collectives import (
 from ..parallel.mesh import PlanShard
 from ..zoo.forward_source import embedding_weight_read, forward_source
 
+# What these styles keep on a module, each attribute named once here: set with setattr (nn.Module types attributes
+# set with `.` as tensors or modules), read with getattr. (``_xpar_routes``: styles/routes.py.)
+_VOCAB, _HEAD = "_xpar_vocab", "_xpar_head"
+
 # ---- embedding ------------------------------------------------------------------------------------------------
 
 def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     """Vocab-parallel lookup: distinct ids go to their owners (all-to-all), vectors come back (all-to-all)."""
-    shard: PlanShard = self._xpar_vocab
+    shard: PlanShard = getattr(self, _VOCAB)
     weight = to_local(self.weight)  # [V/s, H]: this rank's rows (FSDP has gathered them)
     vocab = shard.rows * shard.size
     flat = input.reshape(-1)
@@ -73,11 +78,12 @@ def install_vocab_embedding(module: nn.Module, shard: PlanShard) -> None:
     through a norm: Gemma's and Inkling's embeddings) keeps its forward: the vocab-parallel lookup takes the place of
     ``nn.Embedding.forward`` behind it."""
     _check_embedding_module(module)
-    module._xpar_vocab = shard
+    setattr(module, _VOCAB, shard)
     if type(module).forward is nn.Embedding.forward:
         module.forward = types.MethodType(_embedding_forward, module)
     else:
-        module.__class__ = _with_vocab_parallel_lookup(type(module))
+        cls: type = type(module)  # a class is hashable: mypy's check of a class against Hashable is wrong (mypy#20409)
+        module.__class__ = _with_vocab_parallel_lookup(cls)
 
 
 class _VocabParallelLookup(nn.Embedding):
@@ -159,7 +165,7 @@ def _head_full_logits(hidden: torch.Tensor, weight: torch.Tensor, counts: list[i
 
 
 def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParallelLogits | torch.Tensor:
-    state: _HeadState = self._xpar_head
+    state: _HeadState = getattr(self, _HEAD)
     shard, request = state.shard, state.request
     weight = to_local(self.weight)  # [V/s, H]
     if request is None and shard.size == 1:  # a whole-vocab head without labels: plain logits, as transformers's
@@ -209,11 +215,12 @@ def logits_transform(model: nn.Module, module: nn.Module) -> str | None:
     """The first line of ``model``'s forward that changes the head's output between the head and the loss
     (softcapping, a scale, a vocab slice: a fused head computes the loss inside the head and cannot honour it), or
     a reason why the forward cannot be read; ``None`` when the logits go straight to ``loss_function``."""
-    return _forward_logits_transform(type(model), next((n for n, m in model.named_children() if m is module), None))
+    cls: type = type(model)  # a class is hashable: mypy's check of a class against Hashable is wrong (mypy#20409)
+    return _forward_logits_transform(cls, next((n for n, m in model.named_children() if m is module), None))
 
 
 @functools.cache
-def _forward_logits_transform(cls: type, name: str | None) -> str | None:
+def _forward_logits_transform(cls: type[nn.Module], name: str | None) -> str | None:
     """:func:`logits_transform` for a model class and its head's attribute name: the source is read once per class
     (``parallelize``, ``install_fused_loss`` and every mesh the sizer tries ask again)."""
     try:
@@ -228,13 +235,13 @@ def _forward_logits_transform(cls: type, name: str | None) -> str | None:
     return changed[0] if changed else None
 
 
-def check_head(model: nn.Module, module: nn.Module) -> None:
+def check_head(model: nn.Module, module: nn.Module | None) -> None:
     """Raise :class:`~xpar_zoo.errors.PlanError` naming the reason when ``module`` cannot be ``model``'s fused
     (whole-vocab or vocab-parallel) head: not a bias-free ``nn.Linear`` output embedding, logit softcapping, or a
     forward that changes the logits between the head and the loss."""
     if not isinstance(module, nn.Linear) or module.bias is not None:
         raise PlanError(f"the fused head needs a bias-free nn.Linear, got {module}")
-    if getattr(model, "get_output_embeddings", lambda: None)() is not module:
+    if _output_embeddings(model) is not module:
         raise PlanError("the fused head applies to the model's output embeddings (get_output_embeddings())")
     if getattr(model.config, "final_logit_softcapping", None) is not None:
         raise PlanError("the fused head does not support final_logit_softcapping")
@@ -243,8 +250,13 @@ def check_head(model: nn.Module, module: nn.Module) -> None:
         raise PlanError(f"the fused head computes the loss inside the head, but {type(model).__name__} changes "
                         f"the logits before its loss ({changed!r}); leave 'head' out of the mesh (parallelize's "
                         "default fused loss skips such models)")
-    if hasattr(module, "_xpar_head"):
+    if hasattr(module, _HEAD):
         raise PlanError("the model's output head is already fused")
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """``model.get_output_embeddings()``, or ``None`` for a model without that method."""
+    return getattr(model, "get_output_embeddings", lambda: None)()
 
 
 def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard,
@@ -255,14 +267,16 @@ def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard,
     A group of one (:func:`install_fused_loss`) is the same fused loss over the whole vocab, with no collective.
     """
     check_head(model, module)
-    module._xpar_head = _HeadState(shard, chunk_elements, kernels)
+    setattr(module, _HEAD, _HeadState(shard, chunk_elements, kernels))
     module.forward = types.MethodType(_lm_head_forward, module)
 
     fallback = model.loss_function
-    model.loss_function = functools.partial(_fused_loss, fallback)
+    # setattr: nn.Module types attributes set with `.` as tensors or modules
+    setattr(model, "loss_function", functools.partial(_fused_loss, fallback))  # noqa: B010
 
-    def forward(original, labels, extra, args, kwargs):
-        state: _HeadState = module._xpar_head
+    def forward(original: Callable[..., Any], labels: torch.Tensor | None, extra: dict[str, Any],
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        state: _HeadState = getattr(module, _HEAD)
         if labels is not None:
             ignore_index = extra.get("ignore_index", -100)
             targets = extra.get("shift_labels")
@@ -280,7 +294,7 @@ def install_vocab_lm_head(model: nn.Module, module: nn.Module, shard: PlanShard,
 def fusable_head(model: nn.Module) -> nn.Module | None:
     """The model's output head if the fused loss applies to it (a bias-free ``nn.Linear`` without logit
     softcapping, not fused yet), else ``None``."""
-    module = getattr(model, "get_output_embeddings", lambda: None)()
+    module = _output_embeddings(model)
     try:
         check_head(model, module)
     except PlanError:
@@ -302,8 +316,9 @@ def install_fused_loss(model: nn.Module, *, chunk_elements: int | None = None, k
     The loss and its gradients equal transformers' ``ForCausalLMLoss`` (``ignore_index``, ``shift_labels``,
     ``num_items_in_batch``), except that a batch whose targets are all ignored gives 0 instead of NaN.
     """
-    module = getattr(model, "get_output_embeddings", lambda: None)()
+    module = _output_embeddings(model)
     check_head(model, module)  # before reading its weight
+    assert isinstance(module, nn.Linear)  # check_head refuses anything else
     install_vocab_lm_head(model, module, whole_vocab(module.weight), chunk_elements, kernels)
     return model
 
@@ -311,10 +326,15 @@ def install_fused_loss(model: nn.Module, *, chunk_elements: int | None = None, k
 def set_loss_chunk(model: nn.Module, chunk_elements: int) -> int:
     """Make every fused head of ``model`` (vocab-parallel or whole-vocab) compute at most ``chunk_elements`` logits at
     once, whatever its device's default (:data:`CE_CHUNK_ELEMENTS`); returns how many heads it set."""
-    heads = [m._xpar_head for m in model.modules() if hasattr(m, "_xpar_head")]
+    heads = _heads(model)
     for state in heads:
         state.chunk_elements = chunk_elements
     return len(heads)
+
+
+def _heads(model: nn.Module) -> list[_HeadState]:
+    """The state of every fused head of ``model``."""
+    return [getattr(m, _HEAD) for m in model.modules() if hasattr(m, _HEAD)]
 
 
 @contextlib.contextmanager
@@ -323,7 +343,7 @@ def full_logits(model: nn.Module) -> Iterator[None]:
     ``[batch, seq, V]`` logits of this rank's tokens in ``out.logits``, labels or not (differentiable; for evaluation
     and generation). Outside it, ``out.logits`` is ``None`` whenever the head computed the loss (and always under a
     ``head`` plan). A model without a fused head is unaffected."""
-    heads = [m._xpar_head for m in model.modules() if hasattr(m, "_xpar_head")]
+    heads = _heads(model)
     previous = [h.full_logits for h in heads]
     for h in heads:
         h.full_logits = True

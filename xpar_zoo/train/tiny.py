@@ -17,25 +17,33 @@ from pathlib import Path
 
 TINY_MODEL = "tiny-qwen3-moe"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# ChatML; the assistant's content and its end-of-turn token are what the model learns to generate.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- generation -%}"
-    "{{- message.content if message.content is string else '' -}}"
-    "{%- for call in message.tool_calls or [] -%}"
-    "{{- '<tool_call>' ~ ((call.function if call.function is defined else call) | tojson) ~ '</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>' -}}"
-    "{%- endgeneration -%}"
-    "{{- '\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' ~ message.role ~ '\\n' ~ message.content ~ '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+
+
+def chatml_template(content: str = "{{- content -}}") -> str:
+    """A ChatML chat template with ``{% generation %}`` markers around each assistant turn (system, user, assistant,
+    tool roles; tool calls as JSON): the assistant's content and its end-of-turn token are what the model learns to
+    generate. ``content`` is the Jinja that writes a message's ``content`` (a string here)."""
+    return (
+        "{%- for message in messages -%}"
+        "{%- set content = message.content if message.content is not none else '' -%}"
+        "{%- if message.role == 'assistant' -%}"
+        "{{- '<|im_start|>assistant\\n' -}}"
+        "{%- generation -%}" + content +
+        "{%- for call in message.tool_calls or [] -%}"
+        "{{- '<tool_call>' ~ ((call.function if call.function is defined else call) | tojson) ~ '</tool_call>' -}}"
+        "{%- endfor -%}"
+        "{{- '<|im_end|>' -}}"
+        "{%- endgeneration -%}"
+        "{{- '\\n' -}}"
+        "{%- else -%}"
+        "{{- '<|im_start|>' ~ message.role ~ '\\n' -}}" + content + "{{- '<|im_end|>\\n' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+
+
+CHAT_TEMPLATE = chatml_template()
 
 
 def tiny_tokenizer(extra_special: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE):

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from .tiny import TINY_MODEL, save_tiny_model, tiny_config, tiny_tokenizer
+from .tiny import TINY_MODEL, chatml_template, save_tiny_model, tiny_config, tiny_tokenizer
 
 TINY_VL_MODEL = "tiny-qwen3-vl-moe"
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -31,24 +31,7 @@ _TEXT = ("{{- content if content is string else '' -}}"
          "{%- elif part.type == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
          "{%- else -%}{{- part.text -}}{%- endif -%}"
          "{%- endfor -%}{%- endif -%}")
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- set content = message.content if message.content is not none else '' -%}"
-    "{%- if message.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- generation -%}" + _TEXT +
-    "{%- for call in message.tool_calls or [] -%}"
-    "{{- '<tool_call>' ~ ((call.function if call.function is defined else call) | tojson) ~ '</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>' -}}"
-    "{%- endgeneration -%}"
-    "{{- '\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' ~ message.role ~ '\\n' -}}" + _TEXT + "{{- '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+CHAT_TEMPLATE = chatml_template(_TEXT)
 
 
 def tiny_vl_tokenizer():
