@@ -107,6 +107,17 @@ def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer):
     return FSDPMemTracker(model, optimizer)
 
 
+def efficient_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool,
+                        scale: float | None) -> torch.Tensor:
+    """Causal attention by the memory-efficient kernel a GPU's sdpa runs where the value heads are narrower than the
+    query/key heads (MLA): it keeps the output and the log-sum-exp, no scores. ``[b, heads, q, d_v]``. The kernel is
+    CUDA-only and reachable only as ``aten._scaled_dot_product_efficient_attention``; its fake implementation runs
+    on fake tensors of any device, which is what the simulation (``xpar_zoo.sizing.simulate``) needs where the CPU's
+    sdpa would take its math path and keep the whole scores."""
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, None, True, 0.0, is_causal,
+                                                                   scale=scale)[0]
+
+
 def assert_async(condition: torch.Tensor, message: str) -> None:
     """A check on the device without a host sync (``torch._assert_async``; no public equivalent)."""
     torch._assert_async(condition, message)
