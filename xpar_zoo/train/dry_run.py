@@ -33,7 +33,7 @@ def _read_data(cfg: TrainConfig, config, world: int):
     import dataclasses
     import tempfile
 
-    from .loop import load_corpus, resolve_epochs, text_vocab_size
+    from .inputs import load_corpus, resolve_epochs, text_vocab_size
     from .tiny_vl import TINY_MODELS, save_tiny_files
 
     held = None
@@ -52,7 +52,7 @@ def _read_data(cfg: TrainConfig, config, world: int):
 def _data_lines(cfg: TrainConfig, config, corpus, held, world: int, replicate: int) -> list[str]:
     """The report's settings, mesh, model and data lines."""
     from .data import rows_per_step
-    from .loop import data_parts
+    from .inputs import data_parts
 
     per_step = rows_per_step(data_parts(cfg, world), cfg.micro_batch, cfg.grad_accum)
     lines = ["xpar-zoo train --dry-run (no weights loaded)", "settings:"]
