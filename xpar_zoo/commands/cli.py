@@ -240,6 +240,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
         code = e.code
     if launched_by_us() or under_torchrun():  # this process is a rank and nothing else: end it safely
+        if code:
+            _before_torchruns_report()
         exit_rank(code)
     return code
 
@@ -387,14 +389,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     code = _run_command(args)
-    if code and args.command == "train" and launcher_rank() == 0:
-        from ..train.launcher import under_torchrun
-
-        if under_torchrun():  # torchrun prints its own report of the ranks' exits after this
-            print("xpar-zoo: torchrun's report of the ranks' exit statuses follows; `xpar-zoo train "
-                  "--nproc-per-node N` starts the ranks itself and ends with the line above", file=sys.stderr,
-                  flush=True)
+    if code and args.command == "train":
+        _before_torchruns_report()
     return code
+
+
+def _before_torchruns_report() -> None:
+    """Under plain torchrun, on rank 0 of a run that ends non-zero: one line saying that torchrun's own report of
+    the ranks' exits follows (it cannot be suppressed) and how to have the ranks started without it."""
+    from ..train.launcher import under_torchrun
+
+    if under_torchrun() and launcher_rank() == 0:
+        print("xpar-zoo: torchrun's report of the ranks' exit statuses follows; `xpar-zoo train "
+              "--nproc-per-node N` starts the ranks itself and ends with the line above", file=sys.stderr,
+              flush=True)
 
 
 def _run_command(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from trl import DPOTrainer
 from ..compat import mark_fsdp_managed
 from ..errors import IntegrationError
 from ..parallel.distributed import all_gather
-from .accelerate import parallelized_module
+from ..parallel.state import parallelized_module
 from .trainer import (
     XparState,
     XparTrainerMixin,

@@ -39,11 +39,12 @@ from ..errors import IntegrationError
 from ..loss.global_batch import IGNORE_INDEX
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.options import ParallelOptions
+from ..parallel.state import parallelized_module
 from ..parallelize import set_parallel_options
 from ..styles.sequence import data_shard
 from ..styles.vocab import full_logits
 from ..train.router_loss import RouterAux, model_router_aux
-from .accelerate import check_accelerator, parallelized_module
+from .accelerate import check_accelerator
 
 XPAR_CHECKPOINT_DIR = "xpar_checkpoint"  # inside the Trainer's checkpoint-N: the DCP checkpoint of model + optimizer
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name (transformers.trainer.SCHEDULER_NAME)
@@ -250,8 +251,7 @@ class XparTrainerMixin:
             raise IntegrationError(
                 f"{type(self).__name__} trains xpar_zoo models (from xpar_zoo.from_pretrained or parallelize); got "
                 f"{type(model).__name__}: parallelize it first, or use the plain transformers trainer")
-        if options is not None:  # the model runs with them from its next forward (checked on every rank)
-            set_parallel_options(module, options)
+        set_parallel_options(module, options)  # from the next forward on; every rank checks all were given the same
         self._xpar_state = XparState(module=module, forward=module.__dict__["forward"])
         super().__init__(*args, **kwargs)
         self._xpar_state.fused_head = trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
