@@ -8,6 +8,8 @@ qwen3_5_moe's gated delta nets run on the whole rows, gemma4's images are seen b
 its published configs set); the families sp/cp cannot split are refused with the reason. The jobs run in the zoo's one 4-rank run
 (``zoo_proofs`` in tests/conftest.py)."""
 
+import contextlib
+
 import pytest
 
 from xpar_zoo.testing import modality, parity
@@ -47,11 +49,33 @@ def _job(arch: str) -> dict:
     ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
     out = {}
     for name, mesh in _meshes(arch).items():
-        rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
+        with _encoded_rows() as encoded:
+            rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
+        rows = [None] * PROOF_WORLD
+        dist.all_gather_object(rows, sum(encoded))
         if rank == 0:
             out[arch, name] = {"loss": (rec.losses[0], ref.losses[0]),
-                               "errors": parity.param_errors(rec.params, ref.params, before)}
+                               "errors": parity.param_errors(rec.params, ref.params, before), "encoded": rows,
+                               "one image": images[0]["pixel_values"].shape[0] // 2}  # rank 0's row 0: two images
     return out
+
+
+@contextlib.contextmanager
+def _encoded_rows():
+    """The pixel rows (patches, or whole images) that this rank's vision tower embeds while inside."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    rows: list[int] = []
+
+    def hook(module, args):
+        if "PatchEmbed" in type(module).__name__ and args:
+            rows.append(args[0].shape[0])
+
+    handle = register_module_forward_pre_hook(hook)
+    try:
+        yield rows
+    finally:
+        handle.remove()
 
 
 def _packed_job(arch: str) -> dict:
@@ -96,6 +120,12 @@ def test_images_in_some_rows_only_match_single_process(results, arch, mesh):
     row = results[arch, mesh]
     parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{arch} on {mesh}, mixed rows")
     parity.assert_params_match(row["errors"], what=f"{arch} on {mesh}, mixed rows:")
+
+
+@pytest.mark.parametrize("arch,mesh", [(a, m) for a in ARCHS for m in long_context_meshes(a)])
+def test_each_sequence_group_encodes_each_image_once(results, arch, mesh):
+    row = results[arch, mesh]  # a group's two images: one on each of its ranks, not both on both
+    assert max(row["encoded"]) <= row["one image"], row["encoded"]
 
 
 @pytest.mark.parametrize("job,mesh", [(PACKED_JOB, m) for m in PACKED_MESHES])
