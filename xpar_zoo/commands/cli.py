@@ -72,10 +72,12 @@ def _cmd_size(args: argparse.Namespace) -> int:
     import json
 
     from .. import sizing
+    from ..train.config import given_options
 
     config = load_model_config(args.model)
     common = {"micro_batch": args.micro_batch, "seq": args.seq, "param_dtype": args.dtype, "optimizer": args.optimizer,
-                  "recompute": args.recompute, "attention": args.attention, "options": ParallelOptions.from_env()}
+                  "recompute": args.recompute, "attention": args.attention,
+              "options": ParallelOptions.from_env(**given_options(args))}  # the flags, else XPAR_ZOO_*
     if args.lora_rank is not None:
         parameters = args.lora_parameters
         modules = args.lora_modules.split(",") if args.lora_modules else None
@@ -343,6 +345,8 @@ def _add_publish(sub) -> None:
 
 
 def _add_size(sub) -> None:
+    from ..train.config import add_option_arguments
+
     p = sub.add_parser("size", aliases=["plan"],
                        help="per-rank memory and per-step communication of a mesh; suggest meshes")
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
@@ -363,6 +367,7 @@ def _add_size(sub) -> None:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
     p.add_argument("--recompute", action="store_true",
                    help="activation checkpointing of every decoder layer (model.activation_checkpointing_enable())")
+    add_option_arguments(p)  # xpar-zoo train's
     p.add_argument("--lora-rank", type=_positive_int, help="PEFT LoRA of this rank: count the frozen base, the "
                    "adapters, their gradients and optimizer states")
     p.add_argument("--lora-modules", help="LoRA target_modules, comma-separated (default: every linear but the head)")

@@ -68,6 +68,17 @@ class XparState:
     forward: Any  # its forward as xpar_zoo installed it (the global-batch loss)
     fused_head: FusedHead | None = None
 
+    @classmethod
+    def of(cls, module: nn.Module) -> XparState:
+        """``module``'s state, its forward taken before a trainer's ``__init__`` may patch it."""
+        return cls(module=module, forward=module.__dict__["forward"])
+
+    def take_back_forward(self) -> None:
+        """After the trainer's ``__init__``: record TRL's fused-head patch of the forward, if any (answered inside
+        ``compute_loss`` instead), and put xpar_zoo's forward back."""
+        self.fused_head = trl_fused_head(self.module.__dict__.get("forward"), self.forward)
+        self.module.forward = self.forward
+
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether ``model`` is a PEFT model (``False`` without PEFT installed)."""
@@ -252,10 +263,9 @@ class XparTrainerMixin:
                 f"{type(self).__name__} trains xpar_zoo models (from xpar_zoo.from_pretrained or parallelize); got "
                 f"{type(model).__name__}: parallelize it first, or use the plain transformers trainer")
         set_parallel_options(module, options)  # from the next forward on; every rank checks all were given the same
-        self._xpar_state = XparState(module=module, forward=module.__dict__["forward"])
+        self._xpar_state = XparState.of(module)
         super().__init__(*args, **kwargs)
-        self._xpar_state.fused_head = trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
-        module.forward = self._xpar_state.forward  # TRL's patch off: answered inside compute_loss instead
+        self._xpar_state.take_back_forward()
         check_accelerator(self.accelerator)
         _check_args(self.args)
 

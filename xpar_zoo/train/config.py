@@ -393,14 +393,19 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
       help="CPU meshes: in_place (default) or gloo (FSDP2's own collectives)")
 
 
+def given_options(settings: object) -> dict[str, Any]:
+    """The :class:`~xpar_zoo.ParallelOptions` fields that ``settings`` sets: a :class:`TrainConfig`, or the flags of
+    :func:`add_option_arguments` as parsed (``xpar-zoo size``)."""
+    return {n: value for n in OPTION_FIELDS if (value := getattr(settings, n, None)) is not None}
+
+
 def parallel_options(cfg: TrainConfig) -> ParallelOptions:
     """The run's :class:`~xpar_zoo.ParallelOptions`: the settings given, else the ``XPAR_ZOO_*`` variables' values
     (read here, once per run), else the defaults; :class:`TrainConfigError` on a bad variable."""
     from ..errors import PlanError
 
-    given = {n: getattr(cfg, n) for n in OPTION_FIELDS if getattr(cfg, n) is not None}
     try:
-        return ParallelOptions.from_env(**given)
+        return ParallelOptions.from_env(**given_options(cfg))
     except PlanError as e:
         raise TrainConfigError(str(e)) from None
 
