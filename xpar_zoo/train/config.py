@@ -90,6 +90,7 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
     lora_experts: bool = True
+    lora_vision: bool = False
     adapter: str | None = None
     export_adapter: str | None = None
     eval_data: str | None = None

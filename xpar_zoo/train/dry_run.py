@@ -78,14 +78,15 @@ def _data_lines(cfg: TrainConfig, config, corpus, held, world: int, replicate: i
 def _estimate_lines(cfg: TrainConfig, config, world: int, sizes: dict, replicate: int, sequence: dict) -> list[str]:
     """The sizer's per-rank memory estimate of the run (LoRA counted when it trains a new adapter)."""
     from .. import sizing
-    from .sft_config import lora_enabled, lora_targets
+    from .lora import lora_modules
+    from .sft_config import lora_enabled
 
     lora = {}
     if lora_enabled(cfg) and cfg.lora_rank is not None:
         from ..styles.lora import expert_parameters
         from ..zoo.registry import get_plan
 
-        lora = dict(lora_rank=cfg.lora_rank, lora_modules=lora_targets(cfg),
+        lora = dict(lora_rank=cfg.lora_rank, lora_modules=lora_modules(cfg, config),
                     lora_parameters=expert_parameters(get_plan(config.model_type)) if cfg.lora_experts else [])
     short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
     saved = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
