@@ -24,10 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "xpar_zoo"
 ENV_READERS = {
     "environment.py": "facts others set about this process: the launcher's identity, Triton's interpreter, proxies",
     "parallel/options.py": "ParallelOptions.from_env: the XPAR_ZOO_* defaults of the options",
-    "commands/": "the CLI: the RANK of a torchrun'd command, the size command's option defaults",
     "train/launcher.py": "starts the ranks of xpar-zoo train with their environment",
-    "train/loop.py": "initialises the process group from torchrun's variables",
-    "train/dry_run.py": "the launcher's WORLD_SIZE as the dry run's default world",
     "train/reporting.py": "wandb's own WANDB_PROJECT",
     "testing/": "the test harness: starts ranks and hands them their environment",
 }

@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..environment import launcher_rank
+from ..environment import launcher_rank, says_for_every_rank
 from ..errors import XparError, counted
 from ..parallel.options import ParallelOptions
 
@@ -399,7 +399,7 @@ def _before_torchruns_report() -> None:
     the ranks' exits follows (it cannot be suppressed) and how to have the ranks started without it."""
     from ..train.launcher import under_torchrun
 
-    if under_torchrun() and launcher_rank() == 0:
+    if under_torchrun() and says_for_every_rank():
         print("xpar-zoo: torchrun's report of the ranks' exit statuses follows; `xpar-zoo train "
               "--nproc-per-node N` starts the ranks itself and ends with the line above", file=sys.stderr,
               flush=True)
@@ -410,14 +410,14 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        if launcher_rank() == 0:
+        if says_for_every_rank():
             print("xpar-zoo: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 141
     except XparError as e:  # bad input: the message names the problem; no traceback
-        if launcher_rank() == 0:  # under torchrun every rank raises it: rank 0 says it once
+        if says_for_every_rank():  # under torchrun every rank raises it: rank 0 says it once
             print(f"xpar-zoo: error: {e}", file=sys.stderr)
         return 2
 

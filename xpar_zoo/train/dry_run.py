@@ -6,9 +6,9 @@ ranks ``--nproc-per-node`` × ``--nnodes`` would start, else under torchrun its 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from ..environment import launcher_world_size
 from ..errors import counted
 from .config import DTYPES, TrainConfig, parallel_options
 from .outputs import check_finished_resume, plan_outputs
@@ -107,7 +107,7 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
     ``WORLD_SIZE``, else 1); raises what the run would raise on bad settings or data."""
     from ..parallel.mesh import validate_sequence_sizes, validate_sizes
 
-    world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = world or launcher_world_size()
     sizes = dict(cfg.mesh)
     replicate = sizes.pop("replicate", 1)
     sequence = {d: sizes.pop(d, 1) for d in ("sp", "cp")}
