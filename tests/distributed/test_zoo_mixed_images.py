@@ -25,7 +25,7 @@ BIDIRECTIONAL_IMAGES = ("gemma4",)
 PACKED = "qwen3_vl_moe"  # proved on packed rows with images too, on these meshes (its job: PACKED_JOB)
 PACKED_JOB = f"{PACKED} packed"
 LORA_JOB = f"{PACKED} lora on the vision tower"
-PACKED_MESHES = {"ep2": {"ep": 2}, "sp2_ep2": {"sp": 2, "ep": 2}, "cp2": {"cp": 2}}
+PACKED_MESHES = {"ep2": {"ep": 2}, "sp2_ep2": {"sp": 2, "ep": 2}}
 REFUSED = {"aria": "without multimodal RoPE"}  # a family not proved with images
 
 
