@@ -52,7 +52,7 @@ def _job(files, out):
     import torch.distributed as dist
 
     from xpar_zoo.commands import cli
-    from xpar_zoo.train import loop
+    from xpar_zoo.train import load
 
     common = ["--model", str(files["model"]), "--data", str(files["data"]), "--seq-len", "256", "--lr", "1e-2",
               "--mesh", "ep=2", "--steps", "3", "--no-progress", "--report-to", "none"]
@@ -72,14 +72,14 @@ def _job(files, out):
     results["continued"] = train("continued", lora=("--adapter", str(out / "straight" / "adapter")),
                                  **{"--lr": "0", "--steps": "1"})
     loaded = []
-    load_model = loop._load_model
-    loop._load_model = lambda *a, **k: loaded.append(True) or load_model(*a, **k)
+    load_model = load.load_model
+    load.load_model = lambda *a, **k: loaded.append(True) or load_model(*a, **k)
     try:
         bad = {"no_chat_template": train("bad1", "--tokenizer", str(files["no_template"])),
                "no_assistant_turn": train("bad2", "--data", str(files["no_assistant"])),
                "too_long": train("bad3", **{"--seq-len": "32"})}
     finally:
-        loop._load_model = load_model
+        load.load_model = load_model
     every = [None] * WORLD
     dist.all_gather_object(every, {"bad": bad, "loaded": loaded})
     return {"codes": results, "ranks": every}
@@ -108,7 +108,7 @@ def test_adapter_flag_continues_the_saved_adapter(job, files):
     from transformers import AutoModelForCausalLM
 
     from xpar_zoo.train.config import TrainConfig
-    from xpar_zoo.train.loop import load_corpus
+    from xpar_zoo.train.inputs import load_corpus
 
     assert job["codes"]["continued"][0] == 0, job["codes"]["continued"]
     (first,) = job["metrics"]["continued"]

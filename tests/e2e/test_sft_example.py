@@ -59,7 +59,7 @@ def _corpora(run):
     """The run's rows as the trainer builds them (training for its epochs, held-out) and its tokenizer."""
     import dataclasses
 
-    from xpar_zoo.train.loop import load_corpus, resolve_epochs
+    from xpar_zoo.train.inputs import load_corpus, resolve_epochs
 
     cfg = dataclasses.replace(run["cfg"], model=str(run["out"] / "tiny-qwen3-moe"))
     os.chdir(ROOT)  # the example's data paths are relative to the repository

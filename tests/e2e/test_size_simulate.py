@@ -1,7 +1,8 @@
 """``xpar-zoo size --simulate``: the real code on one rank of a fake world (torch's fake process group, fake tensors,
-torch's FSDP memory tracker) beside the analytic estimate, which agrees within 10 % on a tiny model on ep 8 and a
-mid-size one on 64 ranks (ep 16, planned slices sharded on dim 1); ``--route-imbalance`` makes the busiest rank's
-experts hold more. All simulations run in one process of their own (it owns the fake process group)."""
+torch's FSDP memory tracker) beside the analytic estimate, which agrees within 10 % on a tiny model on ep 8, a
+mid-size one on 64 ranks (ep 16, planned slices sharded on dim 1) and a tiny DeepSeek-V3 (MLA: the simulation
+runs a GPU's memory-efficient sdpa kernel, where the CPU's would keep the scores; a dense layer beside an MoE
+one); ``--route-imbalance`` makes the busiest rank's experts hold more. All simulations run in one process of their own (it owns the fake process group)."""
 
 import json
 import os
@@ -16,9 +17,15 @@ from xpar_zoo.testing import parity
 TINY_MOE = {"hidden_size": 256, "moe_intermediate_size": 128, "vocab_size": 2048, "num_experts": 8, "num_hidden_layers": 2}
 MID_MOE = {"hidden_size": 1024, "moe_intermediate_size": 512, "vocab_size": 32000, "num_experts": 32, "num_hidden_layers": 4,
                "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}
+# DeepSeek's latent attention (query/key heads wider than the value heads), one dense layer then one MoE layer
+TINY_MLA = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 64,
+            "kv_lora_rank": 32, "qk_rope_head_dim": 16, "head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+            "n_routed_experts": 8, "moe_intermediate_size": 128, "intermediate_size": 512, "vocab_size": 2048,
+            "first_k_dense_replace": 1, "max_position_embeddings": 2048}
 GLOO = ("tiny MoE, ep2 on 4", {"ep": 2}, 512)  # also run on 4 gloo ranks
 CASES = {"mid MoE, ep16 on 64": ["qwen3_moe", MID_MOE, {"world": 64, "sizes": {"ep": 16}, "seq": 2048}],
-         GLOO[0]: ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": GLOO[1], "seq": GLOO[2]}]}
+         GLOO[0]: ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": GLOO[1], "seq": GLOO[2]}],
+         "tiny MLA MoE, ep4 on 8": ["deepseek_v3", TINY_MLA, {"world": 8, "sizes": {"ep": 4}, "seq": 512}]}
 SUPPORT = Path(__file__).resolve().parents[1] / "support" / "simulated_sizes.py"
 
 

@@ -54,11 +54,11 @@ def test_some_ranks_hold_no_image_in_some_steps(runs):
 
     from xpar_zoo.train.config import TrainConfig, read_config_file
     from xpar_zoo.train.data import micro_batches
-    from xpar_zoo.train.loop import _model_config, load_corpus, text_vocab_size
+    from xpar_zoo.train.inputs import load_corpus, read_model_config, text_vocab_size
 
     cfg = TrainConfig(**{**read_config_file(EXAMPLE), "output": str(runs["base"] / "ep2")})
     cfg = dataclasses.replace(cfg, model=str(runs["base"] / "ep2" / "tiny-qwen3-vl-moe"))
-    config = _model_config(cfg.model)
+    config = read_model_config(cfg.model)
     corpus, _ = load_corpus(cfg, text_vocab_size(config), model_config=config)
     held = [["pixel_values" in micro_batches(corpus, s * WORLD, r, WORLD, 1, 1)[0] for r in range(WORLD)]
             for s in range(len([m for m in runs["ep2"][1] if "loss" in m]))]

@@ -84,6 +84,17 @@ def _fsdp_memory_tracker_api() -> bool:
                                                                       "get_tracker_snapshot"))
 
 
+def _efficient_attention_on_fake_tensors() -> bool:
+    """MLA's shapes (value heads narrower than the query/key heads): the output is the value's width, and backward
+    runs, on fake CPU tensors."""
+    with compat.fake_tensor_mode():
+        q, k = (torch.zeros(1, 2, 16, 24, requires_grad=True) for _ in range(2))
+        v = torch.zeros(1, 2, 16, 16, requires_grad=True)
+        out = compat.efficient_attention(q, k, v, True, 0.2)
+        out.sum().backward()
+    return out.shape == (1, 2, 16, 16) and q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
 def _tiny_config():
     from transformers import AutoConfig
 
@@ -110,6 +121,7 @@ CHECKS = {
     "torch fake process group store (torch.testing._internal.distributed.fake_pg)": lambda: isinstance(
         compat.fake_process_group_store(), torch.distributed.Store),
     "torch FSDPMemTracker (torch.distributed._tools)": _fsdp_memory_tracker_api,
+    "torch aten._scaled_dot_product_efficient_attention (fake)": _efficient_attention_on_fake_tensors,
     # transformers
     "transformers _default_apply_gate": lambda: callable(compat.DEFAULT_APPLY_GATE) and compat.applies_default_gate(object),
     "transformers PreTrainedModel._can_set_experts_implementation": lambda: callable(
@@ -137,6 +149,10 @@ CHECKS = {
     "transformers ProcessorMixin.check_argument_for_proper_class (a processor without its video processor)":
         lambda: _processor_without_video(),
     "accelerate _is_accelerate_prepared": lambda: _source_mentions("accelerate.accelerator", "_is_accelerate_prepared"),
+    # Python
+    # (only looked up: running it here would run the test session's own exit handlers)
+    "atexit._run_exitfuncs (exit handlers before os._exit)": lambda: callable(
+        getattr(importlib.import_module("atexit"), "_run_exitfuncs", None)),
     # safetensors
     "safetensors.torch._TYPES": lambda: compat.SAFETENSORS_TYPES["BF16"] is torch.bfloat16,
     # peft
@@ -184,7 +200,8 @@ _PRIVATE_ATTRS = {
     "_create_work_from_future", "_did_swap_in_out_features", "_experts_implementation", "_from_config",
     "_fsdp_param_group", "_get_default_group", "_get_default_store", "_get_fsdp_state", "_get_metadata_path",
     "_init_weights", "_is_accelerate_prepared", "_iter_named_params", "_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected", "_is_fsdp_managed_module", "_is_hf_initialized", "_model_mapping",
-    "_no_split_modules", "_parameters", "_tied_weights_keys", "_unsharded_param",
+    "_no_split_modules", "_parameters", "_scaled_dot_product_efficient_attention", "_tied_weights_keys",
+    "_unsharded_param",
 }
 
 

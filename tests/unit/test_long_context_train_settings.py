@@ -10,7 +10,7 @@ import pytest
 from xpar_zoo.commands import cli
 from xpar_zoo.train import TrainConfig, read_config_file
 from xpar_zoo.train.config import parse_mesh, validate
-from xpar_zoo.train.loop import data_parts
+from xpar_zoo.train.inputs import data_parts
 
 BASE = ["--model", "missing-model-dir", "--data", "missing.jsonl", "--output", "o", "--steps", "5"]
 
@@ -56,7 +56,7 @@ def _tiny_config(**overrides):
 
 def test_sequence_sizes_are_checked_with_the_sizers_rules_before_the_model_loads():
     from xpar_zoo.errors import MeshError, PlanError
-    from xpar_zoo.train.loop import check_mesh
+    from xpar_zoo.train.inputs import check_mesh
 
     def cfg(mesh, **kw):
         return TrainConfig(model="m", data="d", output="o", steps=1, seq_len=64, mesh=mesh, **kw)

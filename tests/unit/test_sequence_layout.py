@@ -155,7 +155,7 @@ def test_cp_runs_without_a_mask_on_cuda_and_with_the_dense_one_elsewhere_unless_
     assert default.cp_lower_right("cuda") and not default.cp_lower_right("cpu")
     assert ParallelOptions(cp_attention="lower_right").cp_lower_right("cpu")
     assert not ParallelOptions(cp_attention="dense").cp_lower_right("cuda")
-    with pytest.raises(PlanError, match=r"cp_attention must be one of \['lower_right', 'dense'\] or None, got 'ring'"):
+    with pytest.raises(PlanError, match="cp_attention must be one of lower_right, dense, got 'ring'"):
         ParallelOptions(cp_attention="ring")
 
 
@@ -526,3 +526,11 @@ def test_the_reference_flash_kernel_keeps_flashs_contract():
     flat = flash_attn_varlen_func(q.reshape(6, 4, 8), k.reshape(14, 2, 8), v.reshape(14, 2, 8), cu_q, cu_k, 3, 7,
                                   softmax_scale=0.3, causal=True)
     torch.testing.assert_close(flat.view(2, 3, 4, 8), got)
+
+
+def test_consecutive_runs_are_the_blocks_of_held_indices_and_query_positions():
+    from xpar_zoo.parallel.state import consecutive_runs
+
+    assert consecutive_runs([4, 5, 6, 0, 1, 9]) == [(0, 4, 3), (3, 0, 2), (5, 9, 1)]
+    assert consecutive_runs([3, 3, 2]) == [(0, 3, 1), (1, 3, 1), (2, 2, 1)]
+    assert consecutive_runs([]) == []

@@ -187,7 +187,7 @@ def test_flash_without_kernels_is_one_line_before_the_model_loads(monkeypatch, a
     """Parsing takes flash (a dry run may plan a GPU run here); each rank refuses it before loading any weight when
     its machine has no flash kernels (this CPU machine has none)."""
     from xpar_zoo import loader
-    from xpar_zoo.train import loop
+    from xpar_zoo.train import load
 
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -196,13 +196,13 @@ def test_flash_without_kernels_is_one_line_before_the_model_loads(monkeypatch, a
     cfg = TrainConfig(model="m", data="d", output="o", steps=1, attn_implementation=attn)
     validate(cfg)
     with pytest.raises(TrainConfigError, match=rf"^--attn-implementation {attn}: no flash-attn kernels on this machine"):
-        loop._load_model(cfg, mesh=None, rank=0)
-    loop.check_attention_here("sdpa")  # the others are not checked here
+        load.load_model(cfg, mesh=None, rank=0)
+    load.check_attention_here("sdpa")  # the others are not checked here
 
 
 def test_flex_cannot_train_on_the_cpu_one_line_before_the_model_loads():
-    from xpar_zoo.train import loop
+    from xpar_zoo.train.load import check_attention_here
 
     with pytest.raises(TrainConfigError, match=r"^--attn-implementation flex_attention cannot train on the CPU"):
-        loop.check_attention_here("flex_attention", "cpu")
-    loop.check_attention_here("flex_attention", "cuda")
+        check_attention_here("flex_attention", "cpu")
+    check_attention_here("flex_attention", "cuda")

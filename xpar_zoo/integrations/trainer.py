@@ -39,10 +39,12 @@ from ..errors import IntegrationError
 from ..loss.global_batch import IGNORE_INDEX
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.options import ParallelOptions
+from ..parallel.state import parallelized_module
 from ..parallelize import set_parallel_options
 from ..styles.sequence import data_shard
 from ..styles.vocab import full_logits
-from .accelerate import check_accelerator, parallelized_module
+from ..train.router_loss import RouterAux, model_router_aux
+from .accelerate import check_accelerator
 
 XPAR_CHECKPOINT_DIR = "xpar_checkpoint"  # inside the Trainer's checkpoint-N: the DCP checkpoint of model + optimizer
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name (transformers.trainer.SCHEDULER_NAME)
@@ -65,6 +67,17 @@ class XparState:
     module: nn.Module  # the parallelized model (the base model under PEFT)
     forward: Any  # its forward as xpar_zoo installed it (the global-batch loss)
     fused_head: FusedHead | None = None
+
+    @classmethod
+    def of(cls, module: nn.Module) -> XparState:
+        """``module``'s state, its forward taken before a trainer's ``__init__`` may patch it."""
+        return cls(module=module, forward=module.__dict__["forward"])
+
+    def take_back_forward(self) -> None:
+        """After the trainer's ``__init__``: record TRL's fused-head patch of the forward, if any (answered inside
+        ``compute_loss`` instead), and put xpar_zoo's forward back."""
+        self.fused_head = trl_fused_head(self.module.__dict__.get("forward"), self.forward)
+        self.module.forward = self.forward
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -135,25 +148,19 @@ def _fused_lm_head(module: nn.Module, forward: Any, head: FusedHead, args: tuple
     loss = -log_probs.sum() / (mask.sum().clamp(min=1) if n_items is None else n_items)
     aux_loss = None
     if out.get("aux_loss") is not None:  # TRL adds it after its world factor: the share is what FSDP averages
-        aux_loss = _global_aux_share(module, out, kwargs.get("attention_mask"))
-        loss = loss + _aux_coef(module) * aux_loss
+        aux = model_router_aux(module)
+        aux_loss = _global_aux_share(aux, out, kwargs.get("attention_mask"))
+        loss = loss + aux.coef * aux_loss
     return FusedCausalLMOutput(loss=loss, log_probs=log_probs, label_mask=mask, aux_loss=aux_loss, **stats)
 
 
-def _aux_coef(module: nn.Module) -> float:
-    return float(getattr(module.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0)
-
-
-def _global_aux_share(module: nn.Module, out: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _global_aux_share(aux: RouterAux, out: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """This rank's share of the router load-balancing loss over every rank's tokens (its mean over the ranks is
     what transformers computes on the whole batch in one process), in place of the model's per-rank one."""
-    from ..loss.balance import global_router_aux_loss
-
     if not out.get("router_logits"):
         raise IntegrationError("the model returned an aux_loss without its router_logits; cannot compute the router "
                                "auxiliary loss over the global batch")
-    return global_router_aux_loss(out.router_logits, module.num_experts, module.num_experts_per_tok,
-                                  attention_mask)[0]
+    return aux.share(out.router_logits, attention_mask)[0]
 
 
 @contextlib.contextmanager
@@ -173,9 +180,9 @@ def transformers_loss_convention(state: XparState, world: int):
         if out.get("aux_loss") is not None and out.get("loss") is not None:
             # The model added its per-rank router loss, which the Trainer's world factor would scale too: swap it
             # for the share of the global-batch one, divided by that factor.
-            coef = _aux_coef(module)
-            out.loss = out.loss - coef * out.aux_loss + coef * _global_aux_share(
-                module, out, kwargs.get("attention_mask")) / world
+            aux = model_router_aux(module)
+            out.loss = out.loss - aux.coef * out.aux_loss + aux.coef * _global_aux_share(
+                aux, out, kwargs.get("attention_mask")) / world
         return out
 
     previous = module.__dict__.get("forward")
@@ -255,12 +262,10 @@ class XparTrainerMixin:
             raise IntegrationError(
                 f"{type(self).__name__} trains xpar_zoo models (from xpar_zoo.from_pretrained or parallelize); got "
                 f"{type(model).__name__}: parallelize it first, or use the plain transformers trainer")
-        if options is not None:  # the model runs with them from its next forward (checked on every rank)
-            set_parallel_options(module, options)
-        self._xpar_state = XparState(module=module, forward=module.__dict__["forward"])
+        set_parallel_options(module, options)  # from the next forward on; every rank checks all were given the same
+        self._xpar_state = XparState.of(module)
         super().__init__(*args, **kwargs)
-        self._xpar_state.fused_head = trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
-        module.forward = self._xpar_state.forward  # TRL's patch off: answered inside compute_loss instead
+        self._xpar_state.take_back_forward()
         check_accelerator(self.accelerator)
         _check_args(self.args)
 

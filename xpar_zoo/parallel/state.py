@@ -1,11 +1,12 @@
 """What ``parallelize`` did to a model (:class:`ParallelState`, read with :func:`parallel_state`) and views of a
-parallelized model: the whole model on rank 0 (:func:`full_state_dict`), and the global region of a tensor this rank
-holds (:func:`local_region`)."""
+parallelized model: the whole model on rank 0 (:func:`full_state_dict`), the global region of a tensor this rank
+holds (:func:`local_region`), and the runs of consecutive indices in what a rank holds (:func:`consecutive_runs`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -56,9 +57,12 @@ def set_parallel_state(model: nn.Module, state: ParallelState) -> None:
     setattr(model, _ATTRIBUTE, state)
 
 
-def parallelized_module(model: nn.Module) -> nn.Module | None:
+def parallelized_module(model: Any) -> nn.Module | None:
     """The module ``parallelize`` was applied to inside ``model`` (``model`` itself, or the base model of a PEFT
-    model), or ``None``. Looks at each module's own attributes: PEFT's wrappers would answer a lookup for it too."""
+    model), or ``None`` (also when ``model`` is not a module). Looks at each module's own attributes: PEFT's
+    wrappers would answer a lookup for it too."""
+    if not isinstance(model, nn.Module):
+        return None
     return next((m for m in model.modules() if _ATTRIBUTE in vars(m)), None)
 
 
@@ -89,6 +93,20 @@ def held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
             shape[d], held[d] = cast(tuple[int, torch.Tensor], shard_size_and_offsets(
                 shape[d], mesh.size(i), coordinate[i], placement, held.get(d), tensor.shape[d], False))
     return shape, held
+
+
+def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The maximal runs of consecutive integers in ``values`` (each one more than the one before it), in order:
+    ``[(index of the run's first value, its first value, its length)]``; a rank's held indices or positions as
+    blocks."""
+    runs: list[tuple[int, int, int]] = []
+    for i, value in enumerate(values):
+        if runs and runs[-1][1] + runs[-1][2] == value:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, value, 1))
+    return runs
 
 
 def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:

@@ -225,8 +225,13 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
                   or path is InnerPath.BLOCKED)
     kv_kernel = kv_heads if native_gqa else heads  # otherwise transformers repeats the key/value heads to the queries'
     values = 2 * queries * heads * d + 2 * keys * kv_kernel * d  # q and the output, k and v
+    d_out = d
+    mla = mla_head_widths(config)
+    if mla:  # q and k as wide as nope + rope, the output as v; v is a view of kv_b_proj's [nope; v] output
+        qk, d_out = mla
+        values = queries * heads * (qk + d_out) + keys * kv_kernel * (qk + config.qk_nope_head_dim + d_out)
     if attention != "eager" and sp > 1:  # Ulysses' output all-to-all: a new o_proj input beside the kernel's output
-        values += queries * heads * d  # [tokens/(sp·cp), q]: the same count as sdpa's output
+        values += queries * heads * d_out  # [tokens/(sp·cp), q]: the same count as sdpa's output
     scores = 0.0
     if attention == "eager" and path is not InnerPath.BLOCKED:  # the softmax, fp32, and its copy in the compute dtype
         scores = rows * heads * (seq // cp) * seq * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
@@ -234,6 +239,24 @@ def _attention_bytes(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     if path is InnerPath.WHOLE_MASK:  # an additive mask in the compute dtype, held for the forward and shared
         mask_once = rows * (seq // cp) * seq * dtype_bytes
     return values * dtype_bytes, scores, mask_once
+
+
+def mla_head_widths(config) -> tuple[int, int] | None:
+    """Multi-head latent attention (DeepSeek's MLA: a ``kv_lora_rank``): the ``(query/key, value)`` head widths,
+    ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim``; ``None`` for other attention."""
+    if not getattr(config, "kv_lora_rank", None) or not getattr(config, "v_head_dim", None):
+        return None
+    return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+
+
+def mla_latent_bytes(config, dtype_bytes: int) -> int:
+    """Per token and MLA layer, what its low-rank latents keep: each latent's RMSNorm (``q_lora_rank`` and
+    ``kv_lora_rank`` wide) keeps an fp32 copy of its input, its normalised value and its output (the up
+    projection's input)."""
+    if not mla_head_widths(config):
+        return 0
+    ranks = (getattr(config, "q_lora_rank", None) or 0) + config.kv_lora_rank
+    return ranks * (2 * dtype_bytes + 4)
 
 
 # The device whose paths the sizer sizes: a GPU's (sdpa without a mask under cp, lower-right).
@@ -274,13 +297,42 @@ def _attention_block(config, rows: int, seq: int, dtype_bytes: int, sp: int, cp:
     return block * attention_query_bytes(rows, sizes.heads, seq, dtype_bytes, eager)
 
 
+def moe_layer_count(model: nn.Module) -> int:
+    """How many decoder layers of ``model`` have routed experts: its fused ``[E, …]`` ``down_proj`` tensors (one
+    per experts module, an adapter's wrapping included)."""
+    return sum(1 for name, p in model.named_parameters() if name.endswith("down_proj") and p.dim() == 3)
+
+
+def _mlp_widths(config, moe_layers: int | None) -> tuple[float, float]:
+    """Per token, the values one decoder layer's MLP keeps (elements), as the mean over the layers and the widest:
+    a SwiGLU MLP ``H + 4I``; a MoE layer ``H + 2E + k·(2H + 2I)`` plus its shared experts' MLP. ``moe_layers``: how
+    many layers are MoE (``None``: all of them, for an MoE config), the others dense with ``intermediate_size``."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    dense = h + 4 * (getattr(config, "intermediate_size", None) or 0)
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0
+    if not top_k:
+        return dense, dense
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts",
+                                                 "moe_num_experts") if getattr(config, k, None)), 0)
+    shared = (getattr(config, "shared_expert_intermediate_size", None)
+              or (getattr(config, "n_shared_experts", None) or 0) * inter)
+    moe = h + 2 * experts + top_k * (2 * h + 2 * inter) + (h + 4 * shared if shared else 0)
+    n = layers if moe_layers is None or not layers else min(moe_layers, layers)
+    if n == layers:
+        return moe, moe
+    return (n * moe + (layers - n) * dense) / layers, max(moe if n else dense, dense)
+
+
 def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1, qk_norm: bool = False,
                      recompute: bool = False, *, seq: int | None = None, sp: int = 1, cp: int = 1,
-                     attention: str = "sdpa", options: ParallelOptions | None = None) -> dict[str, float]:
+                     attention: str = "sdpa", options: ParallelOptions | None = None,
+                     moe_layers: int | None = None) -> dict[str, float]:
     """The activation estimate of one rank (see :func:`activation_bytes`) by kind: ``"activations"`` (linear in
     the tokens), ``"attention scores"`` (eager's ``seq²`` softmax), ``"attention mask"`` (the sp/cp mask) and
     ``"attention block"`` (eager's blocked sp/cp attention: what one block of queries' mask and scores add to the
-    peak, a transient in a layer's backward beyond the values that layer's MLP has freed by then)."""
+    peak, a transient in a layer's backward beyond the values that layer's MLP has freed by then). ``moe_layers``:
+    how many decoder layers are MoE (``None``: every layer of an MoE config; :func:`moe_layer_count`)."""
     seq, options = seq or tokens, options or ParallelOptions()
     rows = tokens // seq
     local = tokens // (sp * cp)  # this rank's tokens outside attention
@@ -289,21 +341,13 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     kv_width = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * (
         getattr(config, "head_dim", None) or h // config.num_attention_heads)
     outside = h + (2 * q_width + 2 * kv_width if qk_norm else 0)  # the q/k/v projections' input; q/k norms
-    top_k = getattr(config, "num_experts_per_tok", 0) or 0
-    if top_k:
-        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts",
-                                                     "moe_num_experts") if getattr(config, k, None)), 0)
-        shared = (getattr(config, "shared_expert_intermediate_size", None)
-                  or (getattr(config, "n_shared_experts", None) or 0) * inter)
-        mlp = h + 2 * experts + top_k * (2 * h + 2 * inter) + (h + 4 * shared if shared else 0)
-    else:
-        mlp = h + 4 * config.intermediate_size
+    mlp, mlp_most = _mlp_widths(config, moe_layers)
     attn, scores, mask = _attention_bytes(config, rows, seq, dtype_bytes, sp, cp, attention, options)
     # RMSNorm computes in fp32: below fp32 it keeps an fp32 copy of its input beside its normalised output
     upcast = 4 - dtype_bytes if dtype_bytes < 4 else 0
-    norms = upcast * (2 * h + (q_width + kv_width if qk_norm else 0))
+    norms = upcast * (2 * h + (q_width + kv_width if qk_norm else 0)) + mla_latent_bytes(config, dtype_bytes)
     layer = local * ((4 * h + outside + mlp) * dtype_bytes + norms) + attn  # bytes one layer keeps (scores apart)
+    largest = layer + local * (mlp_most - mlp) * dtype_bytes  # the layer of the widest MLP, its own
     # a sequence mixer on the group's whole rows (sp/cp): its gathered input, its input and projections as wide as
     # the attention's (a proxy) for every token of the rows; recomputed in backward by default (mixer_recompute),
     # so a mixer layer keeps its local values and one mixer's whole rows are a transient
@@ -312,7 +356,7 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     mixer = local * (4 * h + mlp) * dtype_bytes + whole
     layers = config.num_hidden_layers
     if recompute:  # the other layers' inputs, and one layer's values (its input among them) while it is recomputed
-        values = max(layers - 1, 0) * local * h * dtype_bytes + (max(layer, mixer if mixers else 0) if layers else 0)
+        values = max(layers - 1, 0) * local * h * dtype_bytes + (max(largest, mixer if mixers else 0) if layers else 0)
         scores_kept = scores if layers > mixers else 0
     else:
         kept = mixer - whole if options.mixer_recompute else mixer
@@ -342,13 +386,16 @@ def activation_bytes(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     projections' input ``H`` (``+ 2q + 2kv`` with ``qk_norm``); a SwiGLU MLP ``H + 4I``; a MoE layer instead
     ``H + 2E + k·(2H + 2I)`` (the router's input and scores; per routed row its input, ``[gate; up]`` — the
     activation is recomputed in backward, on the torch path and in the Triton kernels alike — and the output the
-    combine weighs) plus its shared experts' MLP; the final norm ``2H``. Inside attention (``q`` / ``kv`` widths)
+    combine weighs) plus its shared experts' MLP (dense layers of an MoE model, as DeepSeek's first ones: the
+    SwiGLU's); the final norm ``2H``. Inside attention (``q`` / ``kv`` widths)
     Ulysses gives a rank whole rows of ``heads/sp`` query heads (key/value heads repeated where fewer than ``sp``,
     :func:`attention_heads`), cp gives it its ``tokens/cp`` queries against the keys and values of whole rows:
     the queries and the output ``2·(tokens/cp)·q/sp``, the keys and values ``2·tokens·kv/sp`` (with a mask, as
     under sp/cp, and for eager, transformers repeats the key/value heads to the query heads first; sdpa and flash
     without a mask keep them as they are), and under sp the output's all-to-all makes a second copy for the output
-    projection. ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
+    projection. MLA (DeepSeek's latent attention) keeps queries and keys ``nope + rope`` wide, the key/value
+    projection's ``[nope; v]`` output (the values are a view of it), a ``v``-wide output, and its latents' norms
+    (:func:`mla_latent_bytes`). ``attention="eager"`` keeps the ``rows·heads/sp·(seq/cp)·seq`` softmax too (fp32, and its copy in
     a lower compute dtype); sdpa and flash keep no score matrix. Under sp/cp eager gets an additive mask of
     ``rows·(seq/cp)·seq`` shared by the layers where that mask and one layer's scores fit the block budget
     (:func:`~xpar_zoo.styles.sequence_paths.attention_block_rows`, the CPU's 16 MiB unless ``options`` set one);
@@ -537,7 +584,7 @@ def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, size
     fused_head = head if fused else 0
     qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
     terms = activation_terms(config, rows, pbytes, fused_head, qk_norm, recompute, seq=seq, sp=sp, cp=cp,
-                             attention=attention, options=options)
+                             attention=attention, options=options, moe_layers=moe_layer_count(model) or None)
     est.memory["activations (estimate)"] = terms["activations"]
     if lora_rank:
         est.memory["activations (estimate)"] += lora_activation_bytes(model, config, tokens, pbytes, recompute)

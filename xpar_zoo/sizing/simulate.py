@@ -10,10 +10,12 @@ makes the optimizer's states).
 What a world of fake tensors cannot run, and how it is handled (docs/design.md, "Sizing"): the router's choices
 and the token ids have no values, so the EP and ``emb`` all-to-alls take fixed routes
 (:class:`~xpar_zoo.styles.routes.Routes`: balanced, or the busiest rank receiving ``route_imbalance`` times the mean);
-the tensors live on the CPU device (torch's CPU build aborts on fake CUDA tensors inside sdpa), so the CPU's
-choices that depend on the device hold (the fused loss's chunk, the sp/cp attention's block budget), while
-FSDP2's own collectives (the GPU's path) replace the CPU's in-place gloo ones; torch's fake ``grouped_mm`` takes
-bf16 only, so routed experts simulate in bf16 or fp16 compute.
+the tensors live on the CPU device (torch's CPU build aborts on fake CUDA tensors inside sdpa), and the choices
+that depend on the device are set to a GPU's: the fused loss's chunk, the sp/cp attention's block budget,
+FSDP2's own collectives in place of the CPU's in-place gloo ones, and sdpa's kernel where the value heads are
+narrower than the query/key heads (MLA: :func:`gpu_sdpa_forward`, the memory-efficient kernel, where the CPU would
+keep the whole scores); torch's fake ``grouped_mm`` takes bf16 only, so routed experts simulate in bf16 or fp16
+compute.
 """
 
 from __future__ import annotations
@@ -27,18 +29,39 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..compat import fake_process_group_store, fake_tensor_mode, fsdp_memory_tracker
+from ..compat import efficient_attention, fake_process_group_store, fake_tensor_mode, fsdp_memory_tracker
 from ..errors import PlanError
 from ..loss.fused import CE_CHUNK_ELEMENTS
 from ..parallel.options import ATTENTION_BLOCK_MIB_ACCELERATOR, ParallelOptions
+from ..styles.experts import experts_modules
 from ..styles.routes import Routes, install_routes
+from ..styles.vocab import vocab_parallel_embeddings
 from . import estimator as sizing
+
+
+def gpu_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa as a GPU runs it: where the value heads are narrower than the query/key heads (MLA) and
+    there is no mask, the memory-efficient kernel (the one a GPU's sdpa dispatches to there: flash needs equal
+    widths), which keeps no scores; the CPU's sdpa has no fused kernel for unequal widths and would take its math
+    path, keeping ``[heads, seq, seq]`` per layer. Elsewhere transformers' own sdpa (its CPU flash kernel keeps
+    what a GPU's does: the output and the log-sum-exp)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if query.shape[-1] == value.shape[-1] or attention_mask is not None or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = efficient_attention(query, key, value, bool(causal) and query.shape[2] > 1, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
 
 # sdpa on plain rows, as a real run has it: transformers cannot tell from fake position ids that the rows are not
 # packed and would build a block-causal mask (and repeat the key/value heads for it); under a name of its own that
-# has no mask function, it builds none and sdpa runs causal, as on real plain rows
+# has no mask function, it builds none and sdpa runs causal, as on real plain rows, by a GPU's kernels
 PLAIN_ROWS_SDPA = "xpar_zoo_simulated_sdpa"
-AttentionInterface.register(PLAIN_ROWS_SDPA, sdpa_attention_forward)
+AttentionInterface.register(PLAIN_ROWS_SDPA, gpu_sdpa_forward)
 
 KINDS = ("parameters", "gradients", "optimizer states", "activations", "temporaries")
 # torch's tracker categories (torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType values) by our kind
@@ -50,8 +73,8 @@ TRACKER_KINDS = {
 }
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICE_NOTE = ("fake tensors on the CPU device (torch's CPU build cannot run sdpa on fake CUDA tensors), with a "
-               "GPU's choices: FSDP2's own collectives, the fused loss's chunk, the sp/cp attention's block budget and "
-               "lower-right cp")
+               "GPU's choices: FSDP2's own collectives, the fused loss's chunk, the sp/cp attention's block budget, "
+               "lower-right cp and the memory-efficient sdpa kernel for unequal query/value head widths")
 
 
 def gpu_path_options(options: ParallelOptions | None = None) -> ParallelOptions:
@@ -127,7 +150,7 @@ def simulate(config, world: int, sizes: dict[str, int] | None = None, replicate:
     fake_world(world)
     model = _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute,
                             lora_rank, lora_modules, lora_parameters, options)
-    install_routes(model, Routes(route_imbalance))
+    install_routes([*experts_modules(model), *vocab_parallel_embeddings(model)], Routes(route_imbalance))
     tracker = _tracked_steps(model, micro_batch, seq, optimizer)
     by_kind = dict.fromkeys(KINDS, 0)
     for category, nbytes in tracker.items():
@@ -190,8 +213,6 @@ def _tracked_steps(model: nn.Module, micro_batch: int, seq: int, optimizer: str)
         materialize(model, device="cpu")
         opt = _optimizer(model, optimizer)
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)
-        tracker = fsdp_memory_tracker(model, opt)
-        tracker.track_inputs((ids,))
 
         def step() -> None:
             model(input_ids=ids, labels=ids).loss.backward()
@@ -199,9 +220,13 @@ def _tracked_steps(model: nn.Module, micro_batch: int, seq: int, optimizer: str)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        # untracked: it makes the optimizer's states, and DTensor's first sharding propagation of each op runs
+        # that op on whole (unsharded) fake tensors in this fake mode, which a tracker would count as this
+        # rank's memory (up to a whole [E, H, I] tensor); the second step finds every propagation cached
+        step()
+        tracker = fsdp_memory_tracker(model, opt)
+        tracker.track_inputs((ids,))
         with tracker:
-            step()  # the optimizer's states are made here
-            tracker.reset_mod_stats()
             step()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     return {str(getattr(category, "value", category)): int(nbytes) for category, nbytes in peak.items()}

@@ -103,13 +103,14 @@ from .sequence_layout import (
     token_layout,
 )
 from .sequence_masks import SequenceForward, current_forward
+from .sequence_media import bidirectional_images, split_media, split_positions, vision_blocks
 from .sequence_media import refusal as media_refusal
-from .sequence_media import split_media, split_positions
 from .sequence_mixers import (
     decoder_layers,
     dispatches_attention,
     install_sequence_mixers,
     sequence_mixers,
+    tower_models,
     unserved_mixers,
 )
 from .sequence_paths import (
@@ -155,6 +156,7 @@ class SequencePart:
     seq_len: int
     docs: torch.Tensor | None = None
     key_valid: torch.Tensor | None = None
+    vision_blocks: torch.Tensor | None = None
 
 
 class SequenceParallel:
@@ -168,6 +170,7 @@ class SequenceParallel:
     def __init__(self, mesh: Mesh, inner: str, parallel: ParallelState) -> None:
         self.parallel = parallel
         self.placeholder_ids: dict[str, int | None] = {}  # each modality's placeholder token (multimodal rows)
+        self.bidirectional_images = False  # an image's tokens see each other both ways on sliding layers (Gemma 4)
         self.sp, self.cp = mesh.sp, mesh.cp
         self.sp_group, self.cp_group = mesh.sequence_group("sp"), mesh.sequence_group("cp")
         self.sp_rank, self.cp_rank = mesh.sequence_rank("sp"), mesh.sequence_rank("cp")
@@ -223,7 +226,8 @@ class SequenceParallel:
             out["inputs_embeds"] = embeds[:, local]
         out["position_ids"] = rows[..., local] if rows.shape[0] > 1 else positions[:, local]
         split_media(named, out, local, self.placeholder_ids)
-        return out, SequencePart(seq_len, document_ids(positions), key_valid)
+        blocks = vision_blocks(named.get("mm_token_type_ids")) if self.bidirectional_images else None
+        return out, SequencePart(seq_len, document_ids(positions), key_valid, blocks)
 
     def check_same_rows(self, rows: torch.Tensor) -> None:
         """Raise :class:`~xpar_zoo.errors.BatchError` on every rank of the sequence group when its ranks were given
@@ -247,8 +251,9 @@ class SequenceParallel:
 
     def begin(self, part: SequencePart, device: torch.device) -> None:
         layout = self.layout(part.seq_len)
+        blocks = None if part.vision_blocks is None else part.vision_blocks.to(device)
         self.current = SequenceForward(layout.queries.to(device), layout.keys.to(device), part.docs, part.key_valid,
-                                       layout.local.to(device))
+                                       layout.local.to(device), vision_blocks=blocks)
 
     # ---- attention: to heads, gather keys and values, run the inner path, back to sequence ---------------------
     def attention(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -501,11 +506,8 @@ def _keep_wrapped(model: nn.Module, state: SequenceParallel) -> None:
 def _towers_attend_whole(model: nn.Module, inner: str) -> None:
     """A vision tower attends over its own patches, whole on every rank (the rows are split after it): its
     submodels keep the inner attention."""
-    towers = tuple(type(getattr(model.config, k)) for k in getattr(model.config, "sub_configs", {})
-                   if k != "text_config" and getattr(model.config, k, None) is not None)
-    for module in model.modules():
-        if module is not model and isinstance(getattr(module, "config", None), towers) and hasattr(
-                module, "set_attn_implementation"):
+    for module in tower_models(model):
+        if hasattr(module, "set_attn_implementation"):
             _set_attn_implementation(module, inner)
 
 
@@ -519,6 +521,7 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
     AttentionInterface.register(name, _sequence_attention)
     state = SequenceParallel(mesh, inner, parallel)
     state.placeholder_ids = {m: getattr(model.config, f"{m}_token_id", None) for m in ("image", "video")}
+    state.bidirectional_images = bidirectional_images(model)
     _own_config(model)
     _set_attn_implementation(model, name)
     if attn_implementation(model.config) != name:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelStateError
+from ..parallel.state import consecutive_runs
 from .sequence_paths import MaskKind
 
 Block = tuple[int, int, "slice | torch.Tensor"]  # (first local query, queries, keys: an index of the gathered keys)
@@ -77,6 +78,7 @@ class SequenceForward:
     key_valid: torch.Tensor | None
     local: torch.Tensor | None = None
     cache: ForwardCache = field(default_factory=ForwardCache)
+    vision_blocks: torch.Tensor | None = None  # [b, S]: each image's block number, -1 elsewhere (see block_mask)
 
     def mask_kind(self, causal: bool, window: int | None, keys: int) -> MaskKind:
         """What this call's mask is (:class:`~xpar_zoo.styles.sequence_paths.MaskKind`): plain causality in row
@@ -94,19 +96,19 @@ class SequenceForward:
     def causal_only(self, causal: bool, window: int | None, keys: int) -> bool:
         """Whether the mask is plain causality by global position (no packed documents, no padding, no window
         shorter than the row), whatever the order of the queries and keys."""
-        return causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
+        return (causal and self.docs is None and self.key_valid is None and (window is None or window >= keys)
+                and not self.bidirectional(window))
+
+    def bidirectional(self, window: int | None) -> bool:
+        """Whether this call's mask lets the tokens of one image see each other both ways: a sliding-window layer
+        of rows whose images attend bidirectionally (:attr:`vision_blocks`)."""
+        return self.vision_blocks is not None and window is not None
 
     def query_runs(self) -> list[tuple[int, int, int]]:
         """The runs of consecutive global positions in the queries (cp: the head chunk and the tail chunk):
         ``[(first local query, queries, global end)]``; a run attends causally to the row's keys before its end."""
         if self.cache.runs is None:  # one host sync per forward
-            q = self.queries.tolist()
-            runs, start = [], 0
-            for i in range(1, len(q) + 1):
-                if i == len(q) or q[i] != q[i - 1] + 1:
-                    runs.append((start, i - start, q[i - 1] + 1))
-                    start = i
-            self.cache.runs = runs
+            self.cache.runs = [(i, n, first + n) for i, first, n in consecutive_runs(self.queries.tolist())]
         return self.cache.runs
 
     def key_order(self) -> torch.Tensor:
@@ -136,6 +138,10 @@ class SequenceForward:
         if window is not None:
             allowed = allowed & (k > q - window)  # q - k < window, without an int64 [q, k] difference
         allowed = allowed[None]
+        if self.bidirectional(window):  # (causal or the same image) and the window: Gemma 4's sliding layers
+            blocks = self.vision_blocks
+            same = (blocks[:, queries, None] == blocks[:, None, keys]) & (blocks[:, queries, None] >= 0)
+            allowed = allowed | (same & (k > q - window)[None])
         if self.docs is not None:
             allowed = allowed & (self.docs[:, queries, None] == self.docs[:, None, keys])
         if self.key_valid is not None:
@@ -157,7 +163,8 @@ class SequenceForward:
         if cache in self.cache.blocks:
             return self.cache.blocks[cache]
         # a query no key is allowed to (left padding) attends to every key: keep them all where one may exist
-        trim = causal and (self.key_valid is None or (window is None and self.every_query_sees_a_key()))
+        trim = causal and not self.bidirectional(window) and (
+            self.key_valid is None or (window is None and self.every_query_sees_a_key()))
         order = self.key_order().tolist() if trim else None
         positions = self.keys[self.key_order()].tolist() if trim else None  # the keys' positions, ascending
         floor = self.document_starts() if trim and self.docs is not None else None
@@ -201,11 +208,14 @@ class SequenceForward:
         key = (causal, window)
         if key not in self.cache.flex:
             docs, valid = self.docs, self.key_valid
+            blocks = self.vision_blocks if self.bidirectional(window) else None
             query_at, key_at = _positions(self.queries), _positions(self.keys)
 
             def mask_mod(b, h, q_idx, kv_idx):
                 q, k = query_at(q_idx), key_at(kv_idx)
                 allowed = k <= q if causal else k >= 0
+                if blocks is not None:
+                    allowed = allowed | ((blocks[b, q] == blocks[b, k]) & (blocks[b, q] >= 0))
                 if window is not None:
                     allowed = allowed & (q - k < window)
                 if docs is not None:
@@ -214,7 +224,7 @@ class SequenceForward:
                     allowed = allowed & valid[b, k]
                 return allowed
 
-            rows = next((t.shape[0] for t in (docs, valid) if t is not None), None)
+            rows = next((t.shape[0] for t in (docs, valid, blocks) if t is not None), None)
             self.cache.flex[key] = banded_block_mask(mask_mod, rows, self.queries.numel(), self.keys.numel(),
                                                     self.queries.device)
         return self.cache.flex[key]

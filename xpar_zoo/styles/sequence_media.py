@@ -18,6 +18,9 @@ from torch import nn
 
 TOKEN_KWARGS = ("mm_token_type_ids", "token_type_ids")
 MODALITY_CODES = {"image": 1, "video": 2}  # mm_token_type_ids of each modality's placeholders
+# Families with 1-D positions whose image rows sp/cp split: one feature row per placeholder token, proved with images
+# (tests/distributed/test_zoo_mixed_images.py); other families without multimodal RoPE are refused until proved.
+ROW_POSITION_FAMILIES = frozenset({"gemma4"})
 
 
 def refusal(model: nn.Module) -> str | None:
@@ -34,10 +37,31 @@ def refusal(model: nn.Module) -> str | None:
         return f"{name} has a tower whose rows sp/cp do not split ({other}); sp/cp split image–text rows"
     if encoder_host(model) is not model:
         return f"{name} does not take precomputed image features at its top level (mm_encoder_outputs)"
-    if not any(callable(getattr(m, "get_rope_index", None)) for m in model.modules()):
+    if (not any(callable(getattr(m, "get_rope_index", None)) for m in model.modules())
+            and getattr(config, "model_type", None) not in ROW_POSITION_FAMILIES):
         return (f"{name} places its image features without multimodal RoPE; sp/cp split the rows of the "
-                "multimodal-RoPE families (Qwen-VL, GLM-4V)")
+                f"multimodal-RoPE families (Qwen-VL, GLM-4V) and of {', '.join(sorted(ROW_POSITION_FAMILIES))}, "
+                "proved with images")
     return None
+
+
+def bidirectional_images(model: nn.Module) -> bool:
+    """Whether ``model``'s sliding-window layers let the tokens of one image see each other both ways
+    (transformers' ``use_bidirectional_attention="vision"``, Gemma 4: its mask there is (causal or the same image)
+    and the window, where the batch has ``mm_token_type_ids``)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(text, "use_bidirectional_attention", None) == "vision"
+
+
+def vision_blocks(types: torch.Tensor | None) -> torch.Tensor | None:
+    """``[batch, seq]``: the number of each image (or video) block of the whole rows' ``mm_token_type_ids``
+    (consecutive image or video tokens) at its tokens, ``-1`` elsewhere; ``None`` without ``types``."""
+    if types is None:
+        return None
+    vision = (types == MODALITY_CODES["image"]) | (types == MODALITY_CODES["video"])
+    starts = vision.clone()
+    starts[:, 1:] &= ~vision[:, :-1]
+    return torch.where(vision, starts.long().cumsum(1) - 1, -1)
 
 
 def placeholder_masks(named: dict, token_ids: dict) -> dict[str, torch.Tensor]:

@@ -74,11 +74,22 @@ def dispatches_attention(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in forward_source(cls.forward)
 
 
+def tower_models(model: nn.Module) -> list[nn.Module]:
+    """The submodels of a multimodal ``model`` built from a sub-config other than its text config (vision and audio
+    towers): they run on whole images before the sp/cp split, outside the rows' layers."""
+    config = model.config
+    towers = tuple(type(getattr(config, k)) for k in getattr(config, "sub_configs", {})
+                   if k != "text_config" and getattr(config, k, None) is not None)
+    return [m for m in model.modules() if m is not model and isinstance(getattr(m, "config", None), towers)]
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of ``model`` in order: modules of its ``_no_split_modules`` classes (FSDP2's subclasses of
-    them too)."""
+    """The decoder layers of ``model``'s rows in order: modules of its ``_no_split_modules`` classes (FSDP2's
+    subclasses of them too) outside its :func:`tower_models` (one per text ``layer_types`` entry)."""
     names = set(no_split_modules(model))
-    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    towers = {id(m) for t in tower_models(model) for m in t.modules()}
+    return [m for m in model.modules()
+            if id(m) not in towers and any(c.__name__ in names for c in type(m).__mro__)]
 
 
 def _is_mixer(module: nn.Module) -> bool:

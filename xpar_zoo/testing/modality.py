@@ -86,6 +86,9 @@ def patch_batches(config, world: int, side: int = 6, batch: int = 2, seq: int = 
 # Images per row of each rank (4 ranks × 2 rows): two images in one row, a rank with images in its second row only,
 # two ranks without any (the global batch mixes text-only and image rows, as SFT data does).
 MIXED_ROWS = ((2, 0), (0, 0), (0, 1), (0, 0))
+# Packed rows: two documents per row, each with its images (an image in a row's second document only, ranks with and
+# without images).
+PACKED_ROWS = (((1, 1), (0, 0)), ((0, 0), (0, 1)), ((1, 0), (0, 0)), ((0, 0), (0, 0)))
 
 
 def _one_image(inputs: str, config, g: torch.Generator) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -109,26 +112,33 @@ def _one_image(inputs: str, config, g: torch.Generator) -> tuple[list[int], dict
                                                     "image_grid_thw": torch.tensor([_GRID])}
 
 
-def mixed_batches(inputs: str, config, world: int, rows: tuple[tuple[int, ...], ...] = MIXED_ROWS, seq: int = 20,
+def mixed_batches(inputs: str, config, world: int, rows: tuple[tuple, ...] = MIXED_ROWS, seq: int = 20,
                   seed: int = 5) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
     """Token ids ``[world, batch, seq]`` whose row ``b`` of rank ``r`` holds ``rows[r][b]`` images (none: text
-    only) and, per rank, the pixel inputs of its images (none where it has none; ``mm_token_type_ids`` on every
-    rank for the grid layout, as the processor gives them)."""
+    only) and, per rank, the pixel inputs of its images (none where it has none) and ``mm_token_type_ids`` (on every
+    rank, as the processors give them). A tuple ``rows[r][b]`` packs the row: one document of ``seq / len`` tokens
+    per entry, holding that many images; then ``position_ids`` ``[batch, seq]`` restart at every document (one
+    document per row elsewhere)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(20, TEXT_VOCAB, (world, len(rows[0]), seq), generator=g)
     extra = []
     for r in range(world):
-        parts = []
-        for b, count in enumerate(rows[r]):
-            at = 1
-            for _ in range(count):
-                tokens, pixels = _one_image(inputs, config, g)
-                ids[r, b, at:at + len(tokens)] = torch.tensor(tokens)
-                at += len(tokens) + 1
-                parts.append(pixels)
+        parts, positions = [], []
+        for b, counts in enumerate(rows[r]):
+            documents = counts if isinstance(counts, tuple) else (counts,)
+            length = seq // len(documents)
+            positions.append(torch.arange(seq) % length if isinstance(counts, tuple) else torch.arange(seq))
+            for d, count in enumerate(documents):
+                at = d * length + 1
+                for _ in range(count):
+                    tokens, pixels = _one_image(inputs, config, g)
+                    ids[r, b, at:at + len(tokens)] = torch.tensor(tokens)
+                    at += len(tokens) + 1
+                    parts.append(pixels)
         mine = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
-        if inputs == "image":
-            mine["mm_token_type_ids"] = (ids[r] == config.image_token_id).long()
+        mine["mm_token_type_ids"] = (ids[r] == config.image_token_id).long()
+        if any(isinstance(c, tuple) for row in rows for c in row):
+            mine["position_ids"] = torch.stack(positions)
         extra.append(mine)
     return ids, extra
 

@@ -67,9 +67,14 @@ class RunRecord:
     attention_paths: dict[str, int] = field(default_factory=dict)  # sp/cp: attention calls per inner path
 
 
+# The batch dimension of model inputs not batched on dim 0: position_ids, [batch, seq] or multimodal RoPE's
+# [4, batch, seq] (text positions over the 3-D ones).
+BATCH_DIM = {"position_ids": -2}
+
+
 def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | range | None = None) -> dict:
     """The extra model inputs (e.g. images: :func:`xpar_zoo.testing.modality.batches`) of ``step``:
-    ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on dim 0 for the single-process
+    ``extra[step]`` holds one dict per rank; ``rank=None`` concatenates them on their batch dim for the single-process
     reference (each input over the ranks that have it), a ``range`` those of its micro-batches (a data shard of several, see :func:`train_parallel`)."""
     if not extra:
         return {}
@@ -77,7 +82,7 @@ def step_inputs(extra: list[list[dict]] | None, step: int, rank: int | range | N
         return dict(extra[step][rank])
     parts = extra[step] if rank is None else [extra[step][r] for r in rank]
     keys = dict.fromkeys(k for e in parts for k in e)  # a rank without images has no pixel inputs
-    return {k: torch.cat([e[k] for e in parts if k in e]) for k in keys}
+    return {k: torch.cat([e[k] for e in parts if k in e], dim=BATCH_DIM.get(k, 0)) for k in keys}
 
 
 def train_reference(config, data: torch.Tensor, optimizer: str, max_norm: float | None, seed: int = 0,

@@ -3,7 +3,10 @@ xpar_zoo plan, under torchrun on one node or many. See the README's "Training".
 
 - :mod:`~xpar_zoo.train.config`  the settings (YAML file + flags), validated before any work;
 - :mod:`~xpar_zoo.train.data`    reading, tokenizing, packing documents into rows, dealing rows to the ranks;
-- :mod:`~xpar_zoo.train.loop`    setup, then the loop: each step, metrics, export; it calls the components:
+- :mod:`~xpar_zoo.train.inputs`  what a run reads before the model loads (checkpoint to resume, config, data);
+- :mod:`~xpar_zoo.train.load`    the parallelized model and the components around it;
+- :mod:`~xpar_zoo.train.export`  the exports after the last step;
+- :mod:`~xpar_zoo.train.loop`    the run: inputs, model, then the loop: each step, metrics; it calls the components:
 - :mod:`~xpar_zoo.train.optim`   AdamW and the learning-rate schedule;
 - :mod:`~xpar_zoo.train.checkpointer` the checkpoints due after a step, and resume;
 - :mod:`~xpar_zoo.train.evaluate` held-out evaluation when due;

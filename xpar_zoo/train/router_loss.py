@@ -1,6 +1,8 @@
-"""The router auxiliary loss of ``xpar-zoo train`` over the global batch: transformers' Switch-Transformer
-load-balancing term computed from every rank's tokens (:func:`xpar_zoo.loss.balance.global_router_aux_loss`), each
-micro-batch adding its share; the model's own per-rank term is switched off, and checked equal to ours once."""
+"""The router auxiliary loss over the global batch, for ``xpar-zoo train`` and the Trainer integration:
+transformers' Switch-Transformer load-balancing term computed from every rank's tokens
+(:func:`xpar_zoo.loss.balance.global_router_aux_loss`). ``xpar-zoo train`` adds each micro-batch's share and switches
+the model's own per-rank term off, checked equal to ours once (:func:`router_aux`); the Trainer keeps the model's
+coefficient and swaps its per-rank term for the share (:func:`model_router_aux`)."""
 
 from __future__ import annotations
 
@@ -26,11 +28,18 @@ class RouterAux:
     top_k: int
     checked: bool = False
 
+    def share(self, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(share, local)``: this rank's share of the load-balancing loss over every rank's tokens (differentiable,
+        unscaled) and the loss of its own tokens alone (detached); ``attention_mask``: padding not counted. A
+        collective."""
+        return global_router_aux_loss(router_logits, self.num_experts, self.top_k, attention_mask)
+
     def add(self, out, loss: torch.Tensor, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``loss`` of one of the step's ``micro_batches`` (``out``: the model's output, with router logits) plus its
         share of the global-batch auxiliary loss, and that share (detached, fp64) for the step's ``aux_loss``. The
         first call checks our per-rank term against the model's own (a collective)."""
-        share, local = global_router_aux_loss(out.router_logits, self.num_experts, self.top_k)
+        share, local = self.share(out.router_logits)
         if not self.checked:
             _check_aux(self, local, out.aux_loss)
         return loss + share * (self.coef / micro_batches), share.detach().double() / micro_batches
@@ -51,6 +60,13 @@ def router_aux(model: nn.Module, cfg: TrainConfig) -> RouterAux | None:
                                "leave --router-aux-loss-coef unset")
     model.router_aux_loss_coef = 0.0
     return RouterAux(float(coef), int(model.num_experts), int(model.num_experts_per_tok))
+
+
+def model_router_aux(model: nn.Module) -> RouterAux:
+    """The router auxiliary loss as ``model`` adds it itself: its text config's ``router_aux_loss_coef`` (0 when
+    unset) and its expert counts; not checked against the model's term (the Trainer replaces that term)."""
+    coef = getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0
+    return RouterAux(float(coef), int(model.num_experts), int(model.num_experts_per_tok), checked=True)
 
 
 def _check_aux(aux: RouterAux, local: torch.Tensor, model_aux: torch.Tensor) -> None:
