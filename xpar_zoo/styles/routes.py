@@ -1,6 +1,7 @@
 """Fixed routes for a run whose tensors have shapes but no values (a simulated world, :mod:`xpar_zoo.sizing.simulate`):
 how many rows each all-to-all of the ``experts`` and ``embedding`` styles sends and receives, where a real run
-counts them from the router's choices or the token ids (a host sync that fake tensors cannot answer).
+counts them from the router's choices or the token ids, and the vocab-parallel head's row count on every group rank
+(the same as this rank's), where a real run exchanges them (host syncs that fake tensors cannot answer).
 
 Given to a model by :func:`install_routes`; without them (every real run) the styles count as usual.
 """
@@ -44,12 +45,12 @@ class Routes:
 
 
 def install_routes(model: nn.Module, routes: Routes) -> int:
-    """Give every experts module (EP or not: its counts are data too) and vocab-parallel embedding of ``model`` the
-    fixed ``routes``; returns how many modules took them."""
+    """Give every experts module (EP or not: its counts are data too), vocab-parallel embedding and head of
+    ``model`` the fixed ``routes``; returns how many modules took them."""
     count = 0
     for module in model.modules():
         experts = isinstance(getattr(module, "down_proj", None), torch.Tensor) and module.down_proj.dim() == 3
-        if experts or hasattr(module, "_xpar_ep") or hasattr(module, "_xpar_vocab"):
+        if experts or any(hasattr(module, a) for a in ("_xpar_ep", "_xpar_vocab", "_xpar_head")):
             module._xpar_routes = routes
             count += 1
     return count

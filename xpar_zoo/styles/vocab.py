@@ -172,7 +172,10 @@ def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParal
         return nn.functional.linear(hidden_states, weight)
     lead = hidden_states.shape[:-1]
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    counts = group_row_counts(hidden.shape[0], shard, hidden.device)
+    if getattr(self, "_xpar_routes", None) is not None:  # fixed routes: every group rank holds as many rows
+        counts = [hidden.shape[0]] * shard.size
+    else:
+        counts = group_row_counts(hidden.shape[0], shard, hidden.device)
     out = VocabParallelLogits()
     if request is not None:
         if request.targets.shape != lead:
