@@ -18,6 +18,8 @@ Where we change an upstream object without a public extension point, it is said 
   clipped, saved or resumed.
 - ``XparGRPOTrainer`` points TRL's vLLM weight sync at ``xpar_zoo.iter_hub_weights`` (:func:`stream_vllm_weights`).
 - huggingface_hub: no private name is used.
+- Python's own ``atexit._run_exitfuncs`` (:func:`run_exit_handlers`): a rank that ends with ``os._exit`` runs the exit
+  handlers first, and the standard library has no public call that runs them without ending the interpreter.
 - The vocab styles read transformers' forward *source* (:mod:`xpar_zoo.zoo.forward_source`, ``check_head``): no
   public API says whether a forward reads the embedding weight directly or changes the logits after the head.
 - A multimodal processor is built without its video processor (:func:`processor_without_video`) where torchvision
@@ -53,6 +55,13 @@ shard_size_and_offsets = _get_shard_size_and_offsets
 
 # The logger of DTensor's redistribution warnings (filtered for exact all-gathers): a private module's name.
 DTENSOR_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
+def run_exit_handlers() -> None:
+    """Run the ``atexit`` handlers now (what an ordinary exit runs before the interpreter's teardown)."""
+    import atexit
+
+    atexit._run_exitfuncs()
 
 
 def redistribute_logger() -> logging.Logger:

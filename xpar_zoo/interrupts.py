@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from .environment import launcher_rank
+from .environment import says_for_every_rank
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
@@ -28,7 +28,7 @@ def is_command(orig_argv: list[str] | None = None, argv0: str | None = None) -> 
 
 
 def _stop_while_importing(signum, frame) -> None:
-    if launcher_rank() == 0:  # every rank of a launch gets the signal: rank 0 says it once
+    if says_for_every_rank():  # every rank of a launch gets the signal: rank 0 says it once
         sys.stderr.write(f"xpar-zoo: {signal.Signals(signum).name} while starting: stopped before anything was "
                          "loaded or written (rerun the command to start again)\n")
         sys.stderr.flush()

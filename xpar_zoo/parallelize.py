@@ -43,6 +43,7 @@ from .errors import ModelStateError, PlanError
 from .hub.adapter_files import finish
 from .hub.save_pretrained import install_save_pretrained
 from .loss.global_batch import install_global_loss
+from .parallel.distributed import run_everywhere
 from .parallel.fsdp_layout import FSDPUnit, PlannedModule, fsdp_layout
 from .parallel.materialize import check_materialized, meta_tensors, unread_buffers
 from .parallel.mesh import Mesh, check_same_on_all_ranks
@@ -262,7 +263,7 @@ def check_ready(model: nn.Module) -> None:
 
 def resolve_options(options: ParallelOptions | None, cpu_collectives: str | None = None) -> ParallelOptions:
     """The options ``parallelize`` runs with: ``options``, else the environment's defaults
-    (:meth:`ParallelOptions.from_env`, read here once); ``cpu_collectives`` (the older keyword) sets that field.
+    (:meth:`ParallelOptions.from_env`, read here once); ``cpu_collectives`` (a keyword of ``parallelize`` too) sets that field.
     :class:`PlanError` on a bad value, or on ``cpu_collectives`` that disagrees with ``options``."""
     if options is None:
         given: dict[str, Any] = {} if cpu_collectives is None else {"cpu_collectives": cpu_collectives}
@@ -275,16 +276,20 @@ def resolve_options(options: ParallelOptions | None, cpu_collectives: str | None
     return options
 
 
-def set_parallel_options(model: nn.Module, options: ParallelOptions) -> None:
+def set_parallel_options(model: nn.Module, options: ParallelOptions | None) -> None:
     """Run the parallelized ``model`` with ``options`` from its next forward on (the styles read them from its
-    parallel state). A collective: every rank calls it with the same options (checked, one line on every rank).
-    ``cpu_collectives`` was applied when ``parallelize`` sharded the model and cannot change here."""
+    parallel state; ``None``: keep those it runs with). A collective: every rank calls it, and ranks given different
+    options (one of them ``None``) get one line each, before anything changes. ``cpu_collectives`` was applied when
+    ``parallelize`` sharded the model and cannot change here."""
     state = parallel_state(model)
     if state is None:
         raise ModelStateError(f"{type(model).__name__} is not parallelized; pass options to parallelize")
+    agreement = options if options is None or isinstance(options, ParallelOptions) else type(options).__name__
+    check_same_on_all_ranks(agreement, "options", PlanError)
+    if options is None:
+        return
     if not isinstance(options, ParallelOptions):
         raise PlanError(f"options must be a xpar_zoo.ParallelOptions, got {type(options).__name__}")
-    check_same_on_all_ranks(options.agreement(), "options", PlanError)
     if options.cpu_collectives != state.options.cpu_collectives:
         raise PlanError(f"cpu_collectives={options.cpu_collectives!r}: the model was parallelized with "
                         f"{state.options.cpu_collectives!r}, which its FSDP units keep; pass it to parallelize")
@@ -325,7 +330,8 @@ def parallelize(
     micro-batch (the mean of ``out.loss`` over the ranks is that global mean, and the gradients are exactly its
     gradients); ``num_items_in_batch`` sets the global count explicitly (gradient accumulation): see
     :mod:`xpar_zoo.loss.global_batch`. A model built on meta needs :func:`~xpar_zoo.materialize` before it loads a checkpoint."""
-    options = resolve_options(options, cpu_collectives)
+    given = options  # a bad value on one rank is raised on every rank (no rank left in the agreement check)
+    options = run_everywhere(lambda: resolve_options(given, cpu_collectives))
     outer = model
     if uses_peft(model):  # LoRA applied before parallelize: the transformers model inside, its plan under PEFT's names
         model, plan = prepare(outer, plan or plan_for(base_of(outer)))

@@ -35,6 +35,27 @@ def _environment_of_rank(model):
         os.environ.pop("XPAR_ZOO_MIXER_RECOMPUTE", None)
 
 
+def _bad_environment_on_rank_1(model):
+    """Rank 1's environment holds a value no option parses: every rank raises it (none waits in a collective)."""
+    import os
+
+    if torch.distributed.get_rank() == 1:
+        os.environ["XPAR_ZOO_MIXER_RECOMPUTE"] = "maybe"
+    try:
+        return xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=2))
+    finally:
+        os.environ.pop("XPAR_ZOO_MIXER_RECOMPUTE", None)
+
+
+def _options_on_ranks_but_1(model):
+    """set_parallel_options on another model, given options on every rank but rank 1 (the trainer's path)."""
+    from xpar_zoo.parallelize import set_parallel_options
+
+    other = xpar_zoo.parallelize(parity.build_model(parity.tiny_config()), xpar_zoo.Mesh(ep=2))
+    options = None if torch.distributed.get_rank() == 1 else xpar_zoo.ParallelOptions(mixer_recompute=False)
+    set_parallel_options(other, options)
+
+
 # Each case: the bad setup, given the (tiny, real) model; it must raise before the model is touched.
 ATTEMPTS = {
     "ep3_world4": lambda model: xpar_zoo.Mesh(ep=3),
@@ -48,6 +69,8 @@ ATTEMPTS = {
     "from_lists_mismatch": lambda model: xpar_zoo.Mesh.from_lists(sizes=[2, 2], names=["ep"]),
     "ranks_disagree_on_options": _options_of_rank,
     "ranks_disagree_on_the_environment": _environment_of_rank,
+    "bad_environment_on_one_rank": _bad_environment_on_rank_1,
+    "options_on_some_ranks_only": _options_on_ranks_but_1,
 }
 
 
@@ -92,6 +115,9 @@ CASES = {
                                   "rank 0 has {'mixer_recompute': True}, rank 1 has {'mixer_recompute': False}"],
     "ranks_disagree_on_the_environment": ["PlanError", "different parallelize arguments: mixer_recompute: rank 0 has "
                                           "{'mixer_recompute': True}, rank 1 has {'mixer_recompute': False}"],
+    "bad_environment_on_one_rank": ["PlanError", "XPAR_ZOO_MIXER_RECOMPUTE", "maybe"],
+    "options_on_some_ranks_only": ["PlanError", "ranks were given different options: rank 0 has ParallelOptions(",
+                                   "rank 1 has None"],
 }
 
 

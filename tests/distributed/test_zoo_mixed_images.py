@@ -8,6 +8,8 @@ qwen3_5_moe's gated delta nets run on the whole rows, gemma4's images are seen b
 its published configs set); the families sp/cp cannot split are refused with the reason. The jobs run in the zoo's one 4-rank run
 (``zoo_proofs`` in tests/conftest.py)."""
 
+import contextlib
+
 import pytest
 
 from xpar_zoo.testing import modality, parity
@@ -22,7 +24,8 @@ ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
 BIDIRECTIONAL_IMAGES = ("gemma4",)
 PACKED = "qwen3_vl_moe"  # proved on packed rows with images too, on these meshes (its job: PACKED_JOB)
 PACKED_JOB = f"{PACKED} packed"
-PACKED_MESHES = {"ep2": {"ep": 2}, "sp2_ep2": {"sp": 2, "ep": 2}, "cp2": {"cp": 2}}
+LORA_JOB = f"{PACKED} lora on the vision tower"
+PACKED_MESHES = {"ep2": {"ep": 2}, "sp2_ep2": {"sp": 2, "ep": 2}}
 REFUSED = {"aria": "without multimodal RoPE"}  # a family not proved with images
 
 
@@ -47,11 +50,33 @@ def _job(arch: str) -> dict:
     ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
     out = {}
     for name, mesh in _meshes(arch).items():
-        rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
+        with _encoded_rows() as encoded:
+            rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
+        rows = [None] * PROOF_WORLD
+        dist.all_gather_object(rows, sum(encoded))
         if rank == 0:
             out[arch, name] = {"loss": (rec.losses[0], ref.losses[0]),
-                               "errors": parity.param_errors(rec.params, ref.params, before)}
+                               "errors": parity.param_errors(rec.params, ref.params, before), "encoded": rows,
+                               "one image": images[0]["pixel_values"].shape[0] // 2}  # rank 0's row 0: two images
     return out
+
+
+@contextlib.contextmanager
+def _encoded_rows():
+    """The pixel rows (patches, or whole images) that this rank's vision tower embeds while inside."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    rows: list[int] = []
+
+    def hook(module, args):
+        if "PatchEmbed" in type(module).__name__ and args:
+            rows.append(args[0].shape[0])
+
+    handle = register_module_forward_pre_hook(hook)
+    try:
+        yield rows
+    finally:
+        handle.remove()
 
 
 def _packed_job(arch: str) -> dict:
@@ -81,9 +106,57 @@ def _packed_job(arch: str) -> dict:
     return out
 
 
+def _lora_vision_job(base: str) -> dict:
+    """LoRA on attention and on every linear of the vision tower and projector (``--lora-vision``'s targets) of a
+    saved tiny qwen3_vl_moe, loaded by ``from_pretrained`` on ``ep=2``, one SGD step on the mixed rows, against
+    single-process PEFT from the same initial adapter."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
+    from transformers import AutoModelForImageTextToText
+
+    import xpar_zoo
+    from xpar_zoo.hub.adapter_files import adapter_state
+    from xpar_zoo.train.multimodal import vision_linears
+
+    rank = dist.get_rank()
+    cfg = parity.tiny_config(PACKED)
+    ids, images = modality.mixed_batches("image", cfg, PROOF_WORLD)
+    labels = parity.make_labels(ids[None])[0]
+    lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", *vision_linears(parity.build_model(cfg))])
+    model = xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=2), peft_config=lora, progress=False).train()
+    init = adapter_state(model)
+    opt = parity.sgd([p for p in model.parameters() if p.requires_grad])
+    loss = model(input_ids=ids[rank], labels=labels[rank], **images[rank]).loss
+    loss.backward()
+    opt.step()
+    losses = [None] * PROOF_WORLD
+    dist.all_gather_object(losses, loss.item())
+    after = adapter_state(model)
+    if rank != 0:
+        return {}
+    ref = get_peft_model(AutoModelForImageTextToText.from_pretrained(base, experts_implementation="eager"), lora)
+    set_peft_model_state_dict(ref, init)
+    ref.train()
+    ref_opt = parity.sgd([p for p in ref.parameters() if p.requires_grad])
+    ref_loss = ref(input_ids=ids.flatten(0, 1), labels=labels.flatten(0, 1),
+                   **parity.step_inputs([images], 0)).loss
+    ref_loss.backward()
+    ref_opt.step()
+    expected = {k: v.detach().clone() for k, v in get_peft_model_state_dict(ref).items()}
+    return {(LORA_JOB, "ep2"): {"loss": (sum(losses) / len(losses), ref_loss.item()),
+                                "errors": parity.param_errors(after, expected, init),
+                                "vision adapters": sorted({k.split(".lora_")[0] for k in init if ".visual." in k})}}
+
+
 def zoo_jobs(tmp_path_factory) -> dict:
-    """This module's part of the zoo's 4-rank run: a job per architecture, and one of packed rows."""
-    return {**{arch: (_job, (arch,)) for arch in ARCHS}, PACKED_JOB: (_packed_job, (PACKED,))}
+    """This module's part of the zoo's 4-rank run: a job per architecture, one of packed rows, one of LoRA on the
+    vision tower (on a saved base)."""
+    base = tmp_path_factory.mktemp("vl_lora") / "base"
+    parity.build_model(parity.tiny_config(PACKED)).save_pretrained(base)
+    return {**{arch: (_job, (arch,)) for arch in ARCHS}, PACKED_JOB: (_packed_job, (PACKED,)),
+            LORA_JOB: (_lora_vision_job, (str(base),))}
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +171,27 @@ def test_images_in_some_rows_only_match_single_process(results, arch, mesh):
     parity.assert_params_match(row["errors"], what=f"{arch} on {mesh}, mixed rows:")
 
 
+@pytest.mark.parametrize("arch,mesh", [(a, m) for a in ARCHS for m in long_context_meshes(a)])
+def test_each_sequence_group_encodes_each_image_once(results, arch, mesh):
+    row = results[arch, mesh]  # a group's two images: one on each of its ranks, not both on both
+    assert max(row["encoded"]) <= row["one image"], row["encoded"]
+
+
 @pytest.mark.parametrize("job,mesh", [(PACKED_JOB, m) for m in PACKED_MESHES])
 def test_packed_rows_with_images_match_single_process(results, job, mesh):
     row = results[job, mesh]
     parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{job} rows on {mesh}")
     parity.assert_params_match(row["errors"], what=f"{job} rows on {mesh}:")
+
+
+@pytest.mark.parametrize("job", [LORA_JOB])
+def test_lora_on_the_vision_tower_matches_single_process_peft(results, job):
+    pytest.importorskip("peft")
+    row = results[job, "ep2"]
+    assert any("blocks.0.attn.qkv" in m for m in row["vision adapters"]) and any(
+        "merger" in m for m in row["vision adapters"]), row["vision adapters"]
+    parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{job} on ep2")
+    parity.assert_params_match(row["errors"], what=f"{job} on ep2:")
 
 
 def test_the_mixed_rows_leave_ranks_without_images():

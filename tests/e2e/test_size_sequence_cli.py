@@ -15,11 +15,12 @@ def _run(capsys, *argv):
 
 
 def test_size_reports_tokens_per_rank_and_the_eager_scores(capsys, monkeypatch):
-    """eager keeps its ``seq²`` scores where they fit the block budget (raised here), and none beyond it, where
-    the sp/cp attention runs a block of queries at a time (the default budget at this length)."""
+    """eager keeps its ``seq²`` scores where they fit the block budget (raised here by ``--attention-block-mib``,
+    which wins over ``XPAR_ZOO_ATTENTION_BLOCK_MIB``), and none beyond it, where the sp/cp attention runs a block of
+    queries at a time (the default budget at this length)."""
     argv = ("--world", "8", "--sp", "2", "--cp", "2", "--ep", "2", "--seq", "32768", "--attention", "eager")
-    monkeypatch.setenv("XPAR_ZOO_ATTENTION_BLOCK_MIB", "1000000")
-    rc, out, _ = _run(capsys, *argv)
+    monkeypatch.setenv("XPAR_ZOO_ATTENTION_BLOCK_MIB", "1")
+    rc, out, _ = _run(capsys, *argv, "--attention-block-mib", "1000000")
     assert rc == 0
     assert "mesh {'world': 8, 'replicate': 1, 'ep': 2, 'sp': 2, 'cp': 2}" in out
     assert "8192 tokens per rank outside attention" in out
@@ -29,6 +30,18 @@ def test_size_reports_tokens_per_rank_and_the_eager_scores(capsys, monkeypatch):
     monkeypatch.delenv("XPAR_ZOO_ATTENTION_BLOCK_MIB")
     rc, blocked, _ = _run(capsys, *argv)
     assert rc == 0 and "attention scores (eager, seq²)" not in blocked and "activations (estimate)" in blocked
+
+
+def test_size_takes_the_parallel_option_flags_of_train():
+    """``xpar-zoo size`` and ``xpar-zoo train`` take the same ParallelOptions flags, to the same settings."""
+    from xpar_zoo.train.config import given_options
+
+    flags = ["--attention-block-mib", "8", "--cp-attention", "dense", "--no-mixer-recompute", "--cpu-collectives",
+             "gloo"]
+    size = cli.build_parser().parse_args(["size", "qwen3_moe", "--world", "2", *flags])
+    train = cli.build_parser().parse_args(["train", *flags])
+    want = dict(attention_block_mib=8.0, cp_attention="dense", mixer_recompute=False, cpu_collectives="gloo")
+    assert given_options(size) == given_options(train) == want
 
 
 def test_size_json_has_the_tokens_per_rank(capsys):

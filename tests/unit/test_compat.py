@@ -149,6 +149,10 @@ CHECKS = {
     "transformers ProcessorMixin.check_argument_for_proper_class (a processor without its video processor)":
         lambda: _processor_without_video(),
     "accelerate _is_accelerate_prepared": lambda: _source_mentions("accelerate.accelerator", "_is_accelerate_prepared"),
+    # Python
+    # (only looked up: running it here would run the test session's own exit handlers)
+    "atexit._run_exitfuncs (exit handlers before os._exit)": lambda: callable(
+        getattr(importlib.import_module("atexit"), "_run_exitfuncs", None)),
     # safetensors
     "safetensors.torch._TYPES": lambda: compat.SAFETENSORS_TYPES["BF16"] is torch.bfloat16,
     # peft

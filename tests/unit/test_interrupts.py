@@ -6,6 +6,7 @@ under torchrun rank 0 points to `xpar-zoo train --nproc-per-node` before torchru
 import json
 import os
 import signal
+import types
 
 import pytest
 
@@ -108,6 +109,29 @@ def test_under_torchrun_rank_0_points_to_the_launcher_before_torchruns_report(mo
     monkeypatch.setenv("RANK", "1")
     assert cli.main(["train", "--model", "m", "--data", "d", "--output", "o", "--steps", "0"]) == 2
     assert capsys.readouterr().err == ""  # the other ranks stay silent
+
+
+def test_under_torchrun_an_interrupted_rank_0_points_to_the_launcher_before_it_exits(monkeypatch, capsys):
+    import xpar_zoo.train
+    from xpar_zoo.commands import cli
+    from xpar_zoo.parallel import teardown
+    from xpar_zoo.train.stop import Stopped
+
+    def stopped(cfg):
+        raise Stopped(signal.SIGINT, "stopped")
+
+    def exit_rank(code):
+        raise SystemExit(code)
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(xpar_zoo.train, "run", stopped)
+    monkeypatch.setattr(teardown, "exit_rank", exit_rank)
+    monkeypatch.setattr(xpar_zoo.train, "config_from_args", lambda args: types.SimpleNamespace(output="o"))
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["train", "--model", "m", "--data", "d", "--output", "o", "--steps", "1"])
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.startswith("xpar-zoo: torchrun's report of the ranks' exit statuses follows")
 
 
 def test_the_same_ctrl_c_passed_on_by_torchrun_is_not_a_second_one():

@@ -24,10 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "xpar_zoo"
 ENV_READERS = {
     "environment.py": "facts others set about this process: the launcher's identity, Triton's interpreter, proxies",
     "parallel/options.py": "ParallelOptions.from_env: the XPAR_ZOO_* defaults of the options",
-    "commands/": "the CLI: the RANK of a torchrun'd command, the size command's option defaults",
     "train/launcher.py": "starts the ranks of xpar-zoo train with their environment",
-    "train/loop.py": "initialises the process group from torchrun's variables",
-    "train/dry_run.py": "the launcher's WORLD_SIZE as the dry run's default world",
     "train/reporting.py": "wandb's own WANDB_PROJECT",
     "testing/": "the test harness: starts ranks and hands them their environment",
 }
@@ -93,9 +90,10 @@ def test_every_variable_is_a_default_of_one_field():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("attention_block_mib", "lots", "expected a positive number of MiB"),
-    ("attention_block_mib", "0", "expected a positive number of MiB"),
-    ("cp_attention", "ring", "expected 'lower_right' or 'dense'"),
+    ("attention_block_mib", "lots", "attention_block_mib must be a positive number of MiB, got 'lots'"),
+    ("attention_block_mib", "0", "attention_block_mib must be a positive number of MiB, got 0.0"),
+    ("attention_block_mib", "inf", "attention_block_mib must be a positive number of MiB, got inf"),
+    ("cp_attention", "ring", "cp_attention must be one of lower_right, dense, got 'ring'"),
     ("mixer_recompute", "maybe", "expected an on/off value"),
     ("cpu_collectives", "maybe", "expected an on/off value"),
 ])
@@ -154,10 +152,22 @@ def test_train_takes_every_option_as_a_flag_and_a_yaml_key(tmp_path, monkeypatch
     ("attention_block_mib: 0\n", "attention_block_mib must be a positive number of MiB"),
     ("cp_attention: ring\n", "cp_attention must be one of lower_right, dense, got 'ring'"),
     ("cpu_collectives: nccl\n", "cpu_collectives must be one of in_place, gloo, got 'nccl'"),
+    ("attention_block_mib: .inf\n", "attention_block_mib must be a finite number, got inf"),
+    ("mixer_recompute: maybe\n", "mixer_recompute must be true or false, got 'maybe'"),
 ])
 def test_a_bad_option_in_the_train_config_is_one_line(tmp_path, yaml, message):
-    with pytest.raises(TrainConfigError, match=message):
+    with pytest.raises(TrainConfigError, match=message) as e:
         _train_config(tmp_path, yaml=yaml)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--attention-block-mib", "inf"), "^--attention-block-mib: attention_block_mib must be a finite number, got inf$"),
+    (("--attention-block-mib", "-1"), "^--attention-block-mib: attention_block_mib must be a positive number of MiB"),
+])
+def test_a_bad_option_flag_is_one_line_naming_the_flag(tmp_path, argv, message):
+    with pytest.raises(TrainConfigError, match=message):
+        _train_config(tmp_path, *argv)
 
 
 def test_options_given_after_parallelize_reach_the_models_parallel_state():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from xpar_zoo.commands import cli
-from xpar_zoo.errors import DataError
+from xpar_zoo.errors import DataError, TrainConfigError
 from xpar_zoo.loss.global_batch import IGNORE_INDEX
 from xpar_zoo.train.chat import (
     Example,
@@ -202,6 +202,9 @@ BASE = ["train", "--model", "m", "--data", str(SHIPPED), "--output", "o"]
     (BASE + ["--steps", "3", "--adapter", "nowhere"], "--adapter nowhere: no adapter_config.json there"),
     (BASE + ["--steps", "3", "--export-adapter", "x"], "--export-adapter writes a LoRA adapter"),
     (BASE + ["--steps", "3", "--lora-rank", "4", "--lora-dropout", "1.5"], "lora_dropout must be in [0, 1)"),
+    (BASE + ["--steps", "3", "--lora-vision"], "--lora-vision set(s) up a new LoRA adapter: give --lora-rank"),
+    (BASE + ["--steps", "3", "--lora-rank", "4", "--lora-vision", "--freeze-vision"],
+     "--lora-vision adapts the vision tower, --freeze-vision keeps it frozen: give one"),
     (BASE + ["--steps", "3", "--eval-every", "5"], "--eval-every evaluate(s) held-out data: give --eval-data"),
     (BASE + ["--steps", "3", "--eval-data", "missing.jsonl"], "--eval-data missing.jsonl: no such file"),
     (BASE + ["--steps", "3", "--report-to", "mlflow"], "report_to: mlflow unknown"),
@@ -292,3 +295,20 @@ def test_eval_loss_is_the_token_weighted_mean_and_eval_batches_takes_the_first_k
     assert abs(got["eval_loss"] - want) < 1e-5 and got["eval_targets"] == corpus.num_targets
     assert abs(Evaluator(corpus, max_batches=1, **common)(model)["eval_loss"] - first) < 1e-5
     assert model.training  # back in training mode
+
+
+def test_lora_vision_adds_every_linear_of_the_vision_tower_and_projector():
+    from xpar_zoo.testing import parity
+    from xpar_zoo.train.config import TrainConfig
+    from xpar_zoo.train.lora import lora_modules
+
+    config = parity.tiny_config("qwen3_vl_moe")
+    text = TrainConfig(model="m", data="d", output="o", lora_rank=4)
+    assert lora_modules(text, config) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    both = lora_modules(TrainConfig(model="m", data="d", output="o", lora_rank=4, lora_vision=True), config)
+    assert both[:4] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert {"model.visual.blocks.0.attn.qkv", "model.visual.merger.linear_fc2"} <= set(both[4:])
+    assert all(".visual." in name for name in both[4:])
+    with pytest.raises(TrainConfigError, match="--lora-vision: qwen3_moe has no vision tower"):
+        lora_modules(TrainConfig(model="m", data="d", output="o", lora_rank=4, lora_vision=True),
+                     parity.tiny_config("qwen3_moe"))

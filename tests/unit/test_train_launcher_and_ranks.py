@@ -55,6 +55,19 @@ def test_launcher_flags_out_of_range_are_refused(args, message, monkeypatch):
         launcher.check_launch(*args)
 
 
+@pytest.mark.parametrize("variable, argv", [("WORLD_SIZE", ["--nproc-per-node", "2"]), ("WORLD_SIZE", ["--dry-run"]),
+                                            ("RANK", [])])
+def test_a_launcher_variable_that_is_not_a_number_is_one_line(variable, argv, monkeypatch, tmp_path, capsys):
+    from xpar_zoo.commands import cli
+
+    for name in ("TORCHELASTIC_RUN_ID", launcher.LAUNCHED, "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "two")
+    assert cli.main(["train", "--model", "m", "--data", "d", "--output", str(tmp_path), "--steps", "1", *argv]) == 2
+    assert capsys.readouterr().err == (f"xpar-zoo: error: {variable}='two': expected a whole number (the launcher "
+                                       "sets it for each process)\n")
+
+
 def test_ranks_other_than_0_keep_warnings_to_themselves():
     from transformers.utils import logging as hf_logging
 

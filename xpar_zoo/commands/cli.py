@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..environment import launcher_rank
+from ..environment import launcher_rank, says_for_every_rank
 from ..errors import XparError, counted
 from ..parallel.options import ParallelOptions
 
@@ -72,10 +72,12 @@ def _cmd_size(args: argparse.Namespace) -> int:
     import json
 
     from .. import sizing
+    from ..train.config import given_options
 
     config = load_model_config(args.model)
     common = {"micro_batch": args.micro_batch, "seq": args.seq, "param_dtype": args.dtype, "optimizer": args.optimizer,
-                  "recompute": args.recompute, "attention": args.attention, "options": ParallelOptions.from_env()}
+                  "recompute": args.recompute, "attention": args.attention,
+              "options": ParallelOptions.from_env(**given_options(args))}  # the flags, else XPAR_ZOO_*
     if args.lora_rank is not None:
         parameters = args.lora_parameters
         modules = args.lora_modules.split(",") if args.lora_modules else None
@@ -238,6 +240,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except Stopped as e:  # SIGINT / SIGTERM: the step finished and a checkpoint was saved (said on rank 0)
         code = e.code
     if launched_by_us() or under_torchrun():  # this process is a rank and nothing else: end it safely
+        if code:
+            _before_torchruns_report()
         exit_rank(code)
     return code
 
@@ -341,6 +345,8 @@ def _add_publish(sub) -> None:
 
 
 def _add_size(sub) -> None:
+    from ..train.config import add_option_arguments
+
     p = sub.add_parser("size", aliases=["plan"],
                        help="per-rank memory and per-step communication of a mesh; suggest meshes")
     p.add_argument("model", help="model_type (its default config), local dir or hub id with config.json")
@@ -361,6 +367,7 @@ def _add_size(sub) -> None:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd_momentum"])
     p.add_argument("--recompute", action="store_true",
                    help="activation checkpointing of every decoder layer (model.activation_checkpointing_enable())")
+    add_option_arguments(p)  # xpar-zoo train's
     p.add_argument("--lora-rank", type=_positive_int, help="PEFT LoRA of this rank: count the frozen base, the "
                    "adapters, their gradients and optimizer states")
     p.add_argument("--lora-modules", help="LoRA target_modules, comma-separated (default: every linear but the head)")
@@ -382,14 +389,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     code = _run_command(args)
-    if code and args.command == "train" and launcher_rank() == 0:
-        from ..train.launcher import under_torchrun
-
-        if under_torchrun():  # torchrun prints its own report of the ranks' exits after this
-            print("xpar-zoo: torchrun's report of the ranks' exit statuses follows; `xpar-zoo train "
-                  "--nproc-per-node N` starts the ranks itself and ends with the line above", file=sys.stderr,
-                  flush=True)
+    if code and args.command == "train":
+        _before_torchruns_report()
     return code
+
+
+def _before_torchruns_report() -> None:
+    """Under plain torchrun, on rank 0 of a run that ends non-zero: one line saying that torchrun's own report of
+    the ranks' exits follows (it cannot be suppressed) and how to have the ranks started without it."""
+    from ..train.launcher import under_torchrun
+
+    if under_torchrun() and says_for_every_rank():
+        print("xpar-zoo: torchrun's report of the ranks' exit statuses follows; `xpar-zoo train "
+              "--nproc-per-node N` starts the ranks itself and ends with the line above", file=sys.stderr,
+              flush=True)
 
 
 def _run_command(args: argparse.Namespace) -> int:
@@ -397,14 +410,14 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        if launcher_rank() == 0:
+        if says_for_every_rank():
             print("xpar-zoo: stopped by SIGINT (Ctrl-C)", file=sys.stderr, flush=True)
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 141
     except XparError as e:  # bad input: the message names the problem; no traceback
-        if launcher_rank() == 0:  # under torchrun every rank raises it: rank 0 says it once
+        if says_for_every_rank():  # under torchrun every rank raises it: rank 0 says it once
             print(f"xpar-zoo: error: {e}", file=sys.stderr)
         return 2
 

@@ -3,9 +3,9 @@ each step's loss printed beside single-process transformers', ending with a verd
 
 from __future__ import annotations
 
-import os
 import time
 
+from ..environment import launched_world
 from ..testing import launch, parity
 
 
@@ -20,12 +20,6 @@ def _demo_job(world: int, mesh_kwargs: dict, steps: int) -> dict:
     ref = parity.train_reference(cfg, data, "adamw", 1.0) if dist.get_rank() == 0 else None
     return {"par": par.losses, "ref": ref.losses if ref else None, "seconds": seconds,
             "local": par.local_shapes.get("model.layers.0.mlp.experts.gate_up_proj")}
-
-
-def _launched_world() -> int | None:
-    """The world size when a launcher (torchrun) started this process, else ``None``."""
-    world = os.environ.get("WORLD_SIZE")
-    return int(world) if world and world.isdigit() and "RANK" in os.environ else None
 
 
 def check_sizes(world: int, ep: int) -> None:
@@ -49,7 +43,7 @@ def run_demo(world: int = 4, ep: int = 2, steps: int = 5) -> bool:
     ``world`` is torchrun's; otherwise the demo starts ``world`` local processes itself."""
     mesh_kwargs = {"ep": ep} if ep > 1 else {}
     cfg = parity.tiny_config("qwen3_moe")
-    launched = _launched_world()
+    launched = launched_world()
     check_sizes(launched or world, ep)
     if launched is not None:
         import torch.distributed as dist

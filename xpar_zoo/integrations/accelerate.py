@@ -13,21 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
 
 from ..errors import IntegrationError
-from ..parallel.state import parallelized_module as _parallelized
 
 # accelerate's distributed types that shard or wrap the model themselves (by name: accelerate is optional here)
 _SHARDING_TYPES = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
-
-
-def parallelized_module(model: Any) -> nn.Module | None:
-    """The module ``xpar_zoo.parallelize`` was applied to inside ``model`` (``model`` itself, or the base model of a
-    PEFT model), or ``None`` when ``model`` is not an xpar_zoo model."""
-    if not isinstance(model, nn.Module):
-        return None
-    return _parallelized(model)
 
 
 def check_accelerator(accelerator: Any) -> None:

@@ -28,13 +28,12 @@ from trl import DPOTrainer
 from ..compat import mark_fsdp_managed
 from ..errors import IntegrationError
 from ..parallel.distributed import all_gather
-from .accelerate import parallelized_module
+from ..parallel.state import parallelized_module
 from .trainer import (
     XparState,
     XparTrainerMixin,
     is_peft_model,
     transformers_loss_convention,
-    trl_fused_head,
 )
 
 
@@ -121,14 +120,13 @@ class XparDPOTrainer(XparTrainerMixin, DPOTrainer):
         precompute = bool(getattr(args, "precompute_ref_log_probs", False))
         reference = _reference(model, ref_model, precompute)
         module = parallelized_module(reference) if reference is not None and ref_model is not None else None
-        self._xpar_ref = XparState(module=module, forward=module.__dict__["forward"]) if module is not None else None
+        self._xpar_ref = XparState.of(module) if module is not None else None
         hashed = reference if reference is not None else model
         weights = model if isinstance(reference, AdapterDisabled) else hashed
         with _hashable(hashed, weights) if precompute else contextlib.nullcontext():
             super().__init__(model=model, ref_model=reference, args=args, **kwargs)
         if self._xpar_ref is not None:  # TRL's fused head on the reference: answered from its own head instead
-            self._xpar_ref.fused_head = trl_fused_head(module.__dict__.get("forward"), self._xpar_ref.forward)
-            module.forward = self._xpar_ref.forward
+            self._xpar_ref.take_back_forward()
 
     def _reference_convention(self) -> contextlib.AbstractContextManager:
         if self._xpar_ref is None:

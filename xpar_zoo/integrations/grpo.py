@@ -25,8 +25,8 @@ from trl import GRPOTrainer
 from ..compat import stream_vllm_weights
 from ..errors import IntegrationError
 from ..hub.weights_stream import iter_hub_weights
+from ..parallel.state import parallelized_module
 from ..styles.sequence import data_shard
-from .accelerate import parallelized_module
 from .trainer import XparTrainerMixin, is_peft_model
 
 VLLM_BUCKET_BYTES = 512 << 20  # the weight-sync buckets: one is gathered at a time

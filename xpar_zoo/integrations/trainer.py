@@ -39,11 +39,12 @@ from ..errors import IntegrationError
 from ..loss.global_batch import IGNORE_INDEX
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.options import ParallelOptions
+from ..parallel.state import parallelized_module
 from ..parallelize import set_parallel_options
 from ..styles.sequence import data_shard
 from ..styles.vocab import full_logits
 from ..train.router_loss import RouterAux, model_router_aux
-from .accelerate import check_accelerator, parallelized_module
+from .accelerate import check_accelerator
 
 XPAR_CHECKPOINT_DIR = "xpar_checkpoint"  # inside the Trainer's checkpoint-N: the DCP checkpoint of model + optimizer
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name (transformers.trainer.SCHEDULER_NAME)
@@ -66,6 +67,17 @@ class XparState:
     module: nn.Module  # the parallelized model (the base model under PEFT)
     forward: Any  # its forward as xpar_zoo installed it (the global-batch loss)
     fused_head: FusedHead | None = None
+
+    @classmethod
+    def of(cls, module: nn.Module) -> XparState:
+        """``module``'s state, its forward taken before a trainer's ``__init__`` may patch it."""
+        return cls(module=module, forward=module.__dict__["forward"])
+
+    def take_back_forward(self) -> None:
+        """After the trainer's ``__init__``: record TRL's fused-head patch of the forward, if any (answered inside
+        ``compute_loss`` instead), and put xpar_zoo's forward back."""
+        self.fused_head = trl_fused_head(self.module.__dict__.get("forward"), self.forward)
+        self.module.forward = self.forward
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -250,12 +262,10 @@ class XparTrainerMixin:
             raise IntegrationError(
                 f"{type(self).__name__} trains xpar_zoo models (from xpar_zoo.from_pretrained or parallelize); got "
                 f"{type(model).__name__}: parallelize it first, or use the plain transformers trainer")
-        if options is not None:  # the model runs with them from its next forward (checked on every rank)
-            set_parallel_options(module, options)
-        self._xpar_state = XparState(module=module, forward=module.__dict__["forward"])
+        set_parallel_options(module, options)  # from the next forward on; every rank checks all were given the same
+        self._xpar_state = XparState.of(module)
         super().__init__(*args, **kwargs)
-        self._xpar_state.fused_head = trl_fused_head(module.__dict__.get("forward"), self._xpar_state.forward)
-        module.forward = self._xpar_state.forward  # TRL's patch off: answered inside compute_loss instead
+        self._xpar_state.take_back_forward()
         check_accelerator(self.accelerator)
         _check_args(self.args)
 

@@ -47,6 +47,19 @@ def parse_switch(raw: str, what: str) -> bool:
     raise PlanError(f"{what}={raw!r}: expected an on/off value ({'/'.join(SWITCH_ON)} or {'/'.join(SWITCH_OFF)})")
 
 
+def _parse(name: str, raw: str, variable: str) -> object:
+    """Field ``name``'s value from the text ``raw`` of its variable (checked by :class:`ParallelOptions`)."""
+    if name == "attention_block_mib":
+        try:
+            return float(raw)
+        except ValueError:
+            return raw  # not a number: refused by ParallelOptions, naming the value
+    if name == "cp_attention":
+        return raw.lower()
+    on = parse_switch(raw, variable)
+    return on if name == "mixer_recompute" else ("in_place" if on else "gloo")
+
+
 @dataclass(frozen=True)
 class ParallelOptions:
     """How a parallelized model runs, beyond its mesh and plan. Every field is checked when the object is made
@@ -75,11 +88,12 @@ class ParallelOptions:
                                 or mib <= 0):
             raise PlanError(f"attention_block_mib must be a positive number of MiB, got {mib!r}")
         if self.cp_attention is not None and self.cp_attention not in CP_ATTENTION:
-            raise PlanError(f"cp_attention must be one of {list(CP_ATTENTION)} or None, got {self.cp_attention!r}")
+            raise PlanError(f"cp_attention must be one of {', '.join(CP_ATTENTION)}, got {self.cp_attention!r}")
         if not isinstance(self.mixer_recompute, bool):
             raise PlanError(f"mixer_recompute must be True or False, got {self.mixer_recompute!r}")
         if self.cpu_collectives not in CPU_COLLECTIVES:
-            raise PlanError(f"cpu_collectives must be one of {list(CPU_COLLECTIVES)}, got {self.cpu_collectives!r}")
+            raise PlanError(f"cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, got "
+                            f"{self.cpu_collectives!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given) -> ParallelOptions:
@@ -94,21 +108,11 @@ class ParallelOptions:
             raw = environ.get(variable, "").strip()
             if name in given or not raw:
                 continue
-            if name == "attention_block_mib":
-                try:
-                    values[name] = float(raw)
-                except ValueError:
-                    values[name] = math.nan
-                if not values[name] > 0 or not math.isfinite(values[name]):
-                    raise PlanError(f"{variable}={raw!r}: expected a positive number of MiB")
-            elif name == "cp_attention":
-                if raw.lower() not in CP_ATTENTION:
-                    raise PlanError(f"{variable}={raw!r}: expected 'lower_right' or 'dense'")
-                values[name] = raw.lower()
-            elif name == "mixer_recompute":
-                values[name] = parse_switch(raw, variable)
-            else:
-                values[name] = "in_place" if parse_switch(raw, variable) else "gloo"
+            values[name] = _parse(name, raw, variable)
+            try:  # checked alone, so that the error names the variable
+                cls(**{name: values[name]})
+            except PlanError as e:
+                raise PlanError(f"{variable}={raw!r}: {e}") from None
         return cls(**values, **given)
 
     def replace(self, **changes) -> ParallelOptions:

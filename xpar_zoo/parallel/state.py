@@ -5,7 +5,7 @@ holds (:func:`local_region`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -56,9 +56,12 @@ def set_parallel_state(model: nn.Module, state: ParallelState) -> None:
     setattr(model, _ATTRIBUTE, state)
 
 
-def parallelized_module(model: nn.Module) -> nn.Module | None:
+def parallelized_module(model: Any) -> nn.Module | None:
     """The module ``parallelize`` was applied to inside ``model`` (``model`` itself, or the base model of a PEFT
-    model), or ``None``. Looks at each module's own attributes: PEFT's wrappers would answer a lookup for it too."""
+    model), or ``None`` (also when ``model`` is not a module). Looks at each module's own attributes: PEFT's
+    wrappers would answer a lookup for it too."""
+    if not isinstance(model, nn.Module):
+        return None
     return next((m for m in model.modules() if _ATTRIBUTE in vars(m)), None)
 
 

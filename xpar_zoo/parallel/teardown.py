@@ -18,7 +18,6 @@ Measured (bench/clean_exits.py): ``bench/RESULTS.md``, "Clean exits".
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import sys
@@ -26,6 +25,8 @@ import threading
 from typing import NoReturn
 
 import torch.distributed as dist
+
+from ..compat import run_exit_handlers
 
 
 def end_process_group() -> None:
@@ -44,8 +45,7 @@ def exit_rank(code: int = 0) -> NoReturn:
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
-    # What an ordinary exit would run before the interpreter's teardown (CPython's own hook for it).
-    atexit._run_exitfuncs()
+    run_exit_handlers()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

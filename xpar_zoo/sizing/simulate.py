@@ -33,7 +33,9 @@ from ..compat import efficient_attention, fake_process_group_store, fake_tensor_
 from ..errors import PlanError
 from ..loss.fused import CE_CHUNK_ELEMENTS
 from ..parallel.options import ATTENTION_BLOCK_MIB_ACCELERATOR, ParallelOptions
+from ..styles.experts import experts_modules
 from ..styles.routes import Routes, install_routes
+from ..styles.vocab import fused_heads, vocab_parallel_embeddings
 from . import estimator as sizing
 
 
@@ -192,7 +194,8 @@ def simulate(config, world: int, sizes: dict[str, int] | None = None, replicate:
     fake_world(world)
     model = _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute,
                             lora_rank, lora_modules, lora_parameters, options)
-    install_routes(model, Routes(route_imbalance))
+    install_routes([*experts_modules(model), *vocab_parallel_embeddings(model), *fused_heads(model)],
+                   Routes(route_imbalance))
     tracker = _tracked_steps(model, micro_batch, seq, optimizer)
     by_kind = dict.fromkeys(KINDS, 0)
     for category, nbytes in tracker.items():

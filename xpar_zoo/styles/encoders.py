@@ -8,9 +8,10 @@ stop matching. :func:`install_encoder_agreement` wraps the model's forward so th
 2. where one does, every rank runs the encoder at the same point (before the model's own forward), through the
    model's own ``get_image_features`` / ``get_video_features``, and hands the result in as transformers' own
    ``mm_encoder_outputs`` (the precomputed-features input of every multimodal model it proves);
-3. under sp/cp this wrapper is outside the split: the whole rows' images are encoded and their multimodal RoPE
-   positions computed on the whole rows (:func:`document_positions`); the split keeps each rank's features
-   (:mod:`xpar_zoo.styles.sequence_media`);
+3. under sp/cp this wrapper is outside the split: the whole rows' images are encoded, each rank of the sequence
+   group its share and the group's features all-gathered (:mod:`xpar_zoo.styles.encoder_shares`), and their
+   multimodal RoPE positions computed on the whole rows (:func:`document_positions`); the split keeps each rank's
+   features (:mod:`xpar_zoo.styles.sequence_media`);
 4. a rank without that modality encodes a dummy input (:func:`dummy_pixels`: zero pixels, one merged patch group)
    and passes its features cut to zero rows: the model scatters nothing into its embeddings, and backward
    carries exact zeros through the tower (the slice's gradient) — the same FSDP collectives in the same order as
@@ -30,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..loss.global_batch import wrap_forward
+from ..parallel.mesh import PlanShard
+from .encoder_shares import deal, gather_features, image_rows, sequence_shards, share_index, take
 
 # (modality, the forward's pixel input, the model's encoder method)
 MODALITIES = (("image", "pixel_values", "get_image_features"), ("video", "pixel_values_videos", "get_video_features"))
@@ -97,6 +100,29 @@ def _encode(model: nn.Module, getter: str, pixels: torch.Tensor, kwargs: Mapping
     return getattr(model, getter)(pixels, return_dict=True, **{k: v for k, v in kwargs.items() if k in params})
 
 
+def dealable(model: nn.Module, modality: str, kwargs: Mapping) -> bool:
+    """Whether ``modality``'s pixel inputs can be dealt over a sequence group image by image
+    (:mod:`~xpar_zoo.styles.encoder_shares`): images always, videos in the patch-grid layout."""
+    return modality == "image" or torch.is_tensor(kwargs.get(f"{modality}_grid_thw"))
+
+
+def _encode_share(model: nn.Module, modality: str, pixels: torch.Tensor, call: Mapping,
+                  shards: tuple[PlanShard, PlanShard], device: torch.device):
+    """This rank's share of the whole rows' ``modality`` inputs encoded, and the group's features gathered
+    (:mod:`~xpar_zoo.styles.encoder_shares`); a rank with an empty share encodes the dummy, keeping zero rows."""
+    getter = dict((m, g) for m, _, g in MODALITIES)[modality]
+    params = _getter_params(model, getter)
+    kwargs = {k: v for k, v in call.items() if k in params}
+    sizes = image_rows(pixels, kwargs, f"{modality}_grid_thw")
+    index, parts = share_index(shards)
+    mine = deal(sizes, parts)[index]
+    if len(mine):
+        out = _encode(model, getter, *take(pixels, kwargs, sizes, mine))
+    else:
+        out = _no_rows(_encode(model, getter, *dummy_pixels(model, modality)))
+    return gather_features(out, shards, device)
+
+
 def _held(kwargs: Mapping, device: torch.device) -> list[bool]:
     """Per modality: whether any rank holds its pixels in this forward (one all-reduce)."""
     flags = torch.tensor([kwargs.get(pixel) is not None for _, pixel, _ in MODALITIES], dtype=torch.int32,
@@ -136,11 +162,14 @@ def install_encoder_agreement(model: nn.Module, device_type: str) -> bool:
         held = _held(call, device)
         if not any(held):
             return original(*args, **kwargs)
+        shards = sequence_shards(model)
         outputs = dict(call.get("mm_encoder_outputs") or {})
         for (modality, pixel, getter), anyone in zip(MODALITIES, held):
             if not anyone or modality not in names or outputs.get(modality) is not None:
                 continue
-            if call.get(pixel) is not None:
+            if call.get(pixel) is not None and shards is not None and dealable(model, modality, call):
+                outputs[modality] = _encode_share(model, modality, call.pop(pixel), call, shards, device)
+            elif call.get(pixel) is not None:
                 outputs[modality] = _encode(model, getter, call.pop(pixel), call)
             else:
                 pixels, dummy = dummy_pixels(model, modality)

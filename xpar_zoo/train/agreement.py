@@ -25,6 +25,7 @@ RESUME_REFUSED = {
     "lora_rank": "the checkpoint holds adapters of its own rank",
     "lora_targets": "the checkpoint holds adapters of its own target modules",
     "lora_experts": "the checkpoint holds (or lacks) adapters of the experts",
+    "lora_vision": "the checkpoint holds (or lacks) adapters of the vision tower",
 }
 # Settings naming a local file or directory: another spelling of the same path is no change.
 PATH_SETTINGS = {"data", "tokenizer", "model"}

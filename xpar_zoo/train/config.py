@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import TrainConfigError
+from ..errors import PlanError, TrainConfigError
 from ..hub.writer import DTYPES
 from ..parallel.options import CP_ATTENTION, CPU_COLLECTIVES, ParallelOptions
 from . import sft_config
@@ -90,6 +90,7 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
     lora_experts: bool = True
+    lora_vision: bool = False
     adapter: str | None = None
     export_adapter: str | None = None
     eval_data: str | None = None
@@ -375,7 +376,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # The settings that are fields of xpar_zoo.ParallelOptions (the flags of add_option_arguments).
-OPTION_FIELDS = ("attention_block_mib", "cp_attention", "mixer_recompute", "cpu_collectives")
+OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelOptions))
 
 
 def add_option_arguments(parser: argparse.ArgumentParser) -> None:
@@ -392,14 +393,17 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
       help="CPU meshes: in_place (default) or gloo (FSDP2's own collectives)")
 
 
+def given_options(settings: object) -> dict[str, Any]:
+    """The :class:`~xpar_zoo.ParallelOptions` fields that ``settings`` sets: a :class:`TrainConfig`, or the flags of
+    :func:`add_option_arguments` as parsed (``xpar-zoo size``)."""
+    return {n: value for n in OPTION_FIELDS if (value := getattr(settings, n, None)) is not None}
+
+
 def parallel_options(cfg: TrainConfig) -> ParallelOptions:
     """The run's :class:`~xpar_zoo.ParallelOptions`: the settings given, else the ``XPAR_ZOO_*`` variables' values
     (read here, once per run), else the defaults; :class:`TrainConfigError` on a bad variable."""
-    from ..errors import PlanError
-
-    given = {n: getattr(cfg, n) for n in OPTION_FIELDS if getattr(cfg, n) is not None}
     try:
-        return ParallelOptions.from_env(**given)
+        return ParallelOptions.from_env(**given_options(cfg))
     except PlanError as e:
         raise TrainConfigError(str(e)) from None
 
@@ -461,11 +465,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise TrainConfigError(f"dtype must be one of {', '.join(sorted(DTYPES))}, got {cfg.dtype!r}")
     check_sequence_mesh(cfg)
-    if cfg.attention_block_mib is not None and not cfg.attention_block_mib > 0:
-        raise TrainConfigError(f"attention_block_mib must be a positive number of MiB, got {cfg.attention_block_mib:g}")
-    for name, choices in (("cp_attention", CP_ATTENTION), ("cpu_collectives", CPU_COLLECTIVES)):
-        if getattr(cfg, name) is not None and getattr(cfg, name) not in choices:
-            raise TrainConfigError(f"{name} must be one of {', '.join(choices)}, got {_short(getattr(cfg, name))}")
+    for name, value in given_options(cfg).items():  # ParallelOptions checks them, one by one to name the flag
+        try:
+            ParallelOptions(**{name: value})
+        except PlanError as e:
+            raise TrainConfigError(f"--{name.replace('_', '-')}: {e}") from None
     if cfg.attn_implementation is not None:
         known = attention_implementations()
         if cfg.attn_implementation not in known:

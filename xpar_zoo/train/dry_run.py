@@ -6,9 +6,9 @@ ranks ``--nproc-per-node`` × ``--nnodes`` would start, else under torchrun its 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from ..environment import launcher_world_size
 from ..errors import counted
 from .config import DTYPES, TrainConfig, parallel_options
 from .outputs import check_finished_resume, plan_outputs
@@ -78,14 +78,15 @@ def _data_lines(cfg: TrainConfig, config, corpus, held, world: int, replicate: i
 def _estimate_lines(cfg: TrainConfig, config, world: int, sizes: dict, replicate: int, sequence: dict) -> list[str]:
     """The sizer's per-rank memory estimate of the run (LoRA counted when it trains a new adapter)."""
     from .. import sizing
-    from .sft_config import lora_enabled, lora_targets
+    from .lora import lora_modules
+    from .sft_config import lora_enabled
 
     lora = {}
     if lora_enabled(cfg) and cfg.lora_rank is not None:
         from ..styles.lora import expert_parameters
         from ..zoo.registry import get_plan
 
-        lora = dict(lora_rank=cfg.lora_rank, lora_modules=lora_targets(cfg),
+        lora = dict(lora_rank=cfg.lora_rank, lora_modules=lora_modules(cfg, config),
                     lora_parameters=expert_parameters(get_plan(config.model_type)) if cfg.lora_experts else [])
     short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
     saved = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
@@ -106,7 +107,7 @@ def dry_run(cfg: TrainConfig, world: int | None = None) -> str:
     ``WORLD_SIZE``, else 1); raises what the run would raise on bad settings or data."""
     from ..parallel.mesh import validate_sequence_sizes, validate_sizes
 
-    world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = world or launcher_world_size()
     sizes = dict(cfg.mesh)
     replicate = sizes.pop("replicate", 1)
     sequence = {d: sizes.pop(d, 1) for d in ("sp", "cp")}

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from ..environment import launcher_world_size
 from ..errors import TrainConfigError
 
 LAUNCHED = "XPAR_ZOO_TRAIN_LAUNCHED"  # set in the ranks this launcher starts
@@ -36,7 +37,8 @@ def under_torchrun() -> bool:
 
 
 def under_other_launcher() -> bool:
-    return not launched_by_us() and ("TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", 1)) > 1)
+    """Whether a launcher other than ``xpar-zoo train --nproc-per-node`` started this process as one rank."""
+    return not launched_by_us() and (under_torchrun() or launcher_world_size() > 1)
 
 
 def _free_port() -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import signal
 import time
 import warnings
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compat import attn_implementation
+from ..environment import launcher_local_rank, launcher_world_size
 from ..errors import counted
 from ..loss.balance import load_summary, update_correction_biases
 from ..loss.global_batch import count_targets, global_count
@@ -72,11 +72,11 @@ def init_distributed(timeout_minutes: float = 30.0) -> bool:
     """Initialise the default process group from a launcher's environment (torchrun: ``WORLD_SIZE`` > 1) when none
     exists: NCCL on this node's CUDA device ``LOCAL_RANK`` (gloo beside it for CPU objects), gloo without CUDA.
     Returns whether it initialised one."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    if dist.is_initialized() or launcher_world_size() <= 1:
         return False
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(launcher_local_rank(0))
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from torch import nn
 
+from ..errors import TrainConfigError
+from .multimodal import vision_linears
 from .sft_config import lora_targets
 
 
@@ -29,9 +31,26 @@ def from_pretrained_kwargs(cfg, model_config) -> dict:
 
     experts = expert_parameters(get_plan(model_config.model_type)) if cfg.lora_experts else []
     config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank,
-                        lora_dropout=cfg.lora_dropout, target_modules=lora_targets(cfg) or None,
+                        lora_dropout=cfg.lora_dropout, target_modules=lora_modules(cfg, model_config) or None,
                         target_parameters=experts or None)
     return {"peft_config": config}
+
+
+def lora_modules(cfg, model_config) -> list[str]:
+    """The modules LoRA adapts: ``--lora-targets`` and, with ``--lora-vision``, every linear layer of the vision
+    tower and its projector (by full name, :func:`~xpar_zoo.train.multimodal.vision_linears` of the model built on
+    meta)."""
+    targets = lora_targets(cfg)
+    if not cfg.lora_vision:
+        return targets
+    import torch
+
+    from ..zoo.registry import build_meta
+
+    linears = vision_linears(build_meta(model_config, torch.float32))
+    if not linears:
+        raise TrainConfigError(f"--lora-vision: {model_config.model_type} has no vision tower with linear layers")
+    return targets + linears
 
 
 def is_lora(model: nn.Module) -> bool:

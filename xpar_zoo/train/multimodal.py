@@ -357,6 +357,13 @@ def copy_processor_files(model: str, directory: str | Path) -> list[str]:
     return copied
 
 
+def vision_linears(model: torch.nn.Module) -> list[str]:
+    """The full names of the linear layers of ``model``'s vision tower and projector (:data:`VISION_MODULES`), in
+    module order: ``--lora-vision``'s LoRA targets."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and any(part in VISION_MODULES for part in name.split("."))]
+
+
 def freeze_vision(model: torch.nn.Module) -> int:
     """``--freeze-vision``: the vision tower's and its projector's parameters stop training; returns how many.
     :class:`~xpar_zoo.errors.TrainConfigError` when the model has none."""

@@ -190,7 +190,12 @@ def _own_leftover(output: Path, name: str) -> bool:
 def blocks_a_new_run(output: Path) -> bool:
     """Whether ``output`` holds anything that is not a leftover of a start that never trained (a new run there
     would need ``--force``)."""
-    return any(not n.startswith(".") and not _own_leftover(output, n) for n in _non_empty(output, limit=None))
+    return bool(_blocking(output))
+
+
+def _blocking(output: Path) -> list[str]:
+    """The names in ``output`` that are not hidden and not a leftover of a start that never trained."""
+    return [n for n in _non_empty(output, limit=None) if not n.startswith(".") and not _own_leftover(output, n)]
 
 
 def _records(path: Path) -> list[dict]:
@@ -305,7 +310,7 @@ def plan_outputs(cfg: TrainConfig) -> OutputPlan:
         plan.skipped = []  # what a resume would skip: nothing to say to a new run
     elif plan.newest is not None:
         plan.resume_from = plan.newest
-    blocking = [n for n in _non_empty(output, limit=None) if not n.startswith(".") and not _own_leftover(output, n)]
+    blocking = _blocking(output)
     if blocking and plan.newest is None and not cfg.resume and not cfg.force:
         raise TrainConfigError(f"--output {output} is not empty ({', '.join(blocking[:3])}) and holds no "
                                "checkpoint: choose another --output, or pass --force to train into it "

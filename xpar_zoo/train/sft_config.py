@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--lora-targets", default=S, help=f"modules LoRA adapts, comma-separated (default {DEFAULT_LORA_TARGETS})")
     a("--lora-experts", action=argparse.BooleanOptionalAction, default=S,
       help="LoRA on the fused expert tensors too (default on, for MoE models)")
+    a("--lora-vision", action=argparse.BooleanOptionalAction, default=S,
+      help="multimodal models: LoRA on the vision tower's and its projector's linear layers too (default off)")
     a("--adapter", default=S, help="continue training a saved PEFT LoRA adapter (a directory)")
     a("--export-adapter", default=S, help="write the LoRA adapter in PEFT's format here at the end")
     a("--eval-data", default=S, help="held-out data (the formats of --data): eval_loss over all of it")
@@ -92,7 +94,8 @@ def lora_enabled(cfg) -> bool:
 def _validate_lora(cfg) -> None:
     given = [flag for flag, on in (("--lora-alpha", cfg.lora_alpha is not None), ("--lora-dropout", cfg.lora_dropout),
                                    ("--lora-targets", cfg.lora_targets != DEFAULT_LORA_TARGETS),
-                                   ("--no-lora-experts", not cfg.lora_experts)) if on]
+                                   ("--no-lora-experts", not cfg.lora_experts), ("--lora-vision", cfg.lora_vision))
+             if on]
     if cfg.adapter is not None and cfg.lora_rank is not None:
         raise TrainConfigError("give --lora-rank (a new adapter) or --adapter DIR (a saved one), not both")
     if given and cfg.lora_rank is None:
@@ -110,7 +113,9 @@ def _validate_lora(cfg) -> None:
         raise TrainConfigError(f"lora_alpha must be positive, got {cfg.lora_alpha}")
     if not 0 <= cfg.lora_dropout < 1:
         raise TrainConfigError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
-    if cfg.lora_rank is not None and not lora_targets(cfg) and not cfg.lora_experts:
+    if cfg.lora_vision and cfg.freeze_vision:
+        raise TrainConfigError("--lora-vision adapts the vision tower, --freeze-vision keeps it frozen: give one")
+    if cfg.lora_rank is not None and not lora_targets(cfg) and not cfg.lora_experts and not cfg.lora_vision:
         raise TrainConfigError("--lora-targets is empty and --no-lora-experts: LoRA would adapt nothing")
     if cfg.adapter is not None and not (Path(cfg.adapter) / "adapter_config.json").is_file():
         raise TrainConfigError(f"--adapter {cfg.adapter}: no adapter_config.json there (not a PEFT adapter directory)")

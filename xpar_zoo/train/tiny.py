@@ -78,21 +78,31 @@ def tiny_config(vocab_size: int):
 def save_tiny_model(directory: str | os.PathLike, seed: int = 0) -> Path:
     """Write ``tiny-qwen3-moe`` (weights drawn from ``seed``, the hub's own format), its tokenizer and generation
     config to ``directory``. Returns the directory."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    directory = save_seeded_model(directory, AutoModelForCausalLM, tiny_config(len(tokenizer)), tokenizer, seed)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_seeded_model(directory: str | os.PathLike, auto_class, config, tokenizer, seed: int) -> Path:
+    """Build ``auto_class.from_config(config)`` in fp32 with weights drawn from ``seed`` (the caller's random state
+    untouched), its end-of-turn and padding tokens those of ``tokenizer`` (in a multimodal config's text config too),
+    and save it to ``directory`` in the hub's own format. Returns the directory."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     directory = Path(directory)
-    tokenizer = tiny_tokenizer()
-    config = tiny_config(len(tokenizer))
-    config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
+    for c in {id(c): c for c in (config, config.get_text_config())}.values():
+        c.eos_token_id = tokenizer.eos_token_id
+        c.pad_token_id = tokenizer.pad_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
     return directory
 
 

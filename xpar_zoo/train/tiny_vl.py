@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from .tiny import TINY_MODEL, chatml_template, save_tiny_model, tiny_config, tiny_tokenizer
+from .tiny import TINY_MODEL, chatml_template, save_seeded_model, save_tiny_model, tiny_config, tiny_tokenizer
 
 TINY_VL_MODEL = "tiny-qwen3-vl-moe"
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -77,20 +77,10 @@ def save_processor_files(directory: str | os.PathLike, tokenizer) -> None:
 def save_tiny_vl_model(directory: str | os.PathLike, seed: int = 0) -> Path:
     """Write ``tiny-qwen3-vl-moe`` (weights drawn from ``seed``, the hub's own format) and its processor files to
     ``directory``. Returns the directory."""
-    import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers import AutoModelForImageTextToText
 
-    directory = Path(directory)
     tokenizer = tiny_vl_tokenizer()
-    config = tiny_vl_config(tokenizer)
-    config.eos_token_id = config.text_config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = config.text_config.pad_token_id = tokenizer.pad_token_id
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(directory)
+    directory = save_seeded_model(directory, AutoModelForImageTextToText, tiny_vl_config(tokenizer), tokenizer, seed)
     save_processor_files(directory, tokenizer)
     return directory
 
