@@ -56,6 +56,9 @@ class ForwardCache:
     mixer_kwargs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # the halo projections' (zaya): this rank's tokens as runs of consecutive positions
     halo_runs: list[tuple[int, int, int]] | None = None
+    # the compressors' (deepseek_v4): by the id of their attention module, how many entries the compressor appended
+    # to its keys and which of them each of this rank's queries may see (until the attention takes them)
+    compressed: dict[int, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
 
 @dataclass
