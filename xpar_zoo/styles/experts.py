@@ -57,6 +57,12 @@ def _default_silu_gate(module: nn.Module) -> bool:
             and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU)))
 
 
+def recomputes_activation(module: nn.Module) -> bool:
+    """Whether an experts module's backward recomputes its activation from ``[gate; up]`` (transformers' default
+    SwiGLU gate: only ``[gate; up]`` is kept); another gate runs under autograd, which keeps its intermediates."""
+    return _default_silu_gate(module)
+
+
 def standard_swiglu(module: nn.Module) -> bool:
     """Whether an experts module is plain SwiGLU in transformers' standard layout (what the Triton kernels do)."""
     return (_default_silu_gate(module) and not getattr(module, "has_bias", False)
