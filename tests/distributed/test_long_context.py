@@ -11,7 +11,9 @@ mixtral and gemma4_text with a sliding window; gpt_oss (attention sinks, sliding
 (MLA: q/k head dim 16, v head dim 8); hybrid qwen3_next (gated delta net layers on the group's whole rows) on sp+ep,
 cp, sp+cp, packed, right-padded and checkpointed, and minimax (lightning attention), jamba and granitemoehybrid
 (mamba), lfm2_moe (short convolution) and kimi_linear (delta attention) right-padded; activation
-checkpointing; the blocked masked attention under a tiny block budget (sdpa and eager, cp and sp+cp, packed,
+checkpointing; DSA indexers (deepseek_v32, glm_moe_dsa), zaya's convolutional projection and deepseek_v4's
+compressed attention (CSA and HCA layers) on sp+ep, cp, cp+ep and sp+cp, plain and packed; the blocked masked
+attention under a tiny block budget (sdpa and eager, cp and sp+cp, packed,
 padded, windows, sinks, with checkpointing); three clipped AdamW steps. The
 same launched run checks ``shard_sequence``, ``data_shard`` and the refusals that need ranks. One 4-rank run for
 all (the zoo's: tests/conftest.py ``zoo_proofs``)."""
@@ -27,6 +29,11 @@ QWEN3_NEXT = ("qwen3_next", {})
 # decides what each query sees; glm_moe_dsa's middle layer reuses the first layer's top-k ("FSF")
 DSA_V32 = ("deepseek_v32", {"index_topk": 4})
 DSA_GLM = ("glm_moe_dsa", {"index_topk": 4, "index_topk_pattern": "FSF"})
+# compressed attention (deepseek_v4): a CSA layer pools windows of 2 tokens (8 entries a row of 16, its indexer
+# keeps 3 per query), an HCA layer windows of 4, a sliding layer (window 4) keys of its own
+V4 = ("deepseek_v4", {"compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                      "index_topk": 3, "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention",
+                                                       "sliding_attention"]})
 CASES = {
     # name: ((model_type, config overrides), mesh, rows: plain (False), packed (True) or right-"padded")
     "qwen3_moe_sp2": (QWEN3_MOE, {"sp": 2}, False),
@@ -96,6 +103,16 @@ CASES = {
     "zaya_cca_sp2_ep2": (("zaya", {}), {"sp": 2, "ep": 2}, False),
     "packed_zaya_cca_cp4": (("zaya", {}), {"cp": 4}, True),
     "padded_zaya_cca_sp2_cp2": (("zaya", {}), {"sp": 2, "cp": 2}, "padded"),
+    # compressed attention: the compressor pools the whole row's windows (its projections gathered), this rank's
+    # queries see the entries its bias allows (xpar_zoo.styles.sequence_compressed); packed rows as one process
+    # runs them (the entries span the whole row)
+    "v4_compressed_sp2_ep2": (V4, {"sp": 2, "ep": 2}, False),
+    "packed_v4_compressed_sp2_ep2": (V4, {"sp": 2, "ep": 2}, True),
+    "v4_compressed_cp2": (V4, {"cp": 2}, False),
+    "packed_v4_compressed_cp2": (V4, {"cp": 2}, True),
+    "v4_compressed_cp2_ep2": (V4, {"cp": 2, "ep": 2}, False),
+    "v4_compressed_sp2_cp2": (V4, {"sp": 2, "cp": 2}, False),
+    "packed_v4_compressed_sp2_cp2": (V4, {"sp": 2, "cp": 2}, True),
 }
 # cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
 # that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES
@@ -120,6 +137,8 @@ BLOCKED = {
     "blocked_packed_dsa_deepseek_v32_sp2_cp2_sdpa": (("deepseek_v32", {**DSA_V32[1], **SDPA}), {"sp": 2, "cp": 2},
                                                      True),
     "blocked_packed_dsa_glm_moe_dsa_cp2_ep2": (DSA_GLM, {"cp": 2, "ep": 2}, True),
+    # each block with the compressed entries after its keys
+    "blocked_packed_v4_compressed_cp2_ep2": (V4, {"cp": 2, "ep": 2}, True),
 }
 # flash_attention_2 as the inner attention, on CPU through a reference of the flash kernels' contract
 # (xpar_zoo.testing.flash_reference, pure torch: no mask, causal aligned bottom-right, window_size, softcap, sinks,
@@ -239,7 +258,7 @@ def _cases(world: int) -> dict:
         data = parity.make_batches(config.vocab_size, steps, world, batch=2, seq=SEQ, seed=1)
         extra = _rows(packed, world, steps)
         labels = _labels(packed, data, extra)
-        key = (model_type, tuple(sorted(overrides.items())), packed, optimizer, steps, max_norm)
+        key = (model_type, repr(sorted(overrides.items())), packed, optimizer, steps, max_norm)
         if rank == 0 and key not in refs:
             refs[key] = (parity.train_reference(_config(model_type, overrides), data, optimizer, max_norm,
                                                 labels=labels, extra=extra), parity.build_model(config).state_dict())

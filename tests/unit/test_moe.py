@@ -97,3 +97,14 @@ def test_experts_keep_no_activation_output_for_backward(monkeypatch):
     monkeypatch.setattr(moe, "_default_silu_gate", lambda module: False)
     autograds = parity.saved_for_backward_bytes(lambda: experts(x, index, weights), exclude=experts.parameters())
     assert autograds - ours == 2 * tokens * k * cfg.moe_intermediate_size * x.element_size()
+
+
+def test_fixed_routes_reach_every_experts_module_and_are_read_back():
+    from xpar_zoo.styles.routes import Routes, fixed_routes, install_routes
+
+    model = parity.build_model(parity.tiny_config("qwen3_moe"))
+    experts = moe.experts_modules(model)
+    assert experts == [m for n, m in model.named_modules() if n.endswith("mlp.experts")] and experts
+    assert moe.set_experts_kernels(model, "torch") == len(experts)
+    assert install_routes(experts, Routes(2.0)) == len(experts)
+    assert all(fixed_routes(m) == Routes(2.0) for m in experts) and fixed_routes(model) is None

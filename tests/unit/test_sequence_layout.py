@@ -12,6 +12,7 @@ from xpar_zoo.errors import BatchError, MeshError, PlanError
 from xpar_zoo.parallel.mesh import sequence_rank_layout, validate_sequence_sizes
 from xpar_zoo.parallel.options import ParallelOptions
 from xpar_zoo.styles.sequence import check_sequence_parallel
+from xpar_zoo.styles.sequence_compressed import compressed_attention_modules, served_compressed_layer_types
 from xpar_zoo.styles.sequence_halo import (
     halo_projections,
     halo_tokens,
@@ -333,8 +334,6 @@ def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
                       "is given")),
     ("inkling2_text", ("layer type 'hybrid_sliding': Inkling2RelativePositionBias (self_attn.relative_position_bias): "
                        "a dense relative-position bias")),
-    ("deepseek_v4", ("layer type 'heavily_compressed_attention': DeepseekV4HCACompressor (self_attn.compressor): "
-                     "compressed attention")),
     ("minimax_m3_vl_text", ("layer type 'minimax_m3_sparse': MiniMaxM3VLIndexer (self_attn.indexer): a block-sparse "
                             "indexer")),
 ])
@@ -343,6 +342,17 @@ def test_sequence_mixing_that_cannot_run_on_gathered_rows_is_refused_with_the_re
     with pytest.raises(PlanError, match=rf"^cp=2: \w+ has sequence mixing that sp/cp cannot run on whole rows "
                                         rf"\(.*{re.escape(why)}.*\); sp and cp are refused for it$"):
         check_sequence_parallel(_meta_model(model_type, **sparse), types.SimpleNamespace(sp=1, cp=2))
+
+
+def test_compressed_attention_is_served_with_its_compressor_on_whole_row_windows():
+    """deepseek_v4's compressed layers (CSA: a compressor with its own indexer; HCA) count as attention: each
+    compressor is wrapped, its window projections (and its indexer's) return the group's whole rows."""
+    model = _meta_model("deepseek_v4", layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                                                    "sliding_attention"])
+    assert list(compressed_attention_modules(model)) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert served_compressed_layer_types(model, model.config) == {"compressed_sparse_attention",
+                                                                 "heavily_compressed_attention"}
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
 
 
 def test_zaya_attention_runs_its_convolutional_projection_with_a_halo():
@@ -499,3 +509,11 @@ def test_the_reference_flash_kernel_keeps_flashs_contract():
     flat = flash_attn_varlen_func(q.reshape(6, 4, 8), k.reshape(14, 2, 8), v.reshape(14, 2, 8), cu_q, cu_k, 3, 7,
                                   softmax_scale=0.3, causal=True)
     torch.testing.assert_close(flat.view(2, 3, 4, 8), got)
+
+
+def test_consecutive_runs_are_the_blocks_of_held_indices_and_query_positions():
+    from xpar_zoo.parallel.state import consecutive_runs
+
+    assert consecutive_runs([4, 5, 6, 0, 1, 9]) == [(0, 4, 3), (3, 0, 2), (5, 9, 1)]
+    assert consecutive_runs([3, 3, 2]) == [(0, 3, 1), (1, 3, 1), (2, 2, 1)]
+    assert consecutive_runs([]) == []

@@ -24,7 +24,7 @@ from ..errors import ModelStateError
 from ..io.batching import byte_batches
 from ..parallel.distributed import broadcast, rank
 from ..parallel.materialize import check_materialized
-from ..parallel.state import held_indices
+from ..parallel.state import consecutive_runs, held_indices
 from .layout import revert_groups
 from .writer import (
     parse_dtype,
@@ -89,19 +89,6 @@ def _buckets(units: list[_Unit], bucket_bytes: int) -> list[list[_Unit]]:
     return out
 
 
-def _runs(index: torch.Tensor | None, n: int) -> list[tuple[int, int, int]]:
-    """``(local start, global start, length)`` of the contiguous runs of a dim's held global indices."""
-    if index is None:
-        return [(0, 0, n)]
-    runs: list[tuple[int, int, int]] = []
-    for local, g in enumerate(index.tolist()):
-        if runs and runs[-1][1] + runs[-1][2] == g:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((local, g, 1))
-    return runs
-
-
 def _owned(tensor: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
     """This rank's local tensor and held indices when it is the first replica of its part, else ``None``."""
     if not isinstance(tensor, DTensor):
@@ -120,7 +107,7 @@ def _fill(view: torch.Tensor, tensor: torch.Tensor, rows: Rows) -> None:
     if owned is None:
         return
     local, held = owned
-    runs = [_runs(held.get(d), n) for d, n in enumerate(local.shape)]
+    runs = [consecutive_runs(held[d].tolist()) if d in held else [(0, 0, n)] for d, n in enumerate(local.shape)]
     if rows is not None:
         a, b = rows
         runs[0] = [(lo + max(g, a) - g, max(g, a) - a, min(g + k, b) - max(g, a)) for lo, g, k in runs[0]

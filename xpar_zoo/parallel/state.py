@@ -1,9 +1,10 @@
 """What ``parallelize`` did to a model (:class:`ParallelState`, read with :func:`parallel_state`) and views of a
-parallelized model: the whole model on rank 0 (:func:`full_state_dict`), and the global region of a tensor this rank
-holds (:func:`local_region`)."""
+parallelized model: the whole model on rank 0 (:func:`full_state_dict`), the global region of a tensor this rank
+holds (:func:`local_region`), and the runs of consecutive indices in what a rank holds (:func:`consecutive_runs`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -92,6 +93,20 @@ def held_indices(tensor: DTensor) -> tuple[list[int], dict[int, torch.Tensor]]:
             shape[d], held[d] = cast(tuple[int, torch.Tensor], shard_size_and_offsets(
                 shape[d], mesh.size(i), coordinate[i], placement, held.get(d), tensor.shape[d], False))
     return shape, held
+
+
+def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The maximal runs of consecutive integers in ``values`` (each one more than the one before it), in order:
+    ``[(index of the run's first value, its first value, its length)]``; a rank's held indices or positions as
+    blocks."""
+    runs: list[tuple[int, int, int]] = []
+    for i, value in enumerate(values):
+        if runs and runs[-1][1] + runs[-1][2] == value:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((i, value, 1))
+    return runs
 
 
 def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, Box]:

@@ -26,6 +26,8 @@ from ..compat import applies_default_gate, apply_gate
 from ..errors import KernelError
 from ..kernels import triton_runs_on
 from ..parallel.collectives import all_to_all, all_to_all_counts, to_local
+from ..zoo.plan import WRAPPED_ATTR, is_fused_experts
+from .routes import fixed_routes
 
 if TYPE_CHECKING:  # the experts path imports nothing of FSDP's (the GPU bench runs it on an older torch)
     from ..kernels.moe_triton import Tiles
@@ -35,7 +37,7 @@ EXPERTS_IMPLEMENTATION = "xpar_zoo"
 KERNELS = ("torch", "triton")
 
 # What this style keeps on an experts module, each attribute named once here: set with setattr (nn.Module types
-# attributes set with `.` as tensors or modules), read with getattr and a default. (``_xpar_routes``: styles/routes.py.)
+# attributes set with `.` as tensors or modules), read with getattr and a default. (Fixed routes: styles/routes.py.)
 _EP, _KERNELS, _TILES, _ADAPTERS = "_xpar_ep", "_xpar_kernels", "_xpar_tiles", "_xpar_adapters"
 
 
@@ -53,6 +55,12 @@ def _default_silu_gate(module: nn.Module) -> bool:
     return (getattr(module, "has_gate", True)
             and applies_default_gate(type(module))
             and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU)))
+
+
+def recomputes_activation(module: nn.Module) -> bool:
+    """Whether an experts module's backward recomputes its activation from ``[gate; up]`` (transformers' default
+    SwiGLU gate: only ``[gate; up]`` is kept); another gate runs under autograd, which keeps its intermediates."""
+    return _default_silu_gate(module)
 
 
 def standard_swiglu(module: nn.Module) -> bool:
@@ -81,6 +89,11 @@ def triton_module_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
     return _triton_module()
 
 
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """Every fused experts module of ``model`` (a 3-D ``down_proj`` parameter: transformers' ``[E, H, I]``)."""
+    return [m for m in model.modules() if is_fused_experts(m)]
+
+
 def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = None) -> int:
     """Choose the kernels of every fused experts module in ``model``: ``"torch"`` (the default: grouped_mm and torch
     routing, exact on the CPU) or ``"triton"`` (:mod:`xpar_zoo.kernels.moe_triton`; on the CPU it needs
@@ -93,8 +106,7 @@ def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = No
     GPU; the CPU interpreter proves their arithmetic, not their speed. Returns the number of modules set."""
     if kernels not in KERNELS:
         raise KernelError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    experts = [m for m in model.modules()
-               if isinstance(down := getattr(m, "down_proj", None), nn.Parameter) and down.dim() == 3]
+    experts = experts_modules(model)
     if kernels == "triton":
         if _triton_module() is None:
             raise KernelError("the Triton experts kernels need Triton (pip install xpar_zoo[triton]; CUDA builds of "
@@ -324,13 +336,13 @@ def _route_counts(module: nn.Module, flat: torch.Tensor, num_experts: int, ep: P
     """``(rows per expert, [source rank, local expert] rows received, send splits, receive splits)`` of the routed
     (token, k) pairs ``flat``: counted (with EP, exchanged: one host sync), or where the module has fixed routes
     (:class:`~xpar_zoo.styles.routes.Routes`, a simulated run) taken from them."""
-    routes = getattr(module, "_xpar_routes", None)
+    routes = fixed_routes(module)
     size, local = (ep.size, ep.rows) if ep else (1, num_experts)
     if routes is not None:
-        counts, recv = routes.expert_counts(flat.numel(), size, local)
+        sent, received = routes.expert_counts(flat.numel(), size, local)
         device = flat.device
-        return (torch.tensor(counts, device=device), torch.tensor(recv, device=device) if ep else None,
-                [sum(counts[i * local:(i + 1) * local]) for i in range(size)], [sum(r) for r in recv])
+        return (torch.tensor(sent, device=device), torch.tensor(received, device=device) if ep else None,
+                [sum(sent[i * local:(i + 1) * local]) for i in range(size)], [sum(r) for r in received])
     counts = torch.bincount(flat, minlength=num_experts)
     if ep is None:
         return counts, None, [], []
@@ -384,8 +396,6 @@ def install_expert_parallel(module: nn.Module, ep: PlanShard | None) -> None:
     """Give an experts module its EP group (``None``: all experts local); ``ep.rows`` experts live here. ``module``
     may be an adapter wrapper around the experts module (PEFT's ``ParamWrapper``): the group goes to every module of
     the chain."""
-    from ..zoo.plan import WRAPPED_ATTR
-
     chain: nn.Module | None = module
     while isinstance(chain, nn.Module):
         setattr(chain, _EP, ep)

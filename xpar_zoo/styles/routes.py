@@ -1,16 +1,21 @@
 """Fixed routes for a run whose tensors have shapes but no values (a simulated world, :mod:`xpar_zoo.sizing.simulate`):
 how many rows each all-to-all of the ``experts`` and ``embedding`` styles sends and receives, where a real run
-counts them from the router's choices or the token ids (a host sync that fake tensors cannot answer).
+counts them from the router's choices or the token ids, and the vocab-parallel head's row count on every group rank
+(the same as this rank's), where a real run exchanges them (host syncs that fake tensors cannot answer).
 
-Given to a model by :func:`install_routes`; without them (every real run) the styles count as usual.
+Given to a model's modules by :func:`install_routes` and read back by the styles with :func:`fixed_routes`; without
+them (every real run) the styles count as usual.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
+
+# The attribute that holds a module's fixed routes, named once here: set and read by the functions below.
+_ROUTES = "_xpar_routes"
 
 
 def even_split(total: int, parts: int) -> list[int]:
@@ -43,13 +48,16 @@ class Routes:
         return counts, [even_split(part, local) for part in recv]
 
 
-def install_routes(model: nn.Module, routes: Routes) -> int:
-    """Give every experts module (EP or not: its counts are data too) and vocab-parallel embedding of ``model`` the
-    fixed ``routes``; returns how many modules took them."""
+def install_routes(modules: Iterable[nn.Module], routes: Routes) -> int:
+    """Give each of ``modules`` (the experts modules, EP or not: their counts are data too, and the vocab-parallel
+    embeddings and heads of a model) the fixed ``routes``; returns how many modules took them."""
     count = 0
-    for module in model.modules():
-        experts = isinstance(getattr(module, "down_proj", None), torch.Tensor) and module.down_proj.dim() == 3
-        if experts or hasattr(module, "_xpar_ep") or hasattr(module, "_xpar_vocab"):
-            module._xpar_routes = routes
-            count += 1
+    for module in modules:
+        setattr(module, _ROUTES, routes)
+        count += 1
     return count
+
+
+def fixed_routes(module: nn.Module) -> Routes | None:
+    """The fixed routes :func:`install_routes` gave ``module``, else ``None`` (a real run: count the rows)."""
+    return getattr(module, _ROUTES, None)

@@ -36,9 +36,10 @@ unchanged; the rank keeps its tokens of the output). Exact, but their compute is
 activation memory is not divided. **Indexed sparse attention** (DSA indexers: deepseek_v32, glm_moe_dsa, …) scores
 this rank's queries against the whole row's indexer keys and masks the keys a query did not select
 (:mod:`xpar_zoo.styles.sequence_indexed`); convolutional projections inside attention (zaya) run on this rank's
-tokens with a halo of the tokens before them (:mod:`xpar_zoo.styles.sequence_halo`). Sequence mixing that is none
-of these (a relative-position bias or compressed entries computed inside the attention, another kind of indexer) is
-refused, naming the layer type, the module and why.
+tokens with a halo of the tokens before them (:mod:`xpar_zoo.styles.sequence_halo`); compressed attention
+(deepseek_v4) pools the whole row's windows and masks the compressed entries per query
+(:mod:`xpar_zoo.styles.sequence_compressed`). Sequence mixing that is none of these (a relative-position bias
+computed inside the attention, another kind of indexer) is refused, naming the layer type, the module and why.
 
 ``generate`` (a KV cache) is refused on an sp/cp mesh with one line: decoding one token at a time has nothing to
 split. Parameters are placed exactly as without sp/cp, so checkpoints are unchanged.
@@ -70,6 +71,12 @@ from ..parallel.mesh import Mesh, PlanShard
 from ..parallel.options import ParallelOptions
 from ..parallel.state import ParallelState, parallel_state, parallelized_module
 from .calls import call_arguments
+from .sequence_compressed import (
+    install_compressors,
+    served_compressed_layer_types,
+    split_compressed,
+    with_entries,
+)
 from .sequence_halo import install_halo_projections, served_halo_layer_types
 from .sequence_indexed import (
     check_indexed_inner,
@@ -249,9 +256,15 @@ class SequenceParallel:
         selected = kwargs.pop("indices", None)  # a DSA indexer's top-k (global row positions of the keys)
         if selected is not None:
             check_indexed_inner(module, self.inner)
+        heads = query.shape[1]
+        key, value, entries = split_compressed(self, module, key, value)  # a compressor's entries after the tokens
         query, key, value, overrides = self.to_heads(module, query, key, value, kwargs)
         key, value = self.gather_keys_values(key, value)
-        out = self.run(module, overrides, query, key, value, dropout, scaling, sliding_window, kwargs, selected)
+        batch = None if selected is None else cast(SequenceForward, selected_forward(self, selected))
+        if entries is not None:
+            key, value, batch = with_entries(self, batch or current_forward(self, "sp/cp attention"), entries, heads,
+                                             key, value)
+        out = self.run(module, overrides, query, key, value, dropout, scaling, sliding_window, kwargs, batch)
         return self.to_sequence(out), None
 
     def to_heads(self, module, query, key, value, kwargs: dict):
@@ -303,15 +316,14 @@ class SequenceParallel:
         return AttentionSizes(query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.element_size())
 
     def run(self, module, overrides: dict, query, key, value, dropout: float, scaling, window, kwargs: dict,
-            selected: torch.Tensor | None = None) -> torch.Tensor:
+            masked: SequenceForward | None = None) -> torch.Tensor:
         """The inner attention of the local heads' queries (``[b, h, S/cp, d]``) against the whole rows' keys and
-        values on the path :meth:`choose` takes (``selected``: a DSA top-k, masking the keys a query did not
-        select): ``[b, S/cp, h, dv]``."""
-        batch = current_forward(self, "sp/cp attention")
-        if selected is not None:  # a view of the forward's state with the keys no query selected masked too
-            batch = cast(SequenceForward, selected_forward(self, selected))
+        values on the path :meth:`choose` takes (``masked``: the forward seen with more masked keys, a DSA top-k's
+        or a compressor's entries, which always take the mask): ``[b, S/cp, h, dv]``."""
+        selected = masked is not None
+        batch = masked if masked is not None else current_forward(self, "sp/cp attention")
         causal = bool(getattr(module, "is_causal", True))
-        path = self.choose(module, query, key, causal, window, kwargs, selected is not None)
+        path = self.choose(module, query, key, causal, window, kwargs, selected)
         if path in (InnerPath.FLEX, InnerPath.FLASH):  # their own masks from the global indices
             return OWN_MASK_INNER[self.inner](batch, self.inner_view(module, overrides), query, key, value, causal,
                                               dropout, scaling, window, global_kwargs(kwargs))
@@ -322,7 +334,7 @@ class SequenceParallel:
             return call(query, key, value, None)
         if path is InnerPath.WHOLE_MASK:  # additive, once per forward, shared by the layers (a selection: per layer)
             return call(query, key, value, batch.mask(causal, window, query.dtype))
-        rows = block_rows(self.inner, query.device.type, self.sizes(query, key), self.options, selected is not None)
+        rows = block_rows(self.inner, query.device.type, self.sizes(query, key), self.options, selected)
         assert rows is not None  # the blocked path: the whole mask does not fit the block budget
         return blocked_attention(call, query, key, value, batch, causal, window, rows)
 
@@ -388,7 +400,8 @@ def attention_layer_types(model: nn.Module) -> frozenset[str]:
     (:mod:`~xpar_zoo.styles.sequence_indexed`) and attention after a halo projection
     (:mod:`~xpar_zoo.styles.sequence_halo`)."""
     config = _text_config(model.config)
-    return served_indexed_layer_types(model, config) | served_halo_layer_types(model, config)
+    return (served_indexed_layer_types(model, config) | served_halo_layer_types(model, config)
+            | served_compressed_layer_types(model, config))
 
 
 def attention_outside_interface(model: nn.Module) -> str | None:
@@ -500,6 +513,7 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
     install_sequence_mixers(model, state, attention_layer_types(model))
     install_indexers(model, state)  # DSA indexers: this rank's queries against the whole row's keys
     install_halo_projections(model, state)  # convolutional projections: this rank's runs and their halos
+    install_compressors(model, state)  # compressed attention: the whole row's windows, this rank's queries
     original = model.forward
     signature = inspect.signature(original)
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelStateError
+from ..parallel.state import consecutive_runs
 from .sequence_paths import MaskKind
 
 Block = tuple[int, int, "slice | torch.Tensor"]  # (first local query, queries, keys: an index of the gathered keys)
@@ -55,6 +56,9 @@ class ForwardCache:
     mixer_kwargs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # the halo projections' (zaya): this rank's tokens as runs of consecutive positions
     halo_runs: list[tuple[int, int, int]] | None = None
+    # the compressors' (deepseek_v4): by the id of their attention module, how many entries the compressor appended
+    # to its keys and which of them each of this rank's queries may see (until the attention takes them)
+    compressed: dict[int, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,13 +104,7 @@ class SequenceForward:
         """The runs of consecutive global positions in the queries (cp: the head chunk and the tail chunk):
         ``[(first local query, queries, global end)]``; a run attends causally to the row's keys before its end."""
         if self.cache.runs is None:  # one host sync per forward
-            q = self.queries.tolist()
-            runs, start = [], 0
-            for i in range(1, len(q) + 1):
-                if i == len(q) or q[i] != q[i - 1] + 1:
-                    runs.append((start, i - start, q[i - 1] + 1))
-                    start = i
-            self.cache.runs = runs
+            self.cache.runs = [(i, n, first + n) for i, first, n in consecutive_runs(self.queries.tolist())]
         return self.cache.runs
 
     def key_order(self) -> torch.Tensor:

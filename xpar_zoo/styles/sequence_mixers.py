@@ -28,9 +28,10 @@ head-sliced projection weights and convolutions inside the modules, i.e. copied 
 modeling code, so the mixers run whole.
 
 **Refused** (:func:`unserved_mixers` names them, with the reason): sequence mixing that is not such a module,
-e.g. a short convolution inside the attention module on the key projections (inkling), compressed sparse attention
-or an indexer other than DSA's (:mod:`xpar_zoo.styles.sequence_indexed` serves those) inside the attention module,
-or a layer type whose layers hold no such module.
+e.g. a short convolution inside the attention module on the key projections (inkling), or an indexer other than
+DSA's (:mod:`xpar_zoo.styles.sequence_indexed`) or a compressor other than deepseek_v4's
+(:mod:`xpar_zoo.styles.sequence_compressed`) inside the attention module, or a layer type whose layers hold no such
+module.
 """
 
 from __future__ import annotations

@@ -39,9 +39,10 @@ from ..parallel.collectives import (
 )
 from ..parallel.mesh import PlanShard
 from ..zoo.forward_source import embedding_weight_read, forward_source
+from .routes import fixed_routes
 
 # What these styles keep on a module, each attribute named once here: set with setattr (nn.Module types attributes
-# set with `.` as tensors or modules), read with getattr. (``_xpar_routes``: styles/routes.py.)
+# set with `.` as tensors or modules), read with getattr. (Fixed routes: styles/routes.py.)
 _VOCAB, _HEAD = "_xpar_vocab", "_xpar_head"
 
 # ---- embedding ------------------------------------------------------------------------------------------------
@@ -52,7 +53,7 @@ def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     weight = to_local(self.weight)  # [V/s, H]: this rank's rows (FSDP has gathered them)
     vocab = shard.rows * shard.size
     flat = input.reshape(-1)
-    routes = getattr(self, "_xpar_routes", None)
+    routes = fixed_routes(self)
     if routes is not None:  # a simulated run (no values): every id distinct, spread evenly over the owners
         ids, inverse = flat, torch.arange(flat.numel(), device=flat.device)
         send_splits, recv_splits = routes.splits(flat.numel(), shard.size)
@@ -91,6 +92,16 @@ class _VocabParallelLookup(nn.Embedding):
 
 
 @functools.cache
+def vocab_parallel_embeddings(model: nn.Module) -> list[nn.Module]:
+    """Every embedding of ``model`` that :func:`install_vocab_embedding` made vocab-parallel."""
+    return [m for m in model.modules() if hasattr(m, _VOCAB)]
+
+
+def fused_heads(model: nn.Module) -> list[nn.Module]:
+    """Every head of ``model`` that the fused loss (whole-vocab or vocab-parallel) runs."""
+    return [m for m in model.modules() if hasattr(m, _HEAD)]
+
+
 def _with_vocab_parallel_lookup(cls: type) -> type:
     """``cls`` with :class:`_VocabParallelLookup` between it and ``nn.Embedding`` in its MRO, so that its forward's
     ``super().forward(ids)`` is the vocab-parallel lookup; same name, so class-name based choices are unchanged."""
@@ -172,7 +183,10 @@ def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParal
         return nn.functional.linear(hidden_states, weight)
     lead = hidden_states.shape[:-1]
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    counts = group_row_counts(hidden.shape[0], shard, hidden.device)
+    if fixed_routes(self) is not None:  # fixed routes: every group rank holds as many rows
+        counts = [hidden.shape[0]] * shard.size
+    else:
+        counts = group_row_counts(hidden.shape[0], shard, hidden.device)
     out = VocabParallelLogits()
     if request is not None:
         if request.targets.shape != lead:
