@@ -26,6 +26,7 @@ from ..compat import applies_default_gate, apply_gate
 from ..errors import KernelError
 from ..kernels import triton_runs_on
 from ..parallel.collectives import all_to_all, all_to_all_counts, to_local
+from ..zoo.plan import WRAPPED_ATTR, is_fused_experts
 from .routes import fixed_routes
 
 if TYPE_CHECKING:  # the experts path imports nothing of FSDP's (the GPU bench runs it on an older torch)
@@ -90,8 +91,7 @@ def triton_module_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """Every fused experts module of ``model`` (a 3-D ``down_proj`` parameter: transformers' ``[E, H, I]``)."""
-    return [m for m in model.modules()
-            if isinstance(down := getattr(m, "down_proj", None), nn.Parameter) and down.dim() == 3]
+    return [m for m in model.modules() if is_fused_experts(m)]
 
 
 def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = None) -> int:
@@ -396,8 +396,6 @@ def install_expert_parallel(module: nn.Module, ep: PlanShard | None) -> None:
     """Give an experts module its EP group (``None``: all experts local); ``ep.rows`` experts live here. ``module``
     may be an adapter wrapper around the experts module (PEFT's ``ParamWrapper``): the group goes to every module of
     the chain."""
-    from ..zoo.plan import WRAPPED_ATTR
-
     chain: nn.Module | None = module
     while isinstance(chain, nn.Module):
         setattr(chain, _EP, ep)
