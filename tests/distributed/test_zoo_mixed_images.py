@@ -24,6 +24,7 @@ ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
 BIDIRECTIONAL_IMAGES = ("gemma4",)
 PACKED = "qwen3_vl_moe"  # proved on packed rows with images too, on these meshes (its job: PACKED_JOB)
 PACKED_JOB = f"{PACKED} packed"
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # LoRA's target_parameters: the fused experts
 LORA_JOB = f"{PACKED} lora on the vision tower"
 PACKED_MESHES = {"ep2": {"ep": 2}, "sp2_ep2": {"sp": 2, "ep": 2}}
 REFUSED = {"aria": "without multimodal RoPE"}  # a family not proved with images
@@ -107,8 +108,9 @@ def _packed_job(arch: str) -> dict:
 
 
 def _lora_vision_job(base: str) -> dict:
-    """LoRA on attention and on every linear of the vision tower and projector (``--lora-vision``'s targets) of a
-    saved tiny qwen3_vl_moe, loaded by ``from_pretrained`` on ``ep=2``, one SGD step on the mixed rows, against
+    """LoRA on attention, on the fused experts (whose checkpoint tensors transformers converts with a shape check
+    through the wrapped model) and on every linear of the vision tower and projector (``--lora-vision``'s targets) of
+    a saved tiny qwen3_vl_moe, loaded by ``from_pretrained`` on ``ep=2``, one SGD step on the mixed rows, against
     single-process PEFT from the same initial adapter."""
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -123,7 +125,7 @@ def _lora_vision_job(base: str) -> dict:
     cfg = parity.tiny_config(PACKED)
     ids, images = modality.mixed_batches("image", cfg, PROOF_WORLD)
     labels = parity.make_labels(ids[None])[0]
-    lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+    lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_parameters=EXPERTS,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", *vision_linears(parity.build_model(cfg))])
     model = xpar_zoo.from_pretrained(base, xpar_zoo.Mesh(ep=2), peft_config=lora, progress=False).train()
     init = adapter_state(model)
@@ -147,7 +149,8 @@ def _lora_vision_job(base: str) -> dict:
     expected = {k: v.detach().clone() for k, v in get_peft_model_state_dict(ref).items()}
     return {(LORA_JOB, "ep2"): {"loss": (sum(losses) / len(losses), ref_loss.item()),
                                 "errors": parity.param_errors(after, expected, init),
-                                "vision adapters": sorted({k.split(".lora_")[0] for k in init if ".visual." in k})}}
+                                "vision adapters": sorted({k.split(".lora_")[0] for k in init if ".visual." in k}),
+                                "expert adapters": sorted({k.split(".lora_")[0] for k in init if "experts" in k})}}
 
 
 def zoo_jobs(tmp_path_factory) -> dict:
@@ -190,6 +193,7 @@ def test_lora_on_the_vision_tower_matches_single_process_peft(results, job):
     row = results[job, "ep2"]
     assert any("blocks.0.attn.qkv" in m for m in row["vision adapters"]) and any(
         "merger" in m for m in row["vision adapters"]), row["vision adapters"]
+    assert row["expert adapters"], "no adapter on the fused experts"
     parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{job} on ep2")
     parity.assert_params_match(row["errors"], what=f"{job} on ep2:")
 

@@ -2,7 +2,8 @@
 torch's FSDP memory tracker) beside the analytic estimate, which agrees within 10 % on a tiny model on ep 8, a
 mid-size one on 64 ranks (ep 16, planned slices sharded on dim 1) and a tiny DeepSeek-V3 (MLA: the simulation
 runs a GPU's memory-efficient sdpa kernel, where the CPU's would keep the scores; a dense layer beside an MoE
-one); ``--route-imbalance`` makes the busiest rank's experts hold more. All simulations run in one process of their own (it owns the fake process group)."""
+one), a tiny gpt-oss (flex attention by its kernel's footprint, a gate autograd keeps), the emb and head plans
+(their row counts fixed) and sp + cp (plain rows, a GPU's lower-right kernels); ``--route-imbalance`` makes the busiest rank's experts hold more. All simulations run in one process of their own (it owns the fake process group)."""
 
 import json
 import os
@@ -22,10 +23,20 @@ TINY_MLA = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads":
             "kv_lora_rank": 32, "qk_rope_head_dim": 16, "head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
             "n_routed_experts": 8, "moe_intermediate_size": 128, "intermediate_size": 512, "vocab_size": 2048,
             "first_k_dense_replace": 1, "max_position_embeddings": 2048}
+# gpt-oss: flex attention with sinks (simulated by its kernel's footprint), a clamped GLU gate kept by autograd
+TINY_OSS = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+            "num_local_experts": 8, "intermediate_size": 256, "vocab_size": 2048, "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 2048}
 GLOO = ("tiny MoE, ep2 on 4", {"ep": 2}, 512)  # also run on 4 gloo ranks
 CASES = {"mid MoE, ep16 on 64": ["qwen3_moe", MID_MOE, {"world": 64, "sizes": {"ep": 16}, "seq": 2048}],
          GLOO[0]: ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": GLOO[1], "seq": GLOO[2]}],
-         "tiny MLA MoE, ep4 on 8": ["deepseek_v3", TINY_MLA, {"world": 8, "sizes": {"ep": 4}, "seq": 512}]}
+         "tiny MoE, ep2 emb2 head2 on 4": ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": {"ep": 2, "emb": 2, "head": 2},
+                                                                    "seq": 256}],
+         "tiny MoE, sp2 cp2 on 4": ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": {"ep": 2}, "seq": 1024, "sp": 2,
+                                                           "cp": 2}],
+         "tiny MLA MoE, ep4 on 8": ["deepseek_v3", TINY_MLA, {"world": 8, "sizes": {"ep": 4}, "seq": 512}],
+         "tiny gpt-oss, flex, ep4 on 8": ["gpt_oss", TINY_OSS, {"world": 8, "sizes": {"ep": 4}, "seq": 512,
+                                                                 "attention": "flex_attention"}]}
 SUPPORT = Path(__file__).resolve().parents[1] / "support" / "simulated_sizes.py"
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from ..compat import keys_to_ignore_on_load
 from ..errors import CheckpointMismatchError
 from ..parallel.state import Box
+from ..styles.lora import unwrapped_name
 from .safetensors_files import (
     DTYPE_SIZES,
     LIST_LIMIT,
@@ -151,9 +152,28 @@ def _read_whole(directory: str | Path, info: TensorInfo) -> torch.Tensor:
         return f.get_tensor(info.key)
 
 
+class _ByTransformersName:
+    """``model`` as transformers' conversion ops ask it for a tensor (``get_parameter``, e.g. ``Transpose``'s shape
+    check), by the name transformers gives it: an adapter wrapper (PEFT's LoRA on fused experts) moves the wrapped
+    tensor's module path under its ``base_layer``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.config = model, getattr(model, "config", None)
+
+    def get_parameter(self, name: str) -> nn.Parameter:
+        try:
+            return self.model.get_parameter(name)
+        except AttributeError:
+            found = {unwrapped_name(n): p for n, p in self.model.named_parameters()}.get(name)
+            if found is None:
+                raise
+            return found
+
+
 def _converted(converter, first: str, model: nn.Module | None) -> dict[str, torch.Tensor]:
     """``{model tensor name: tensor}`` from a converter holding its checkpoint tensors (transformers' own call)."""
-    out = converter.convert(first, model=model, config=getattr(model, "config", None))
+    seen = _ByTransformersName(model) if model is not None else None
+    out = converter.convert(first, model=seen, config=getattr(model, "config", None))
     return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
 
 

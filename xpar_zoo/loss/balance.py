@@ -21,12 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import TrainConfigError
+from ..zoo.plan import is_fused_experts
 
 
 def fused_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every fused experts module (a 3-D ``down_proj``), in forward order."""
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(getattr(m, "down_proj", None), nn.Parameter) and m.down_proj.dim() == 3]
+    return [(n, m) for n, m in model.named_modules() if is_fused_experts(m)]
 
 
 def layer_index(name: str, default: int) -> int:

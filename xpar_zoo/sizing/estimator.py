@@ -303,10 +303,39 @@ def moe_layer_count(model: nn.Module) -> int:
     return sum(1 for name, p in model.named_parameters() if name.endswith("down_proj") and p.dim() == 3)
 
 
-def _mlp_widths(config, moe_layers: int | None) -> tuple[float, float]:
+def experts_gate_width(model: nn.Module, dtype_bytes: int) -> float:
+    """Per routed row, what the experts' activation keeps, in units of the intermediate width ``I``: ``2`` (the
+    ``[gate; up]`` projection; the activation is recomputed in backward) for transformers' default SwiGLU; for
+    another gate (gpt-oss's clamped GLU with its ``+1``) what autograd saves running it on one row in the compute
+    dtype (measured on a tiny row: the gate is elementwise), plus its output, the down projection's input."""
+    from ..compat import apply_gate
+    from ..styles.experts import recomputes_activation
+
+    module = next((m for m in model.modules() if isinstance(getattr(m, "down_proj", None), torch.Tensor)
+                   and m.down_proj.dim() == 3), None)
+    if module is None or recomputes_activation(module) or not getattr(module, "has_gate", True):
+        return 2.0
+    width, dtype = 8, torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    h = torch.zeros(1, 2 * width, dtype=dtype, requires_grad=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = apply_gate(module, h)
+    except (RuntimeError, NotImplementedError, AttributeError):  # a gate reading its module's (meta) weights
+        return 2.0
+    return sum(kept.values()) / (dtype_bytes * width) + out.shape[-1] / width
+
+
+def _mlp_widths(config, moe_layers: int | None, gate_width: float = 2.0) -> tuple[float, float]:
     """Per token, the values one decoder layer's MLP keeps (elements), as the mean over the layers and the widest:
-    a SwiGLU MLP ``H + 4I``; a MoE layer ``H + 2E + k·(2H + 2I)`` plus its shared experts' MLP. ``moe_layers``: how
-    many layers are MoE (``None``: all of them, for an MoE config), the others dense with ``intermediate_size``."""
+    a SwiGLU MLP ``H + 4I``; a MoE layer ``H + 2E + k·(2H + g·I)`` (``g = gate_width``,
+    :func:`experts_gate_width`) plus its shared experts' MLP. ``moe_layers``: how many layers are MoE (``None``:
+    all of them, for an MoE config), the others dense with ``intermediate_size``."""
     h, layers = config.hidden_size, config.num_hidden_layers
     dense = h + 4 * (getattr(config, "intermediate_size", None) or 0)
     top_k = getattr(config, "num_experts_per_tok", 0) or 0
@@ -317,7 +346,7 @@ def _mlp_widths(config, moe_layers: int | None) -> tuple[float, float]:
                                                  "moe_num_experts") if getattr(config, k, None)), 0)
     shared = (getattr(config, "shared_expert_intermediate_size", None)
               or (getattr(config, "n_shared_experts", None) or 0) * inter)
-    moe = h + 2 * experts + top_k * (2 * h + 2 * inter) + (h + 4 * shared if shared else 0)
+    moe = h + 2 * experts + top_k * (2 * h + gate_width * inter) + (h + 4 * shared if shared else 0)
     n = layers if moe_layers is None or not layers else min(moe_layers, layers)
     if n == layers:
         return moe, moe
@@ -327,12 +356,13 @@ def _mlp_widths(config, moe_layers: int | None) -> tuple[float, float]:
 def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1, qk_norm: bool = False,
                      recompute: bool = False, *, seq: int | None = None, sp: int = 1, cp: int = 1,
                      attention: str = "sdpa", options: ParallelOptions | None = None,
-                     moe_layers: int | None = None) -> dict[str, float]:
+                     moe_layers: int | None = None, gate_width: float = 2.0) -> dict[str, float]:
     """The activation estimate of one rank (see :func:`activation_bytes`) by kind: ``"activations"`` (linear in
     the tokens), ``"attention scores"`` (eager's ``seq²`` softmax), ``"attention mask"`` (the sp/cp mask) and
     ``"attention block"`` (eager's blocked sp/cp attention: what one block of queries' mask and scores add to the
     peak, a transient in a layer's backward beyond the values that layer's MLP has freed by then). ``moe_layers``:
-    how many decoder layers are MoE (``None``: every layer of an MoE config; :func:`moe_layer_count`)."""
+    how many decoder layers are MoE (``None``: every layer of an MoE config; :func:`moe_layer_count`);
+    ``gate_width``: :func:`experts_gate_width`."""
     seq, options = seq or tokens, options or ParallelOptions()
     rows = tokens // seq
     local = tokens // (sp * cp)  # this rank's tokens outside attention
@@ -341,7 +371,7 @@ def activation_terms(config, tokens: int, dtype_bytes: int, fused_head: int = 1,
     kv_width = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * (
         getattr(config, "head_dim", None) or h // config.num_attention_heads)
     outside = h + (2 * q_width + 2 * kv_width if qk_norm else 0)  # the q/k/v projections' input; q/k norms
-    mlp, mlp_most = _mlp_widths(config, moe_layers)
+    mlp, mlp_most = _mlp_widths(config, moe_layers, gate_width)
     attn, scores, mask = _attention_bytes(config, rows, seq, dtype_bytes, sp, cp, attention, options)
     # RMSNorm computes in fp32: below fp32 it keeps an fp32 copy of its input beside its normalised output
     upcast = 4 - dtype_bytes if dtype_bytes < 4 else 0
@@ -584,7 +614,8 @@ def _activation_memory(est: Estimate, config, model: nn.Module, plan: Plan, size
     fused_head = head if fused else 0
     qk_norm = any(name.endswith("q_norm") for name, _ in model.named_modules())
     terms = activation_terms(config, rows, pbytes, fused_head, qk_norm, recompute, seq=seq, sp=sp, cp=cp,
-                             attention=attention, options=options, moe_layers=moe_layer_count(model) or None)
+                             attention=attention, options=options, moe_layers=moe_layer_count(model) or None,
+                             gate_width=experts_gate_width(model, pbytes))
     est.memory["activations (estimate)"] = terms["activations"]
     if lora_rank:
         est.memory["activations (estimate)"] += lora_activation_bytes(model, config, tokens, pbytes, recompute)

@@ -35,7 +35,7 @@ from ..loss.fused import CE_CHUNK_ELEMENTS
 from ..parallel.options import ATTENTION_BLOCK_MIB_ACCELERATOR, ParallelOptions
 from ..styles.experts import experts_modules
 from ..styles.routes import Routes, install_routes
-from ..styles.vocab import vocab_parallel_embeddings
+from ..styles.vocab import fused_heads, vocab_parallel_embeddings
 from . import estimator as sizing
 
 
@@ -57,11 +57,55 @@ def gpu_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.transpose(1, 2).contiguous(), None
 
 
+class KernelFootprint(torch.autograd.Function):
+    """A fused attention kernel's memory without its arithmetic (fake tensors have no values to compute): forward
+    makes the output ``[b, heads, q, d_v]`` and the fp32 log-sum-exp and keeps q, k, v, the output and the
+    log-sum-exp for backward, which makes their gradients: what flex attention's kernels keep and make (the output
+    laid out as the query is, as flex lays it out: transformers' ``[b, q, heads, d]`` view of it is free)."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        b, heads, q, _ = query.shape
+        if query.stride(1) < query.stride(2):  # heads inside the sequence, as transformers' transposed query
+            out = query.new_empty((b, q, heads, value.shape[-1])).transpose(1, 2)
+        else:
+            out = query.new_empty((b, heads, q, value.shape[-1]))
+        lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def gpu_flex_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, scaling: float | None = None, s_aux: torch.Tensor | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' flex attention as a GPU runs it, by its footprint (:class:`KernelFootprint`: the key/value
+    heads as they are), with transformers' own steps around the kernel: the attention sinks' renormalisation by the
+    log-sum-exp (gpt-oss) and the ``[b, q, heads, d]`` layout for the output projection. The real kernel cannot run
+    here: its block mask is built by a compiled function, which crashes on fake tensors, and on CPU transformers
+    refuses sinks."""
+    out, lse = KernelFootprint.apply(query, key, value)
+    if s_aux is not None:
+        lse = lse.to(value.dtype)[..., None]
+        sinks = s_aux.view(1, -1, 1, 1).expand(*lse.shape)
+        out = (out * torch.exp(lse - torch.logsumexp(torch.cat([lse, sinks], dim=-1), dim=-1, keepdim=True)))
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
 # sdpa on plain rows, as a real run has it: transformers cannot tell from fake position ids that the rows are not
 # packed and would build a block-causal mask (and repeat the key/value heads for it); under a name of its own that
 # has no mask function, it builds none and sdpa runs causal, as on real plain rows, by a GPU's kernels
 PLAIN_ROWS_SDPA = "xpar_zoo_simulated_sdpa"
 AttentionInterface.register(PLAIN_ROWS_SDPA, gpu_sdpa_forward)
+# flex attention, by the same token without a mask function (the kernel's footprint takes none)
+SIMULATED_FLEX = "xpar_zoo_simulated_flex"
+AttentionInterface.register(SIMULATED_FLEX, gpu_flex_forward)
+SIMULATED_ATTENTION = {"sdpa": PLAIN_ROWS_SDPA, "flex_attention": SIMULATED_FLEX}
 
 KINDS = ("parameters", "gradients", "optimizer states", "activations", "temporaries")
 # torch's tracker categories (torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType values) by our kind
@@ -150,7 +194,8 @@ def simulate(config, world: int, sizes: dict[str, int] | None = None, replicate:
     fake_world(world)
     model = _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, recompute,
                             lora_rank, lora_modules, lora_parameters, options)
-    install_routes([*experts_modules(model), *vocab_parallel_embeddings(model)], Routes(route_imbalance))
+    install_routes([*experts_modules(model), *vocab_parallel_embeddings(model), *fused_heads(model)],
+                   Routes(route_imbalance))
     tracker = _tracked_steps(model, micro_batch, seq, optimizer)
     by_kind = dict.fromkeys(KINDS, 0)
     for category, nbytes in tracker.items():
@@ -180,8 +225,8 @@ def _parallel_model(config, sizes, replicate, sp, cp, param_dtype, attention, re
         model, plan = lora_meta_model(model, plan, lora_rank, lora_modules, lora_parameters)
     if sp * cp == 1:
         model.set_attn_implementation(attention)  # refused here as in a real run where the model lacks it
-        if attention == "sdpa":
-            model.set_attn_implementation(PLAIN_ROWS_SDPA)
+        if attention in SIMULATED_ATTENTION:
+            model.set_attn_implementation(SIMULATED_ATTENTION[attention])
     compute = COMPUTE_DTYPES[param_dtype]
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 else False
     mesh = Mesh(extra=sizes, replicate=replicate, sp=sp, cp=cp, device_type="cpu")

@@ -26,6 +26,7 @@ from ..compat import applies_default_gate, apply_gate
 from ..errors import KernelError
 from ..kernels import triton_runs_on
 from ..parallel.collectives import all_to_all, all_to_all_counts, to_local
+from ..zoo.plan import WRAPPED_ATTR, is_fused_experts
 from .routes import fixed_routes
 
 if TYPE_CHECKING:  # the experts path imports nothing of FSDP's (the GPU bench runs it on an older torch)
@@ -56,6 +57,12 @@ def _default_silu_gate(module: nn.Module) -> bool:
             and isinstance(getattr(module, "act_fn", None), (SiLUActivation, nn.SiLU)))
 
 
+def recomputes_activation(module: nn.Module) -> bool:
+    """Whether an experts module's backward recomputes its activation from ``[gate; up]`` (transformers' default
+    SwiGLU gate: only ``[gate; up]`` is kept); another gate runs under autograd, which keeps its intermediates."""
+    return _default_silu_gate(module)
+
+
 def standard_swiglu(module: nn.Module) -> bool:
     """Whether an experts module is plain SwiGLU in transformers' standard layout (what the Triton kernels do)."""
     return (_default_silu_gate(module) and not getattr(module, "has_bias", False)
@@ -84,8 +91,7 @@ def triton_module_for(module: nn.Module, x: torch.Tensor, weight: torch.Tensor):
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """Every fused experts module of ``model`` (a 3-D ``down_proj`` parameter: transformers' ``[E, H, I]``)."""
-    return [m for m in model.modules()
-            if isinstance(down := getattr(m, "down_proj", None), nn.Parameter) and down.dim() == 3]
+    return [m for m in model.modules() if is_fused_experts(m)]
 
 
 def set_experts_kernels(model: nn.Module, kernels: str, tiles: Tiles | None = None) -> int:
@@ -390,8 +396,6 @@ def install_expert_parallel(module: nn.Module, ep: PlanShard | None) -> None:
     """Give an experts module its EP group (``None``: all experts local); ``ep.rows`` experts live here. ``module``
     may be an adapter wrapper around the experts module (PEFT's ``ParamWrapper``): the group goes to every module of
     the chain."""
-    from ..zoo.plan import WRAPPED_ATTR
-
     chain: nn.Module | None = module
     while isinstance(chain, nn.Module):
         setattr(chain, _EP, ep)

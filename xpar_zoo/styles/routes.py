@@ -1,6 +1,7 @@
 """Fixed routes for a run whose tensors have shapes but no values (a simulated world, :mod:`xpar_zoo.sizing.simulate`):
 how many rows each all-to-all of the ``experts`` and ``embedding`` styles sends and receives, where a real run
-counts them from the router's choices or the token ids (a host sync that fake tensors cannot answer).
+counts them from the router's choices or the token ids, and the vocab-parallel head's row count on every group rank
+(the same as this rank's), where a real run exchanges them (host syncs that fake tensors cannot answer).
 
 Given to a model's modules by :func:`install_routes` and read back by the styles with :func:`fixed_routes`; without
 them (every real run) the styles count as usual.
@@ -49,7 +50,7 @@ class Routes:
 
 def install_routes(modules: Iterable[nn.Module], routes: Routes) -> int:
     """Give each of ``modules`` (the experts modules, EP or not: their counts are data too, and the vocab-parallel
-    embeddings of a model) the fixed ``routes``; returns how many modules took them."""
+    embeddings and heads of a model) the fixed ``routes``; returns how many modules took them."""
     count = 0
     for module in modules:
         setattr(module, _ROUTES, routes)

@@ -64,6 +64,7 @@ from ..compat import (
     attn_implementation,
     config_with_attn_implementation,
     flash_attention_available,
+    is_fake,
     supports_attn_implementation,
 )
 from ..errors import BatchError, ModelStateError, PlanError
@@ -234,6 +235,8 @@ class SequenceParallel:
         different rows (e.g. a loader sharded by rank instead of :func:`data_shard`): each would train on tokens
         of rows it does not hold. A fingerprint of the rows (shape and a position-weighted sum), reduced by max and
         by min over the sp and cp groups: two small all-reduces and one host sync per forward."""
+        if is_fake(rows):  # a simulated world's rows have no values to compare (xpar_zoo.sizing.simulate)
+            return
         weights = torch.arange(1, rows.shape[0] * rows.shape[1] + 1, device=rows.device,
                                dtype=torch.float64).view(rows.shape[:2])
         values = rows.to(torch.float64)

@@ -97,6 +97,11 @@ def vocab_parallel_embeddings(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, _VOCAB)]
 
 
+def fused_heads(model: nn.Module) -> list[nn.Module]:
+    """Every head of ``model`` that the fused loss (whole-vocab or vocab-parallel) runs."""
+    return [m for m in model.modules() if hasattr(m, _HEAD)]
+
+
 def _with_vocab_parallel_lookup(cls: type) -> type:
     """``cls`` with :class:`_VocabParallelLookup` between it and ``nn.Embedding`` in its MRO, so that its forward's
     ``super().forward(ids)`` is the vocab-parallel lookup; same name, so class-name based choices are unchanged."""
@@ -178,7 +183,10 @@ def _lm_head_forward(self: nn.Linear, hidden_states: torch.Tensor) -> VocabParal
         return nn.functional.linear(hidden_states, weight)
     lead = hidden_states.shape[:-1]
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    counts = group_row_counts(hidden.shape[0], shard, hidden.device)
+    if fixed_routes(self) is not None:  # fixed routes: every group rank holds as many rows
+        counts = [hidden.shape[0]] * shard.size
+    else:
+        counts = group_row_counts(hidden.shape[0], shard, hidden.device)
     out = VocabParallelLogits()
     if request is not None:
         if request.targets.shape != lead:

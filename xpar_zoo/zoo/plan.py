@@ -55,6 +55,11 @@ def fused_expert_layouts(module: str) -> dict[str, str]:
     return {f"{module}.gate_up_proj": "[E, 2I, H]", f"{module}.down_proj": "[E, H, I]"}
 
 
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a fused experts module: its ``down_proj`` a 3-D parameter (``[E, H, I]``)."""
+    return isinstance(down := getattr(module, "down_proj", None), nn.Parameter) and down.dim() == 3
+
+
 def embedding(param: str = "model.embed_tokens.weight") -> ExtraPlan:
     """A vocab-parallel input embedding plan."""
     return ExtraPlan((param,), "embedding", "vocab")
