@@ -13,7 +13,8 @@ cp, sp+cp, packed, right-padded and checkpointed, and minimax (lightning attenti
 (mamba), lfm2_moe (short convolution) and kimi_linear (delta attention) right-padded; activation
 checkpointing; DSA indexers (deepseek_v32, glm_moe_dsa), zaya's convolutional projection and deepseek_v4's
 compressed attention (CSA and HCA layers) on sp+ep, cp, cp+ep and sp+cp, plain and packed; inkling's
-relative-position bias and log-scaled queries and qwen4_exp's selection indexer on sp+ep and cp (packed); the blocked masked
+relative-position bias and log-scaled queries, qwen4_exp's selection indexer and minimax_m3's block indexer on
+sp+ep and cp or sp+cp, plain and packed; the blocked masked
 attention under a tiny block budget (sdpa and eager, cp and sp+cp, packed,
 padded, windows, sinks, with checkpointing); three clipped AdamW steps. The
 same launched run checks ``shard_sequence``, ``data_shard`` and the refusals that need ranks. One 4-rank run for
@@ -126,6 +127,10 @@ CASES = {
     # rank's queries against the whole row's keys, the selection masked on the gathered keys
     "qsa_qwen4_exp_text_sp2_ep2": (("qwen4_exp_text", {}), {"sp": 2, "ep": 2}, False),
     "packed_qsa_qwen4_exp_text_cp2": (("qwen4_exp_text", {}), {"cp": 2}, True),
+    # a block indexer (minimax_m3: per key/value head 2 of a row's 4 blocks of 4 keys), on sp+cp: the per-head
+    # choice gathered over sp and sliced to this rank's heads
+    "blocks_minimax_m3_sp2_cp2": (("minimax_m3_vl_text", {}), {"sp": 2, "cp": 2}, False),
+    "packed_blocks_minimax_m3_sp2_ep2": (("minimax_m3_vl_text", {}), {"sp": 2, "ep": 2}, True),
 }
 # cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
 # that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES

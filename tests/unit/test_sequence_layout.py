@@ -19,6 +19,7 @@ from xpar_zoo.styles.sequence_halo import (
     served_halo_layer_types,
 )
 from xpar_zoo.styles.sequence_indexed import (
+    block_attention_modules,
     indexed_attention_modules,
     indexer_block_rows,
     indexer_query_bytes,
@@ -329,6 +330,15 @@ def test_a_selection_indexer_is_served_with_the_whole_rows_keys():
     assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
 
 
+def test_a_block_indexer_is_served_with_the_whole_rows_keys():
+    """minimax_m3's sparse layers (an indexer choosing blocks of keys per key/value head, handed to the attention
+    function as block_indices) count as indexed attention; its full layers are plain attention."""
+    model = _meta_model("minimax_m3_vl_text")
+    assert list(block_attention_modules(model)) == ["model.layers.0.self_attn"]
+    assert served_indexed_layer_types(model, model.config) == {"minimax_m3_sparse"}
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
+
+
 def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
     per_query = indexer_query_bytes(1, 64, 131072)  # 64 float32 score heads and their ReLU against 128k keys
     assert per_query == 131072 * (8 * 64 + 9)
@@ -340,11 +350,9 @@ def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
 @pytest.mark.parametrize("model_type, why", [
     ("inkling2_text", ("layer type 'hybrid_sliding': Inkling2RelativePositionBias (self_attn.relative_position_bias): "
                        "a dense relative-position bias")),
-    ("minimax_m3_vl_text", ("layer type 'minimax_m3_sparse': MiniMaxM3VLIndexer (self_attn.indexer): a block-sparse "
-                            "indexer")),
 ])
 def test_sequence_mixing_that_cannot_run_on_gathered_rows_is_refused_with_the_reason(model_type, why):
-    sparse = {"layer_types": ["minimax_m3_sparse", "full_attention"]} if model_type == "minimax_m3_vl_text" else {}
+    sparse: dict = {}
     with pytest.raises(PlanError, match=rf"^cp=2: \w+ has sequence mixing that sp/cp cannot run on whole rows "
                                         rf"\(.*{re.escape(why)}.*\); sp and cp are refused for it$"):
         check_sequence_parallel(_meta_model(model_type, **sparse), types.SimpleNamespace(sp=1, cp=2))

@@ -80,6 +80,7 @@ from .sequence_compressed import (
 )
 from .sequence_halo import halo_projections, install_halo_projections, served_halo_layer_types
 from .sequence_indexed import (
+    block_forward,
     check_indexed_inner,
     chosen_forward,
     install_indexers,
@@ -268,7 +269,8 @@ class SequenceParallel:
             return row_attention(self, module, query, key, value, dropout, scaling, sliding_window, kwargs), None
         selected = kwargs.pop("indices", None)  # a DSA indexer's top-k (global row positions of the keys)
         chosen = selection_mask(module, attention_mask)  # a selection indexer's dense mask (this rank's queries)
-        if selected is not None or chosen is not None:
+        blocks = kwargs.pop("block_indices", None)  # a block indexer's blocks of keys per index head
+        if selected is not None or chosen is not None or blocks is not None:
             check_indexed_inner(module, self.inner)
         heads = query.shape[1]
         key, value, entries = split_compressed(self, module, key, value)  # a compressor's entries after the tokens
@@ -277,6 +279,8 @@ class SequenceParallel:
         batch = None if selected is None else cast(SequenceForward, selected_forward(self, selected))
         if chosen is not None:
             batch = cast(SequenceForward, chosen_forward(self, chosen))
+        if blocks is not None:
+            batch = cast(SequenceForward, block_forward(self, module, blocks, heads))
         if entries is not None:
             key, value, batch = with_entries(self, batch or current_forward(self, "sp/cp attention"), entries, heads,
                                              key, value)

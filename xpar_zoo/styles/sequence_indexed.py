@@ -51,7 +51,9 @@ from .sequence_paths import attention_block_rows
 # The indexer's forward parameters the wrapper relies on (transformers' DSA indexer contract).
 INDEXER_PARAMETERS = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "cache")
 # The layer types whose attention holds a DSA indexer (or reuses the previous layer's top-k).
-INDEXED_LAYER_TYPES = frozenset({"indexed_attention"})
+INDEXED_LAYER_TYPES = frozenset({"indexed_attention", "minimax_m3_sparse"})
+# The forward parameters of a block indexer (minimax_m3's: per key/value head, the top-k blocks of keys out).
+BLOCK_PARAMETERS = ("hidden_states", "position_embeddings", "cache", "position_ids")
 
 
 # ---- which modules --------------------------------------------------------------------------------------------
@@ -85,6 +87,26 @@ def is_selection_indexer(module: nn.Module) -> bool:
         ".topk(" in source)
 
 
+def is_block_indexer(module: nn.Module) -> bool:
+    """Whether ``module`` is a block indexer the sp/cp wrapper serves: its forward takes the queries' hidden states,
+    the rotary embeddings, a ``cache`` whose ``layers[i].update_index`` supplies its keys, and the queries'
+    ``position_ids``, and returns per indexer head the top-k blocks of ``block_size`` keys ``[b, heads, q, k]``."""
+    cls = type(module)
+    if not cls.__name__.endswith("Indexer") or not isinstance(getattr(module, "block_size", None), int):
+        return False
+    params = list(inspect.signature(cls.forward).parameters)[1:]
+    source = forward_source(cls.forward)
+    return params[:len(BLOCK_PARAMETERS)] == list(BLOCK_PARAMETERS) and "update_index(" in source and ".topk(" in source
+
+
+def block_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: attention module}`` of the attention modules of ``model`` whose ``indexer`` is a block indexer and
+    that hand its blocks to the attention function as ``block_indices``."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m._modules.get("indexer"), nn.Module) and is_block_indexer(m._modules["indexer"])
+            and "block_indices=" in forward_source(type(m).forward)}
+
+
 def selection_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: attention module}`` of the attention modules of ``model`` whose ``indexer`` is a selection indexer
     and that dispatch through the ``AttentionInterface`` with the selection folded into their mask."""
@@ -116,11 +138,12 @@ def served_indexed_layer_types(model: nn.Module, config) -> frozenset[str]:
     module of the model is one :func:`is_dsa_indexer` accepts."""
     types = list(getattr(config, "layer_types", None) or ())
     layers = decoder_layers(model)
-    attention = {**indexed_attention_modules(model), **selection_attention_modules(model)}
+    attention = {**indexed_attention_modules(model), **selection_attention_modules(model),
+                 **block_attention_modules(model)}
     if not attention or len(layers) != len(types):
         return frozenset()
     if any(type(m).__name__.endswith("Indexer") and not is_dsa_indexer(m) and not is_selection_indexer(m)
-           for m in model.modules()):
+           and not is_block_indexer(m) for m in model.modules()):
         return frozenset()
     owners = {id(m) for m in attention.values()}
     served: dict[str, bool] = {}
@@ -271,6 +294,32 @@ def _selection_indexer_forward(module: nn.Module, state, original, signature: in
     return forward
 
 
+class _RowIndexKeys:
+    """The cache a block indexer is handed: ``layers[i].update_index(k)`` gathers this rank's indexer keys
+    (``[b, 1, s, d]``) over the sequence group and returns the whole row's, in row order."""
+
+    def __init__(self, state, batch) -> None:
+        self.state, self.batch, self.layers = state, batch, self
+
+    def __getitem__(self, layer_idx: int) -> _RowIndexKeys:
+        return self
+
+    def update_index(self, k: torch.Tensor) -> torch.Tensor:
+        return gather_rows_in_order(k.transpose(1, 2), self.state, self.batch).transpose(1, 2)
+
+
+def _block_indexer_forward(module: nn.Module, state, original, signature: inspect.Signature):
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("cache") is not None:
+            raise ModelStateError("sp/cp: a KV cache reached the indexer; generate on a mesh without sp/cp")
+        bound.arguments["cache"] = _RowIndexKeys(state, current_forward(state, f"{type(module).__name__} (sp/cp)"))
+        return original(*bound.args, **bound.kwargs)
+
+    return forward
+
+
 def install_indexers(model: nn.Module, state) -> list[str]:
     """Wrap every DSA attention module of ``model`` (its mask placeholder) and its indexer (this rank's queries
     against the whole row's keys, in blocks under the budget), and every selection attention module (the global
@@ -290,7 +339,11 @@ def install_indexers(model: nn.Module, state) -> list[str]:
         module.forward = _visible_rows(module, state, original, inspect.signature(original))
         inner = module.indexer.forward
         module.indexer.forward = _selection_indexer_forward(module.indexer, state, inner, inspect.signature(inner))
-    return [*found, *selection]
+    blocks = block_attention_modules(model)
+    for module in blocks.values():
+        inner = module.indexer.forward
+        module.indexer.forward = _block_indexer_forward(module.indexer, state, inner, inspect.signature(inner))
+    return [*found, *selection, *blocks]
 
 
 # ---- the attention under the selection --------------------------------------------------------------------------
@@ -348,6 +401,39 @@ class _Chosen(_Selected):
 
     def chosen(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return self.selection[:, None, self.query_rows[queries]][..., keys]
+
+
+class _Blocks(_Selected):
+    """:class:`_Selected` from a block indexer's choice: ``[b, index heads, S/cp, k]`` blocks of ``block_size``
+    keys per query of the cp chunk (``-1``: none), each index head choosing for its group of query heads; the mask
+    is per head, for this sp rank's ``count`` heads from ``first``."""
+
+    def __init__(self, batch: SequenceForward, selection: torch.Tensor, block_size: int, group: int, first: int,
+                 count: int) -> None:
+        super().__init__(batch, selection)
+        self.__dict__.update(block_size=block_size, group=group, first=first, count=count)
+
+    def chosen(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[b, count, len(queries), len(keys)]``: whether each of this rank's heads sees each key."""
+        rows = self.selection[:, :, self.query_rows[queries]]
+        blocks = -(-self.keys.numel() // self.block_size)
+        picked = torch.zeros(*rows.shape[:3], blocks + 1, dtype=torch.bool, device=rows.device)
+        picked = picked.scatter_(-1, rows.masked_fill(rows < 0, blocks).long(), True)[..., keys // self.block_size]
+        return picked.repeat_interleave(self.group, 1)[:, self.first:self.first + self.count]
+
+
+def block_forward(state, module: nn.Module, blocks: torch.Tensor, heads: int) -> _Blocks:
+    """The current forward of ``state`` seen with ``module``'s block indexer's choice (``[b, index heads,
+    S/(sp·cp), k]`` of this rank's queries, gathered over sp) masking every key outside a query head's blocks;
+    ``heads``: the layer's query heads."""
+    rows = blocks
+    if state.sp > 1:
+        shard = PlanShard(state.sp_group, state.sp, state.sp_rank, 0)
+        packed = blocks.transpose(0, 2).contiguous()
+        rows = gather_rows(packed, [packed.shape[0]] * state.sp, shard).transpose(0, 2)
+    count = heads // state.sp
+    return _Blocks(state.current, rows, module.indexer.block_size, heads // blocks.shape[1], state.sp_rank * count,
+                   count)
 
 
 def selection_mask(module: nn.Module, attention_mask) -> torch.Tensor | None:
