@@ -98,6 +98,15 @@ def fake_tensor_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def real_tensors():
+    """A context in which new tensors are real even inside a ``FakeTensorMode`` (index tables that are a pure
+    function of sizes, such as a sequence layout, which code then reads on the host with ``tolist``): torch's
+    ``unset_fake_temporarily``, exposed only under ``torch._subclasses``; outside a fake mode it changes nothing."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def fsdp_memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer):
     """torch's memory tracker of FSDP2 models (``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``): live
     tensor bytes by kind (sharded and unsharded parameters, gradients, optimizer states, activations, temporaries,

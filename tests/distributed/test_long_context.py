@@ -12,7 +12,9 @@ mixtral and gemma4_text with a sliding window; gpt_oss (attention sinks, sliding
 cp, sp+cp, packed, right-padded and checkpointed, and minimax (lightning attention), jamba and granitemoehybrid
 (mamba), lfm2_moe (short convolution) and kimi_linear (delta attention) right-padded; activation
 checkpointing; DSA indexers (deepseek_v32, glm_moe_dsa), zaya's convolutional projection and deepseek_v4's
-compressed attention (CSA and HCA layers) on sp+ep, cp, cp+ep and sp+cp, plain and packed; the blocked masked
+compressed attention (CSA and HCA layers) on sp+ep, cp, cp+ep and sp+cp, plain and packed; inkling's
+relative-position bias and log-scaled queries, qwen4_exp's selection indexer and minimax_m3's block indexer on
+sp+ep and cp or sp+cp, plain and packed; the blocked masked
 attention under a tiny block budget (sdpa and eager, cp and sp+cp, packed,
 padded, windows, sinks, with checkpointing); three clipped AdamW steps. The
 same launched run checks ``shard_sequence``, ``data_shard`` and the refusals that need ranks. One 4-rank run for
@@ -34,6 +36,10 @@ DSA_GLM = ("glm_moe_dsa", {"index_topk": 4, "index_topk_pattern": "FSF"})
 V4 = ("deepseek_v4", {"compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
                       "index_topk": 3, "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention",
                                                        "sliding_attention"]})
+# a relative-position bias and log-scaled queries from the positions the attention is given (inkling): a sliding
+# layer (window 4), two full layers whose bias reaches 6 tokens back and whose queries scale beyond position 2
+INKLING = ("inkling_text", {"layer_types": ["hybrid_sliding", "hybrid", "hybrid"], "log_scaling_n_floor": 2,
+                            "rel_extent": 6})
 CASES = {
     # name: ((model_type, config overrides), mesh, rows: plain (False), packed (True) or right-"padded")
     "qwen3_moe_sp2": (QWEN3_MOE, {"sp": 2}, False),
@@ -113,6 +119,18 @@ CASES = {
     "v4_compressed_cp2_ep2": (V4, {"cp": 2, "ep": 2}, False),
     "v4_compressed_sp2_cp2": (V4, {"sp": 2, "cp": 2}, False),
     "packed_v4_compressed_sp2_cp2": (V4, {"sp": 2, "cp": 2}, True),
+    # positioned attention: the module's own code builds the bias of this rank's queries against the whole row's
+    # keys from a row cache (xpar_zoo.styles.sequence_positioned); its short convolutions run with a halo
+    "inkling_positioned_sp2_ep2": (INKLING, {"sp": 2, "ep": 2}, False),
+    "packed_inkling_positioned_cp2": (INKLING, {"cp": 2}, True),
+    # a selection indexer (qwen4_exp's QSA: 2 blocks of 2 keys and the tail per query, a dense mask out) on this
+    # rank's queries against the whole row's keys, the selection masked on the gathered keys
+    "qsa_qwen4_exp_text_sp2_ep2": (("qwen4_exp_text", {}), {"sp": 2, "ep": 2}, False),
+    "packed_qsa_qwen4_exp_text_cp2": (("qwen4_exp_text", {}), {"cp": 2}, True),
+    # a block indexer (minimax_m3: per key/value head 2 of a row's 4 blocks of 4 keys), on sp+cp: the per-head
+    # choice gathered over sp and sliced to this rank's heads
+    "blocks_minimax_m3_sp2_cp2": (("minimax_m3_vl_text", {}), {"sp": 2, "cp": 2}, False),
+    "packed_blocks_minimax_m3_sp2_ep2": (("minimax_m3_vl_text", {}), {"sp": 2, "ep": 2}, True),
 }
 # cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
 # that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES

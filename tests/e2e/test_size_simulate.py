@@ -2,8 +2,8 @@
 torch's FSDP memory tracker) beside the analytic estimate, which agrees within 10 % on a tiny model on ep 8, a
 mid-size one on 64 ranks (ep 16, planned slices sharded on dim 1) and a tiny DeepSeek-V3 (MLA: the simulation
 runs a GPU's memory-efficient sdpa kernel, where the CPU's would keep the scores; a dense layer beside an MoE
-one), a tiny gpt-oss (flex attention by its kernel's footprint, a gate autograd keeps) and the emb and head plans
-(their row counts fixed); ``--route-imbalance`` makes the busiest rank's experts hold more. All simulations run in one process of their own (it owns the fake process group)."""
+one), a tiny gpt-oss (flex attention by its kernel's footprint, a gate autograd keeps), the emb and head plans
+(their row counts fixed) and sp + cp (plain rows, a GPU's lower-right kernels); ``--route-imbalance`` makes the busiest rank's experts hold more. All simulations run in one process of their own (it owns the fake process group)."""
 
 import json
 import os
@@ -32,6 +32,8 @@ CASES = {"mid MoE, ep16 on 64": ["qwen3_moe", MID_MOE, {"world": 64, "sizes": {"
          GLOO[0]: ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": GLOO[1], "seq": GLOO[2]}],
          "tiny MoE, ep2 emb2 head2 on 4": ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": {"ep": 2, "emb": 2, "head": 2},
                                                                     "seq": 256}],
+         "tiny MoE, sp2 cp2 on 4": ["qwen3_moe", TINY_MOE, {"world": 4, "sizes": {"ep": 2}, "seq": 1024, "sp": 2,
+                                                           "cp": 2}],
          "tiny MLA MoE, ep4 on 8": ["deepseek_v3", TINY_MLA, {"world": 8, "sizes": {"ep": 4}, "seq": 512}],
          "tiny gpt-oss, flex, ep4 on 8": ["gpt_oss", TINY_OSS, {"world": 8, "sizes": {"ep": 4}, "seq": 512,
                                                                  "attention": "flex_attention"}]}

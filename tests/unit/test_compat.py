@@ -95,6 +95,14 @@ def _efficient_attention_on_fake_tensors() -> bool:
     return out.shape == (1, 2, 16, 16) and q.grad.shape == q.shape and v.grad.shape == v.shape
 
 
+def _real_tensors_inside_a_fake_mode() -> bool:
+    with compat.fake_tensor_mode():
+        with compat.real_tensors():
+            real = torch.arange(3)
+        fake = torch.arange(3)
+    return not compat.is_fake(real) and real.tolist() == [0, 1, 2] and compat.is_fake(fake)
+
+
 def _tiny_config():
     from transformers import AutoConfig
 
@@ -122,6 +130,7 @@ CHECKS = {
         compat.fake_process_group_store(), torch.distributed.Store),
     "torch FSDPMemTracker (torch.distributed._tools)": _fsdp_memory_tracker_api,
     "torch aten._scaled_dot_product_efficient_attention (fake)": _efficient_attention_on_fake_tensors,
+    "torch unset_fake_temporarily (torch._subclasses)": _real_tensors_inside_a_fake_mode,
     # transformers
     "transformers _default_apply_gate": lambda: callable(compat.DEFAULT_APPLY_GATE) and compat.applies_default_gate(object),
     "transformers PreTrainedModel._can_set_experts_implementation": lambda: callable(

@@ -19,9 +19,11 @@ from xpar_zoo.styles.sequence_halo import (
     served_halo_layer_types,
 )
 from xpar_zoo.styles.sequence_indexed import (
+    block_attention_modules,
     indexed_attention_modules,
     indexer_block_rows,
     indexer_query_bytes,
+    selection_attention_modules,
     served_indexed_layer_types,
 )
 from xpar_zoo.styles.sequence_inner import blocked_attention, lower_right_attention
@@ -35,6 +37,7 @@ from xpar_zoo.styles.sequence_layout import (
 from xpar_zoo.styles.sequence_masks import SequenceForward
 from xpar_zoo.styles.sequence_mixers import sequence_mixers
 from xpar_zoo.styles.sequence_paths import attention_block_rows
+from xpar_zoo.styles.sequence_positioned import positioned_attention_modules
 from xpar_zoo.testing import parity
 
 
@@ -318,6 +321,24 @@ def test_indexed_sparse_attention_is_served_with_its_indexer_on_whole_rows(model
     assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
 
 
+def test_a_selection_indexer_is_served_with_the_whole_rows_keys():
+    """qwen4_exp's QSA attention (an indexer that returns a dense selection mask, folded into the attention's own
+    mask) counts as indexed attention: the attention and its indexer are wrapped."""
+    model = _meta_model("qwen4_exp_text")
+    assert list(selection_attention_modules(model)) == ["model.layers.1.self_attn"]
+    assert served_indexed_layer_types(model, model.config) == {"indexed_attention"}
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
+
+
+def test_a_block_indexer_is_served_with_the_whole_rows_keys():
+    """minimax_m3's sparse layers (an indexer choosing blocks of keys per key/value head, handed to the attention
+    function as block_indices) count as indexed attention; its full layers are plain attention."""
+    model = _meta_model("minimax_m3_vl_text")
+    assert list(block_attention_modules(model)) == ["model.layers.0.self_attn"]
+    assert served_indexed_layer_types(model, model.config) == {"minimax_m3_sparse"}
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
+
+
 def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
     per_query = indexer_query_bytes(1, 64, 131072)  # 64 float32 score heads and their ReLU against 128k keys
     assert per_query == 131072 * (8 * 64 + 9)
@@ -327,18 +348,11 @@ def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
 
 
 @pytest.mark.parametrize("model_type, why", [
-    ("qwen4_exp_text", ("layer type 'indexed_attention': Qwen4ExpTextQSAIndexer (self_attn.indexer): the indexer "
-                        "returns a dense [b, 1, s, S] selection mask")),
-    ("inkling_text", ("layer type 'hybrid_sliding': InklingRelativeLogits (self_attn.rel_logits_proj): a dense "
-                      "relative-position bias [b, heads, q, k] over the distances between the tokens the attention "
-                      "is given")),
     ("inkling2_text", ("layer type 'hybrid_sliding': Inkling2RelativePositionBias (self_attn.relative_position_bias): "
                        "a dense relative-position bias")),
-    ("minimax_m3_vl_text", ("layer type 'minimax_m3_sparse': MiniMaxM3VLIndexer (self_attn.indexer): a block-sparse "
-                            "indexer")),
 ])
 def test_sequence_mixing_that_cannot_run_on_gathered_rows_is_refused_with_the_reason(model_type, why):
-    sparse = {"layer_types": ["minimax_m3_sparse", "full_attention"]} if model_type == "minimax_m3_vl_text" else {}
+    sparse: dict = {}
     with pytest.raises(PlanError, match=rf"^cp=2: \w+ has sequence mixing that sp/cp cannot run on whole rows "
                                         rf"\(.*{re.escape(why)}.*\); sp and cp are refused for it$"):
         check_sequence_parallel(_meta_model(model_type, **sparse), types.SimpleNamespace(sp=1, cp=2))
@@ -352,6 +366,17 @@ def test_compressed_attention_is_served_with_its_compressor_on_whole_row_windows
     assert list(compressed_attention_modules(model)) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert served_compressed_layer_types(model, model.config) == {"compressed_sparse_attention",
                                                                  "heavily_compressed_attention"}
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
+
+
+def test_inkling_attention_takes_its_positions_from_a_row_cache_and_its_convolutions_a_halo():
+    """inkling's attention (a relative-position bias and query scaling from the positions its cache gives) is
+    served through a row cache, its four short convolutions a layer (two on the keys and values inside the
+    attention) with a halo of their kernel less one."""
+    model = _meta_model("inkling_text", layer_types=["hybrid_sliding", "hybrid", "hybrid"])
+    assert list(positioned_attention_modules(model)) == [f"model.layers.{i}.self_attn" for i in range(3)]
+    assert len(halo_projections(model)) == 12 and {halo_tokens(m) for m in halo_projections(model).values()} == {
+        model.config.sconv_kernel_size - 1, model.config.conv_kernel_size - 1}
     assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
 
 

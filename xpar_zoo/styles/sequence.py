@@ -64,6 +64,7 @@ from ..compat import (
     attn_implementation,
     config_with_attn_implementation,
     flash_attention_available,
+    is_fake,
     supports_attn_implementation,
 )
 from ..errors import BatchError, ModelStateError, PlanError
@@ -77,11 +78,14 @@ from .sequence_compressed import (
     split_compressed,
     with_entries,
 )
-from .sequence_halo import install_halo_projections, served_halo_layer_types
+from .sequence_halo import halo_projections, install_halo_projections, served_halo_layer_types
 from .sequence_indexed import (
+    block_forward,
     check_indexed_inner,
+    chosen_forward,
     install_indexers,
     selected_forward,
+    selection_mask,
     served_indexed_layer_types,
 )
 from .sequence_inner import (
@@ -117,6 +121,12 @@ from .sequence_paths import (
     InnerPath,
     block_rows,
     choose_inner_attention,
+)
+from .sequence_positioned import (
+    install_positioned_attention,
+    row_attention,
+    served_bias_modules,
+    takes_row_keys,
 )
 
 if TYPE_CHECKING:
@@ -226,6 +236,8 @@ class SequenceParallel:
         different rows (e.g. a loader sharded by rank instead of :func:`data_shard`): each would train on tokens
         of rows it does not hold. A fingerprint of the rows (shape and a position-weighted sum), reduced by max and
         by min over the sp and cp groups: two small all-reduces and one host sync per forward."""
+        if is_fake(rows):  # a simulated world's rows have no values to compare (xpar_zoo.sizing.simulate)
+            return
         weights = torch.arange(1, rows.shape[0] * rows.shape[1] + 1, device=rows.device,
                                dtype=torch.float64).view(rows.shape[:2])
         values = rows.to(torch.float64)
@@ -253,14 +265,22 @@ class SequenceParallel:
         """The sp/cp attention of ``module`` (transformers' ``AttentionInterface`` signature; ``attention_mask``,
         made from this rank's tokens, is not used): ``[b, S/(sp·cp), h, dv]`` and no weights."""
         current_forward(self, "sp/cp attention")
+        if takes_row_keys(self, module):  # a positioned attention given the whole row's keys (its bias: its queries')
+            return row_attention(self, module, query, key, value, dropout, scaling, sliding_window, kwargs), None
         selected = kwargs.pop("indices", None)  # a DSA indexer's top-k (global row positions of the keys)
-        if selected is not None:
+        chosen = selection_mask(module, attention_mask)  # a selection indexer's dense mask (this rank's queries)
+        blocks = kwargs.pop("block_indices", None)  # a block indexer's blocks of keys per index head
+        if selected is not None or chosen is not None or blocks is not None:
             check_indexed_inner(module, self.inner)
         heads = query.shape[1]
         key, value, entries = split_compressed(self, module, key, value)  # a compressor's entries after the tokens
         query, key, value, overrides = self.to_heads(module, query, key, value, kwargs)
         key, value = self.gather_keys_values(key, value)
         batch = None if selected is None else cast(SequenceForward, selected_forward(self, selected))
+        if chosen is not None:
+            batch = cast(SequenceForward, chosen_forward(self, chosen))
+        if blocks is not None:
+            batch = cast(SequenceForward, block_forward(self, module, blocks, heads))
         if entries is not None:
             key, value, batch = with_entries(self, batch or current_forward(self, "sp/cp attention"), entries, heads,
                                              key, value)
@@ -392,7 +412,13 @@ def _text_config(config):
 def recurrent_layers(model: nn.Module) -> list[str]:
     """Sequence mixing of ``model`` outside the ``AttentionInterface`` that sp/cp cannot run on whole rows (the
     mixers :func:`~xpar_zoo.styles.sequence_mixers.sequence_mixers` finds run gathered), one ``"what: why"`` each."""
-    return unserved_mixers(model, _text_config(model.config), attention_layer_types(model))
+    return unserved_mixers(model, _text_config(model.config), attention_layer_types(model), served_modules(model))
+
+
+def served_modules(model: nn.Module) -> frozenset[int]:
+    """Ids of the modules of ``model`` that sp/cp styles other than the mixers serve inside attention (the halo
+    projections, the relative-position biases of positioned attention)."""
+    return frozenset(id(m) for m in halo_projections(model).values()) | served_bias_modules(model)
 
 
 def attention_layer_types(model: nn.Module) -> frozenset[str]:
@@ -400,8 +426,8 @@ def attention_layer_types(model: nn.Module) -> frozenset[str]:
     (:mod:`~xpar_zoo.styles.sequence_indexed`) and attention after a halo projection
     (:mod:`~xpar_zoo.styles.sequence_halo`)."""
     config = _text_config(model.config)
-    return (served_indexed_layer_types(model, config) | served_halo_layer_types(model, config)
-            | served_compressed_layer_types(model, config))
+    return (served_indexed_layer_types(model, config) | served_compressed_layer_types(model, config)
+            | served_halo_layer_types(model, config, served_bias_modules(model)))
 
 
 def attention_outside_interface(model: nn.Module) -> str | None:
@@ -510,10 +536,11 @@ def install_sequence_parallel(model: nn.Module, mesh: Mesh, inner: str, parallel
     _towers_attend_whole(model, inner)
     for module in model.modules():
         module.__dict__[STATE_ATTRIBUTE] = state
-    install_sequence_mixers(model, state, attention_layer_types(model))
+    install_sequence_mixers(model, state, attention_layer_types(model), served_modules(model))
     install_indexers(model, state)  # DSA indexers: this rank's queries against the whole row's keys
     install_halo_projections(model, state)  # convolutional projections: this rank's runs and their halos
     install_compressors(model, state)  # compressed attention: the whole row's windows, this rank's queries
+    install_positioned_attention(model, state)  # position biases: this rank's queries against the whole row's keys
     original = model.forward
     signature = inspect.signature(original)
 

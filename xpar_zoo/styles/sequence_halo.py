@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelStateError
-from .sequence_mixers import decoder_layers, gather_rows_in_order
+from .sequence_mixers import MODULE_REASONS, decoder_layers, gather_rows_in_order
 
 # The forward parameters of a halo projection (zaya's ZayaCCAProjection contract).
 HALO_PARAMETERS = ("hidden_states", "cache", "conv_mask")
@@ -32,16 +32,24 @@ HALO_PARAMETERS = ("hidden_states", "cache", "conv_mask")
 HALO_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
 
 
+# Halo modules by class-name suffix: how many tokens before a position its output there reads, from its kernel.
+HALO_CLASSES = {
+    "CCAProjection": lambda kernel: kernel + 1,  # zaya: convolutions of conv_kernel_size taps, a value delayed a token
+    "ShortConvolution": lambda kernel: kernel - 1,  # inkling: one causal depthwise convolution of conv_kernel_size taps
+}
+
+
 def halo_tokens(module: nn.Module) -> int | None:
-    """How many tokens before a position the output of ``module`` at that position reads (its causal
-    convolutions' ``conv_kernel_size``, one more for a value delayed by a token), or ``None`` for a module that is
-    not a halo projection: a ``...CCAProjection`` whose ``forward`` takes ``(hidden_states, cache, conv_mask)``."""
+    """How many tokens before a position the output of ``module`` at that position reads, or ``None`` for a module
+    that is not a halo projection: a class of :data:`HALO_CLASSES` with an integer ``conv_kernel_size`` whose
+    ``forward`` takes ``(hidden_states, cache, conv_mask)``."""
     cls = type(module)
     kernel = getattr(module, "conv_kernel_size", None)
-    if not cls.__name__.endswith("CCAProjection") or not isinstance(kernel, int):
+    reach = next((f for suffix, f in HALO_CLASSES.items() if cls.__name__.endswith(suffix)), None)
+    if reach is None or not isinstance(kernel, int):
         return None
     params = list(inspect.signature(cls.forward).parameters)[1:]
-    return kernel + 1 if params[:len(HALO_PARAMETERS)] == list(HALO_PARAMETERS) else None
+    return reach(kernel) if params[:len(HALO_PARAMETERS)] == list(HALO_PARAMETERS) else None
 
 
 def halo_projections(model: nn.Module) -> dict[str, nn.Module]:
@@ -49,18 +57,23 @@ def halo_projections(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if halo_tokens(m) is not None}
 
 
-def served_halo_layer_types(model: nn.Module, config) -> frozenset[str]:
+def served_halo_layer_types(model: nn.Module, config, served: frozenset[int] = frozenset()) -> frozenset[str]:
     """The layer types of ``config.layer_types`` whose every layer holds a halo projection: attention through the
-    ``AttentionInterface`` after it, so the sp/cp attention serves them."""
+    ``AttentionInterface`` after it, so the sp/cp attention serves them. A layer that also holds a module of
+    :data:`~xpar_zoo.styles.sequence_mixers.MODULE_REASONS` (a relative-position bias) is served only where that
+    module is in ``served`` (ids of the modules another sp/cp style serves)."""
     types = list(getattr(config, "layer_types", None) or ())
     layers = decoder_layers(model)
     if len(layers) != len(types):
         return frozenset()
-    served: dict[str, bool] = {}
+    found: dict[str, bool] = {}
     for layer, kind in zip(layers, types):
         if kind in HALO_LAYER_TYPES:
-            served[kind] = served.get(kind, True) and any(halo_tokens(m) is not None for m in layer.modules())
-    return frozenset(k for k, ok in served.items() if ok)
+            unserved = any(id(m) not in served and any(f in type(m).__name__ for f in MODULE_REASONS)
+                           for m in layer.modules())
+            found[kind] = (found.get(kind, True) and not unserved
+                           and any(halo_tokens(m) is not None for m in layer.modules()))
+    return frozenset(k for k, ok in found.items() if ok)
 
 
 def _runs(batch, state, seq_len: int) -> list[tuple[int, int, int]]:
@@ -84,7 +97,7 @@ def _halo_forward(module: nn.Module, state, original, halo: int):
         if batch is None:
             raise ModelStateError(f"{type(module).__name__} (sp/cp halo projection) ran outside a forward of the "
                                   "parallelized model")
-        if cache is not None:
+        if cache is not None and not getattr(cache, "row_positions", False):  # (an sp/cp row cache: no state)
             raise ModelStateError("sp/cp: a KV cache reached a convolutional projection; generate without sp/cp")
         seq_len = batch.keys.numel()
         whole = gather_rows_in_order(hidden_states, state, batch)
@@ -95,7 +108,10 @@ def _halo_forward(module: nn.Module, state, original, halo: int):
             rows = whole[:, lo:first + n].clone()  # its own storage: the module keeps no view of the whole rows
             mask = None if valid is None else valid[:, lo:first + n].long()
             out = original(rows, cache=None, conv_mask=mask, **kwargs)
-            parts.append(tuple(t[:, first - lo:] for t in out))
+            parts.append(out[:, first - lo:] if isinstance(out, torch.Tensor) else tuple(t[:, first - lo:]
+                                                                                        for t in out))
+        if isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts, dim=1)
         return tuple(torch.cat(pieces, dim=1) for pieces in zip(*parts))
 
     return forward

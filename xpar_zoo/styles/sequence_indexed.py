@@ -51,7 +51,9 @@ from .sequence_paths import attention_block_rows
 # The indexer's forward parameters the wrapper relies on (transformers' DSA indexer contract).
 INDEXER_PARAMETERS = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "cache")
 # The layer types whose attention holds a DSA indexer (or reuses the previous layer's top-k).
-INDEXED_LAYER_TYPES = frozenset({"indexed_attention"})
+INDEXED_LAYER_TYPES = frozenset({"indexed_attention", "minimax_m3_sparse"})
+# The forward parameters of a block indexer (minimax_m3's: per key/value head, the top-k blocks of keys out).
+BLOCK_PARAMETERS = ("hidden_states", "position_embeddings", "cache", "position_ids")
 
 
 # ---- which modules --------------------------------------------------------------------------------------------
@@ -66,6 +68,51 @@ def is_dsa_indexer(module: nn.Module) -> bool:
     params = inspect.signature(cls.forward).parameters
     source = forward_source(cls.forward)
     return all(p in params for p in INDEXER_PARAMETERS) and "update_indexer" in source and ".topk(" in source
+
+
+# The forward parameters of a selection indexer (qwen4_exp's QSA: a dense boolean selection mask out).
+SELECTION_PARAMETERS = ("hidden_states", "position_embeddings", "attention_mask", "cache")
+
+
+def is_selection_indexer(module: nn.Module) -> bool:
+    """Whether ``module`` is a selection indexer the sp/cp wrapper serves: its forward takes the queries' hidden
+    states, the rotary embeddings of every key (the queries' last), the visibility mask ``[b, 1, q, keys]`` and a
+    ``cache`` whose ``update_indexer`` supplies its keys, and returns a boolean ``[b, 1, q, keys]`` selection."""
+    cls = type(module)
+    if not cls.__name__.endswith("Indexer") or is_dsa_indexer(module):
+        return False
+    params = list(inspect.signature(cls.forward).parameters)[1:]
+    source = forward_source(cls.forward)
+    return params[:len(SELECTION_PARAMETERS)] == list(SELECTION_PARAMETERS) and "update_indexer" in source and (
+        ".topk(" in source)
+
+
+def is_block_indexer(module: nn.Module) -> bool:
+    """Whether ``module`` is a block indexer the sp/cp wrapper serves: its forward takes the queries' hidden states,
+    the rotary embeddings, a ``cache`` whose ``layers[i].update_index`` supplies its keys, and the queries'
+    ``position_ids``, and returns per indexer head the top-k blocks of ``block_size`` keys ``[b, heads, q, k]``."""
+    cls = type(module)
+    if not cls.__name__.endswith("Indexer") or not isinstance(getattr(module, "block_size", None), int):
+        return False
+    params = list(inspect.signature(cls.forward).parameters)[1:]
+    source = forward_source(cls.forward)
+    return params[:len(BLOCK_PARAMETERS)] == list(BLOCK_PARAMETERS) and "update_index(" in source and ".topk(" in source
+
+
+def block_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: attention module}`` of the attention modules of ``model`` whose ``indexer`` is a block indexer and
+    that hand its blocks to the attention function as ``block_indices``."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m._modules.get("indexer"), nn.Module) and is_block_indexer(m._modules["indexer"])
+            and "block_indices=" in forward_source(type(m).forward)}
+
+
+def selection_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: attention module}`` of the attention modules of ``model`` whose ``indexer`` is a selection indexer
+    and that dispatch through the ``AttentionInterface`` with the selection folded into their mask."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m._modules.get("indexer"), nn.Module) and is_selection_indexer(m._modules["indexer"])
+            and "ALL_ATTENTION_FUNCTIONS" in forward_source(type(m).forward)}
 
 
 def _passes_indices(cls: type) -> bool:
@@ -91,10 +138,12 @@ def served_indexed_layer_types(model: nn.Module, config) -> frozenset[str]:
     module of the model is one :func:`is_dsa_indexer` accepts."""
     types = list(getattr(config, "layer_types", None) or ())
     layers = decoder_layers(model)
-    attention = indexed_attention_modules(model)
+    attention = {**indexed_attention_modules(model), **selection_attention_modules(model),
+                 **block_attention_modules(model)}
     if not attention or len(layers) != len(types):
         return frozenset()
-    if any(type(m).__name__.endswith("Indexer") and not is_dsa_indexer(m) for m in model.modules()):
+    if any(type(m).__name__.endswith("Indexer") and not is_dsa_indexer(m) and not is_selection_indexer(m)
+           and not is_block_indexer(m) for m in model.modules()):
         return frozenset()
     owners = {id(m) for m in attention.values()}
     served: dict[str, bool] = {}
@@ -214,10 +263,68 @@ def _placeholder_mask(original, signature: inspect.Signature):
     return forward
 
 
+def _visible_rows(module: nn.Module, state, original, signature: inspect.Signature):
+    """A selection attention's forward given the global visibility of this rank's queries over the whole row
+    (``[b, 1, s, S]`` boolean: causal, packed documents, padding) as its mask, and the rotary embeddings of the whole
+    row followed by this rank's (the indexer reads the keys' from the first ``S``, the queries' from the last)."""
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        batch = current_forward(state, f"{type(module).__name__} (sp/cp selection attention)")
+        bound = signature.bind(*args, **kwargs)
+        hidden = bound.arguments["hidden_states"]
+        every = torch.arange(batch.keys.numel(), device=hidden.device)
+        visible = batch.block_mask(batch.local, every, True, None, None)
+        bound.arguments["attention_mask"] = visible.expand(hidden.shape[0], -1, -1, -1)
+        bound.arguments["position_embeddings"] = tuple(
+            torch.cat([gather_rows_in_order(t, state, batch), t], dim=1) for t in bound.arguments["position_embeddings"])
+        return original(*bound.args, **bound.kwargs)
+
+    return forward
+
+
+def _selection_indexer_forward(module: nn.Module, state, original, signature: inspect.Signature):
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("cache") is not None:
+            raise ModelStateError("sp/cp: a KV cache reached the indexer; generate on a mesh without sp/cp")
+        bound.arguments["cache"] = _RowKeys(state, current_forward(state, f"{type(module).__name__} (sp/cp)"))
+        return original(*bound.args, **bound.kwargs)
+
+    return forward
+
+
+class _RowIndexKeys:
+    """The cache a block indexer is handed: ``layers[i].update_index(k)`` gathers this rank's indexer keys
+    (``[b, 1, s, d]``) over the sequence group and returns the whole row's, in row order."""
+
+    def __init__(self, state, batch) -> None:
+        self.state, self.batch, self.layers = state, batch, self
+
+    def __getitem__(self, layer_idx: int) -> _RowIndexKeys:
+        return self
+
+    def update_index(self, k: torch.Tensor) -> torch.Tensor:
+        return gather_rows_in_order(k.transpose(1, 2), self.state, self.batch).transpose(1, 2)
+
+
+def _block_indexer_forward(module: nn.Module, state, original, signature: inspect.Signature):
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("cache") is not None:
+            raise ModelStateError("sp/cp: a KV cache reached the indexer; generate on a mesh without sp/cp")
+        bound.arguments["cache"] = _RowIndexKeys(state, current_forward(state, f"{type(module).__name__} (sp/cp)"))
+        return original(*bound.args, **bound.kwargs)
+
+    return forward
+
+
 def install_indexers(model: nn.Module, state) -> list[str]:
     """Wrap every DSA attention module of ``model`` (its mask placeholder) and its indexer (this rank's queries
-    against the whole row's keys, in blocks under the budget) for ``state``'s sequence group (a
-    :class:`~xpar_zoo.styles.sequence.SequenceParallel`); returns the attention modules' names."""
+    against the whole row's keys, in blocks under the budget), and every selection attention module (the global
+    visibility and the whole row's rotary embeddings) and its indexer (the whole row's keys), for ``state``'s
+    sequence group (a :class:`~xpar_zoo.styles.sequence.SequenceParallel`); returns the attention modules' names."""
     found = indexed_attention_modules(model)
     for module in found.values():
         original = module.forward
@@ -226,7 +333,17 @@ def install_indexers(model: nn.Module, state) -> list[str]:
         if indexer is not None:
             inner = indexer.forward
             indexer.forward = _indexer_forward(indexer, state, inner, inspect.signature(inner))
-    return list(found)
+    selection = selection_attention_modules(model)
+    for module in selection.values():
+        original = module.forward
+        module.forward = _visible_rows(module, state, original, inspect.signature(original))
+        inner = module.indexer.forward
+        module.indexer.forward = _selection_indexer_forward(module.indexer, state, inner, inspect.signature(inner))
+    blocks = block_attention_modules(model)
+    for module in blocks.values():
+        inner = module.indexer.forward
+        module.indexer.forward = _block_indexer_forward(module.indexer, state, inner, inspect.signature(inner))
+    return [*found, *selection, *blocks]
 
 
 # ---- the attention under the selection --------------------------------------------------------------------------
@@ -276,6 +393,69 @@ class _Selected(AttributeView):
     def mask(self, causal: bool, window: int | None, additive_dtype):
         """The whole ``[b, 1, S/cp, S]`` mask of this layer's selection (not shared: each layer selects its own)."""
         return self.block_mask(self.queries, self.keys, causal, window, additive_dtype)
+
+
+class _Chosen(_Selected):
+    """:class:`_Selected` from a dense selection: ``[b, S/cp, S]`` boolean of the cp chunk's queries against the
+    row's keys in row order."""
+
+    def chosen(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return self.selection[:, None, self.query_rows[queries]][..., keys]
+
+
+class _Blocks(_Selected):
+    """:class:`_Selected` from a block indexer's choice: ``[b, index heads, S/cp, k]`` blocks of ``block_size``
+    keys per query of the cp chunk (``-1``: none), each index head choosing for its group of query heads; the mask
+    is per head, for this sp rank's ``count`` heads from ``first``."""
+
+    def __init__(self, batch: SequenceForward, selection: torch.Tensor, block_size: int, group: int, first: int,
+                 count: int) -> None:
+        super().__init__(batch, selection)
+        self.__dict__.update(block_size=block_size, group=group, first=first, count=count)
+
+    def chosen(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[b, count, len(queries), len(keys)]``: whether each of this rank's heads sees each key."""
+        rows = self.selection[:, :, self.query_rows[queries]]
+        blocks = -(-self.keys.numel() // self.block_size)
+        picked = torch.zeros(*rows.shape[:3], blocks + 1, dtype=torch.bool, device=rows.device)
+        picked = picked.scatter_(-1, rows.masked_fill(rows < 0, blocks).long(), True)[..., keys // self.block_size]
+        return picked.repeat_interleave(self.group, 1)[:, self.first:self.first + self.count]
+
+
+def block_forward(state, module: nn.Module, blocks: torch.Tensor, heads: int) -> _Blocks:
+    """The current forward of ``state`` seen with ``module``'s block indexer's choice (``[b, index heads,
+    S/(sp·cp), k]`` of this rank's queries, gathered over sp) masking every key outside a query head's blocks;
+    ``heads``: the layer's query heads."""
+    rows = blocks
+    if state.sp > 1:
+        shard = PlanShard(state.sp_group, state.sp, state.sp_rank, 0)
+        packed = blocks.transpose(0, 2).contiguous()
+        rows = gather_rows(packed, [packed.shape[0]] * state.sp, shard).transpose(0, 2)
+    count = heads // state.sp
+    return _Blocks(state.current, rows, module.indexer.block_size, heads // blocks.shape[1], state.sp_rank * count,
+                   count)
+
+
+def selection_mask(module: nn.Module, attention_mask) -> torch.Tensor | None:
+    """The dense selection ``[b, s, S]`` (this rank's queries against the row's keys in row order) a selection
+    attention module hands the attention function as its mask, or ``None`` for another module."""
+    indexer = module._modules.get("indexer") if isinstance(module, nn.Module) else None
+    if not isinstance(indexer, nn.Module) or not is_selection_indexer(indexer):
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        raise ModelStateError(f"sp/cp: {type(module).__name__} passed no boolean selection mask to its attention")
+    return attention_mask[:, 0]
+
+
+def chosen_forward(state, selection: torch.Tensor) -> _Chosen:
+    """The current forward of ``state`` seen with a dense selection (``[b, S/(sp·cp), S]`` of this rank's queries,
+    gathered over sp) masking every key a query did not select."""
+    rows = selection
+    if state.sp > 1:
+        shard = PlanShard(state.sp_group, state.sp, state.sp_rank, 0)
+        packed = selection.transpose(0, 1).to(torch.uint8).contiguous()
+        rows = gather_rows(packed, [packed.shape[0]] * state.sp, shard).transpose(0, 1).bool()
+    return _Chosen(state.current, rows)
 
 
 def selected_forward(state, indices: torch.Tensor) -> _Selected:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compat import is_fake, real_tensors
 from ..errors import BatchError, PlanError
 from ..parallel.collectives import GatherRows, all_to_all
 from ..parallel.mesh import PlanShard
@@ -55,15 +56,19 @@ class TokenLayout:
 def token_layout(seq_len: int, sp: int, cp: int, sp_rank: int, cp_rank: int) -> TokenLayout:
     """The :class:`TokenLayout` of sp rank ``sp_rank`` and cp rank ``cp_rank`` (indices on the CPU)."""
     check_sequence_length(seq_len, sp, cp)
-    queries = cp_chunk(seq_len, cp, cp_rank)
-    part = seq_len // (sp * cp)
-    keys = torch.cat([cp_chunk(seq_len, cp, c) for c in range(cp)])
-    return TokenLayout(queries[sp_rank * part:(sp_rank + 1) * part], queries, keys)
+    with real_tensors():  # a function of the sizes alone: real in a simulated world too (its runs are read on host)
+        queries = cp_chunk(seq_len, cp, cp_rank)
+        part = seq_len // (sp * cp)
+        keys = torch.cat([cp_chunk(seq_len, cp, c) for c in range(cp)])
+        return TokenLayout(queries[sp_rank * part:(sp_rank + 1) * part], queries, keys)
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
     """``[b, S]`` document numbers of packed rows (a document starts where ``position_ids`` do not step by one,
-    transformers' ``find_packed_sequence_indices``), or ``None`` when every row is one document."""
+    transformers' ``find_packed_sequence_indices``), or ``None`` when every row is one document (and for fake
+    positions, which have no values)."""
+    if is_fake(position_ids):  # a simulated world's rows have no values: plain rows (xpar_zoo.sizing.simulate)
+        return None
     first = position_ids[:, :1] - 1
     docs = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
     return None if bool((docs[:, -1] == 0).all()) else docs

@@ -59,6 +59,10 @@ class ForwardCache:
     # the compressors' (deepseek_v4): by the id of their attention module, how many entries the compressor appended
     # to its keys and which of them each of this rank's queries may see (until the attention takes them)
     compressed: dict[int, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
+    # the positioned attention's (inkling): the attention modules that got the whole row's keys from a row cache
+    # (until their attention call), and the forward seen with this rank's tokens as queries against the whole row
+    row_keys: set[int] = field(default_factory=set)
+    row_forward: SequenceForward | None = None
 
 
 @dataclass

@@ -151,10 +151,12 @@ def _layer_type_reason(kind: str, layer: nn.Module | None = None) -> str:
     return f"layer type {kind!r}: {why}"
 
 
-def unserved_mixers(model: nn.Module, config, attention_types: frozenset[str] = frozenset()) -> list[str]:
+def unserved_mixers(model: nn.Module, config, attention_types: frozenset[str] = frozenset(),
+                    served_modules: frozenset[int] = frozenset()) -> list[str]:
     """Sequence mixing of ``model`` that neither the sp/cp attention nor :func:`sequence_mixers` serves, one
     ``"what: why"`` each (empty: sp/cp can run the model). ``attention_types``: further layer types the sp/cp
-    attention serves (indexed attention)."""
+    attention serves (indexed attention); ``served_modules``: ids of modules another sp/cp style serves (short
+    convolutions run with a halo)."""
     mixers = sequence_mixers(model)
     owners = {id(m) for name, m in model.named_modules() if any(k.startswith(name + ".") for k in mixers)}
     types = list(getattr(config, "layer_types", None) or ())
@@ -174,6 +176,7 @@ def unserved_mixers(model: nn.Module, config, attention_types: frozenset[str] = 
         cls = type(module).__name__
         if (cls in seen or not any(f in cls for f in RECURRENT_MIXERS) or isinstance(module, nn.Linear)
                 or dispatches_attention(type(module)) or name in mixers or id(module) in owners
+                or id(module) in served_modules
                 or id(module) in explained or any(name.startswith(k + ".") for k in mixers)):
             continue
         seen.add(cls)
@@ -257,12 +260,13 @@ def _whole_rows_forward(module: nn.Module, state, original, signature: inspect.S
     return forward
 
 
-def install_sequence_mixers(model: nn.Module, state, attention_types: frozenset[str] = frozenset()) -> list[str]:
+def install_sequence_mixers(model: nn.Module, state, attention_types: frozenset[str] = frozenset(),
+                           served_modules: frozenset[int] = frozenset()) -> list[str]:
     """Wrap the forward of every :func:`sequence_mixers` module of ``model`` to run on the whole rows of ``state``'s
     sequence group (a :class:`~xpar_zoo.styles.sequence.SequenceParallel`); returns their names.
-    ``attention_types``: as for :func:`unserved_mixers`."""
+    ``attention_types``, ``served_modules``: as for :func:`unserved_mixers`."""
     mixers = sequence_mixers(model)
-    missed = unserved_mixers(model, model.config.get_text_config(), attention_types)
+    missed = unserved_mixers(model, model.config.get_text_config(), attention_types, served_modules)
     if missed:  # checked before parallelize; found again here, or the model would run them on its shard alone
         raise ModelStateError(f"sp/cp: sequence mixing not wrapped after parallelize: {'; '.join(missed)}")
     modules = dict(model.named_modules())

@@ -88,7 +88,7 @@ _GEMMA4 = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_interm
                layer_types=None, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128)
 _MINIMAX_M3 = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, dense_intermediate_size=32,
                    shared_intermediate_size=16, rotary_dim=4, index_n_heads=2, index_head_dim=8, index_block_size=4,
-                   index_topk_blocks=2, layer_types=None, mlp_layer_types=None)
+                   index_topk_blocks=2, layer_types=["minimax_m3_sparse", "full_attention"], mlp_layer_types=None)
 _QWEN4 = dict(_GATED_DELTA, hc_lowrank=4, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8,
               indexer_budget=4, indexer_compress_ratio=2)
 _SAM = dict(hidden_size=16, mlp_dim=32, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=4,
