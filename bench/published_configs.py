@@ -32,16 +32,24 @@ PUBLISHED = {
 }
 
 
-def config(name: str):
-    """The transformers config of the published model ``name`` (a key of :data:`PUBLISHED`)."""
+def config(name: str, layers: int | None = None):
+    """The transformers config of the published model ``name`` (a key of :data:`PUBLISHED`); with ``layers``, cut to
+    that many decoder layers (the first of ``layer_types``; DeepSeek keeps up to its 3 dense first layers, at least
+    one MoE layer after them)."""
     from transformers import AutoConfig
 
     model_type, kwargs = PUBLISHED[name]
+    if layers:
+        kwargs = {**kwargs, "num_hidden_layers": layers}
+        if "layer_types" in kwargs:
+            kwargs["layer_types"] = kwargs["layer_types"][:layers]
+        if "first_k_dense_replace" in kwargs:
+            kwargs["first_k_dense_replace"] = min(kwargs["first_k_dense_replace"], layers - 1)
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def write(name: str, directory: str | Path) -> Path:
-    """``config(name)`` saved as ``directory/config.json``; returns the directory."""
+def write(name: str, directory: str | Path, layers: int | None = None) -> Path:
+    """``config(name, layers)`` saved as ``directory/config.json``; returns the directory."""
     path = Path(directory)
-    config(name).save_pretrained(path)
+    config(name, layers).save_pretrained(path)
     return path

@@ -3,7 +3,10 @@ estimate and simulated by ``xpar-zoo size --simulate --json`` (one process each)
 a 141 GB GPU and the longest sequence (estimate) that fits each. Prints markdown rows for bench/RESULTS.md and
 writes the raw JSON to ``--out``.
 
-    python bench/simulate_matrix.py [--only NAME ...] [--jobs 2] [--out bench_sizing.json]
+    python bench/simulate_matrix.py [--only NAME ...] [--layers N] [--jobs 2] [--out bench_sizing.json]
+
+``--layers N``: each model cut to its first ``N`` decoder layers, same mesh and sequence (bench/RESULTS.md's
+"reduced depth" rows: two depths give the per-layer slope of the estimate and of the simulation).
 """
 
 from __future__ import annotations
@@ -37,16 +40,16 @@ MATRIX = [
 ]
 
 
-def simulate(entry, root: Path) -> dict:
+def simulate(entry, root: Path, layers: int | None = None) -> dict:
     name, model, world, mesh, marked = entry
-    directory = write(model, root / model)
+    directory = write(model, root / name.replace(" ", "_"), layers)
     argv = [sys.executable, "-m", "xpar_zoo", "size", str(directory), "--world", str(world), *mesh, "--simulate",
             "--json"]
     start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(argv, capture_output=True, text=True, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    row = {"name": name, "model": model, "world": world, "mesh": mesh, "marked": marked,
+    row = {"name": name, "model": model, "world": world, "mesh": mesh, "marked": marked, "layers": layers,
            "wall_s": round(time.perf_counter() - start), "rc": done.returncode}
     if done.returncode:
         row["error"] = done.stderr.strip().splitlines()[-1:]
@@ -56,7 +59,7 @@ def simulate(entry, root: Path) -> dict:
     return row
 
 
-def longest_sequence(entry, budget: float) -> int:
+def longest_sequence(entry, budget: float, layers: int | None = None) -> int:
     """The longest sequence (a multiple of 1024, at most 1M tokens) whose estimated peak fits ``budget``."""
     from xpar_zoo import sizing
     from xpar_zoo.sizing.simulate import gpu_path_options
@@ -68,7 +71,7 @@ def longest_sequence(entry, budget: float) -> int:
               "attention": args.get("--attention", "sdpa"), "options": gpu_path_options()}
     if "--lora-rank" in args:
         kwargs["lora_rank"] = int(args["--lora-rank"])
-    cfg = config(model)
+    cfg = config(model, layers)
     step = 1024 * kwargs["sp"] * kwargs["cp"]
     low, high = 0, 1 << 20
     while high - low > step:
@@ -103,14 +106,15 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--layers", type=int)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default="bench_sizing.json")
     args = parser.parse_args()
     entries = [e for e in MATRIX if not args.only or e[0] in args.only]
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda e: simulate(e, Path(tmp)), entries))
+        rows = list(pool.map(lambda e: simulate(e, Path(tmp), args.layers), entries))
     for entry, row in zip(entries, rows):
-        row["longest"] = {g: longest_sequence(entry, b) for g, b in GPUS.items()}
+        row["longest"] = {g: longest_sequence(entry, b, args.layers) for g, b in GPUS.items()}
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(markdown(rows))
 

@@ -113,9 +113,7 @@ CASES = {
     # queries see the entries its bias allows (xpar_zoo.styles.sequence_compressed); packed rows as one process
     # runs them (the entries span the whole row)
     "v4_compressed_sp2_ep2": (V4, {"sp": 2, "ep": 2}, False),
-    "packed_v4_compressed_sp2_ep2": (V4, {"sp": 2, "ep": 2}, True),
     "v4_compressed_cp2": (V4, {"cp": 2}, False),
-    "packed_v4_compressed_cp2": (V4, {"cp": 2}, True),
     "v4_compressed_cp2_ep2": (V4, {"cp": 2, "ep": 2}, False),
     "v4_compressed_sp2_cp2": (V4, {"sp": 2, "cp": 2}, False),
     "packed_v4_compressed_sp2_cp2": (V4, {"sp": 2, "cp": 2}, True),

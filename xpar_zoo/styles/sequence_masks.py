@@ -208,14 +208,11 @@ class SequenceForward:
         key = (causal, window)
         if key not in self.cache.flex:
             docs, valid = self.docs, self.key_valid
-            blocks = self.vision_blocks if self.bidirectional(window) else None
             query_at, key_at = _positions(self.queries), _positions(self.keys)
 
             def mask_mod(b, h, q_idx, kv_idx):
                 q, k = query_at(q_idx), key_at(kv_idx)
                 allowed = k <= q if causal else k >= 0
-                if blocks is not None:
-                    allowed = allowed | ((blocks[b, q] == blocks[b, k]) & (blocks[b, q] >= 0))
                 if window is not None:
                     allowed = allowed & (q - k < window)
                 if docs is not None:
@@ -224,6 +221,9 @@ class SequenceForward:
                     allowed = allowed & valid[b, k]
                 return allowed
 
+            blocks = self.vision_blocks if self.bidirectional(window) else None
+            if blocks is not None:
+                mask_mod = _with_image_blocks(mask_mod, blocks, docs, query_at, key_at, window)
             rows = next((t.shape[0] for t in (docs, valid, blocks) if t is not None), None)
             self.cache.flex[key] = banded_block_mask(mask_mod, rows, self.queries.numel(), self.keys.numel(),
                                                     self.queries.device)
@@ -253,6 +253,21 @@ class SequenceForward:
             longest = [int(c.max()) if c.numel() else 0 for c in (q_counts, k_counts)]
             self.cache.segments[key] = (q_index, k_index, cu_q, cu_k, *longest)
         return self.cache.segments[key]
+
+
+def _with_image_blocks(mask_mod, blocks: torch.Tensor, docs: torch.Tensor | None, query_at, key_at, window: int):
+    """``mask_mod`` or the same image within the window (and document): the tokens of one image see each other both
+    ways (:meth:`SequenceForward.bidirectional`). A separate function, so that the plain ``mask_mod`` flex compiles
+    stays as it was."""
+
+    def with_blocks(b, h, q_idx, kv_idx):
+        q, k = query_at(q_idx), key_at(kv_idx)
+        same = (blocks[b, q] == blocks[b, k]) & (blocks[b, q] >= 0) & (q - k < window)
+        if docs is not None:
+            same = same & (docs[b, q] == docs[b, k])
+        return mask_mod(b, h, q_idx, kv_idx) | same
+
+    return with_blocks
 
 
 def _index(indices: list[int], device: torch.device) -> slice | torch.Tensor:
