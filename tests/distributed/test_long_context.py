@@ -12,8 +12,8 @@ mixtral and gemma4_text with a sliding window; gpt_oss (attention sinks, sliding
 cp, sp+cp, packed, right-padded and checkpointed, and minimax (lightning attention), jamba and granitemoehybrid
 (mamba), lfm2_moe (short convolution) and kimi_linear (delta attention) right-padded; activation
 checkpointing; DSA indexers (deepseek_v32, glm_moe_dsa), zaya's convolutional projection and deepseek_v4's
-compressed attention (CSA and HCA layers) on sp+ep, cp, cp+ep and sp+cp, plain and packed; inkling's
-relative-position bias and log-scaled queries, qwen4_exp's selection indexer and minimax_m3's block indexer on
+compressed attention (CSA and HCA layers) on sp+ep, cp, cp+ep and sp+cp, plain and packed; inkling's and
+inkling2's (plain and loop) relative-position biases, log-scaled queries and short convolutions, qwen4_exp's selection indexer and minimax_m3's block indexer on
 sp+ep and cp or sp+cp, plain and packed; the blocked masked
 attention under a tiny block budget (sdpa and eager, cp and sp+cp, packed,
 padded, windows, sinks, with checkpointing); three clipped AdamW steps. The
@@ -40,6 +40,10 @@ V4 = ("deepseek_v4", {"compress_rates": {"compressed_sparse_attention": 2, "heav
 # layer (window 4), two full layers whose bias reaches 6 tokens back and whose queries scale beyond position 2
 INKLING = ("inkling_text", {"layer_types": ["hybrid_sliding", "hybrid", "hybrid"], "log_scaling_n_floor": 2,
                             "rel_extent": 6})
+# inkling2: the bias over the distances its model hands the attention, recomputed by its modeling module from the
+# row cache; its dynamic short convolutions (taps projected per token from a second input) with a halo of both
+# inputs; the loop model runs its middle layer twice
+INKLING2 = {"layer_types": ["hybrid_sliding", "hybrid", "hybrid"], "log_scaling_n_floor": 2, "rel_extent": 6}
 CASES = {
     # name: ((model_type, config overrides), mesh, rows: plain (False), packed (True) or right-"padded")
     "qwen3_moe_sp2": (QWEN3_MOE, {"sp": 2}, False),
@@ -121,6 +125,8 @@ CASES = {
     # keys from a row cache (xpar_zoo.styles.sequence_positioned); its short convolutions run with a halo
     "inkling_positioned_sp2_ep2": (INKLING, {"sp": 2, "ep": 2}, False),
     "packed_inkling_positioned_cp2": (INKLING, {"cp": 2}, True),
+    "inkling2_positioned_sp2_ep2": (("inkling2_text", INKLING2), {"sp": 2, "ep": 2}, False),
+    "packed_inkling2_loop_positioned_cp2": (("inkling2_loop_text", INKLING2), {"cp": 2}, True),
     # a selection indexer (qwen4_exp's QSA: 2 blocks of 2 keys and the tail per query, a dense mask out) on this
     # rank's queries against the whole row's keys, the selection masked on the gathered keys
     "qsa_qwen4_exp_text_sp2_ep2": (("qwen4_exp_text", {}), {"sp": 2, "ep": 2}, False),

@@ -3,6 +3,7 @@ parts), the rank layout of sequence groups, the attention mask from global indic
 sizes and models that cannot run (checked before any work)."""
 
 import re
+import sys
 import types
 
 import pytest
@@ -16,6 +17,7 @@ from xpar_zoo.styles.sequence_compressed import compressed_attention_modules, se
 from xpar_zoo.styles.sequence_halo import (
     halo_projections,
     halo_tokens,
+    sequence_inputs,
     served_halo_layer_types,
 )
 from xpar_zoo.styles.sequence_indexed import (
@@ -37,7 +39,7 @@ from xpar_zoo.styles.sequence_layout import (
 from xpar_zoo.styles.sequence_masks import SequenceForward
 from xpar_zoo.styles.sequence_mixers import sequence_mixers
 from xpar_zoo.styles.sequence_paths import attention_block_rows
-from xpar_zoo.styles.sequence_positioned import positioned_attention_modules
+from xpar_zoo.styles.sequence_positioned import is_depth_attention, positioned_attention_modules
 from xpar_zoo.testing import parity
 
 
@@ -347,15 +349,17 @@ def test_the_indexer_runs_a_block_of_queries_at_a_time_beyond_the_budget():
     assert indexer_block_rows(1, 64, 8, 131072, 1.0) == 1  # never fewer than one query
 
 
-@pytest.mark.parametrize("model_type, why", [
-    ("inkling2_text", ("layer type 'hybrid_sliding': Inkling2RelativePositionBias (self_attn.relative_position_bias): "
-                       "a dense relative-position bias")),
-])
-def test_sequence_mixing_that_cannot_run_on_gathered_rows_is_refused_with_the_reason(model_type, why):
-    sparse: dict = {}
+def test_sequence_mixing_that_cannot_run_on_gathered_rows_is_refused_with_the_reason(monkeypatch):
+    """inkling2's bias over the distances its model hands the attention, without the modeling module's function
+    that computes them from the cache protocol (the row cache cannot widen them): one line naming the module."""
+    model = _meta_model("inkling2_text")
+    monkeypatch.delattr(sys.modules[type(model).__module__], "get_relative_distance")
+    why = ("layer type 'hybrid_sliding': Inkling2RelativePositionBias (self_attn.relative_position_bias): a dense "
+           "relative-position bias")
     with pytest.raises(PlanError, match=rf"^cp=2: \w+ has sequence mixing that sp/cp cannot run on whole rows "
-                                        rf"\(.*{re.escape(why)}.*\); sp and cp are refused for it$"):
-        check_sequence_parallel(_meta_model(model_type, **sparse), types.SimpleNamespace(sp=1, cp=2))
+                                        rf"\(.*{re.escape(why)}.*no get_relative_distance.*\); sp and cp are "
+                                        rf"refused for it$"):
+        check_sequence_parallel(model, types.SimpleNamespace(sp=1, cp=2))
 
 
 def test_compressed_attention_is_served_with_its_compressor_on_whole_row_windows():
@@ -377,6 +381,23 @@ def test_inkling_attention_takes_its_positions_from_a_row_cache_and_its_convolut
     assert list(positioned_attention_modules(model)) == [f"model.layers.{i}.self_attn" for i in range(3)]
     assert len(halo_projections(model)) == 12 and {halo_tokens(m) for m in halo_projections(model).values()} == {
         model.config.sconv_kernel_size - 1, model.config.conv_kernel_size - 1}
+    assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
+
+
+@pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])
+def test_inkling2_attention_takes_its_distances_from_a_row_cache_and_its_convolutions_a_halo(model_type):
+    """inkling2's attention (a bias over the distances its model hands it, computed by its modeling module's
+    get_relative_distance from the cache protocol) is served through a row cache; its four short convolutions a
+    layer (the dynamic ones on the keys and values with their second input) with a halo of their kernel less one;
+    its attention over each token's own layer states (the block and message residuals) runs as it is."""
+    model = _meta_model(model_type, layer_types=["hybrid_sliding", "hybrid", "hybrid"])
+    assert list(positioned_attention_modules(model)) == [f"model.layers.{i}.self_attn" for i in range(3)]
+    halos = halo_projections(model)
+    assert len(halos) == 12 and {halo_tokens(m) for m in halos.values()} == {
+        model.config.sconv_kernel_size - 1, model.config.conv_kernel_size - 1}
+    assert sequence_inputs(type(halos["model.layers.1.self_attn.k_proj.sconv"])) == ("hidden_states", "dynamic_input")
+    depth = [name for name, m in model.named_modules() if is_depth_attention(m)]
+    assert "model.layers.1.attention_input" in depth and "model.final_input" in depth
     assert check_sequence_parallel(model, types.SimpleNamespace(sp=2, cp=2)) == "eager"
 
 

@@ -124,6 +124,7 @@ from .sequence_paths import (
 )
 from .sequence_positioned import (
     install_positioned_attention,
+    is_depth_attention,
     row_attention,
     served_bias_modules,
     takes_row_keys,
@@ -265,6 +266,9 @@ class SequenceParallel:
         """The sp/cp attention of ``module`` (transformers' ``AttentionInterface`` signature; ``attention_mask``,
         made from this rank's tokens, is not used): ``[b, S/(sp·cp), h, dv]`` and no weights."""
         current_forward(self, "sp/cp attention")
+        if is_depth_attention(module):  # each token's own layer states: this rank's tokens are all it needs
+            return self.inner_function(module)(module, query, key, value, attention_mask, dropout=dropout,
+                                               scaling=scaling, **kwargs)
         if takes_row_keys(self, module):  # a positioned attention given the whole row's keys (its bias: its queries')
             return row_attention(self, module, query, key, value, dropout, scaling, sliding_window, kwargs), None
         selected = kwargs.pop("indices", None)  # a DSA indexer's top-k (global row positions of the keys)

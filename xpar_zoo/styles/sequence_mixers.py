@@ -121,7 +121,9 @@ MODULE_REASONS = {
                       "it outside the module",
     "RelativePositionBias": "a dense relative-position bias [b, heads, q, k] over the relative_distance the model "
                             "computes for the tokens it is given (not position_ids), passed to the attention "
-                            "function whole: under sp/cp it would cover this rank's tokens only",
+                            "function whole, and no get_relative_distance(inputs_embeds, cache, is_sliding) in its "
+                            "modeling module to compute it for this rank's queries against the whole row: under "
+                            "sp/cp it would cover this rank's tokens only",
     "Compressor": "compressed attention: the compressor's entries (windows of the row, picked per query by an "
                   "indexer in CSA layers) are appended to this rank's keys inside the attention module, their causal "
                   "bias dropped when the model passes no 4-D mask (as under sp/cp); the sp/cp attention cannot tell "
