@@ -22,11 +22,13 @@ from xpar_zoo.testing.proofs import (
 
 ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
 BIDIRECTIONAL_IMAGES = ("gemma4",)
-PACKED = "qwen3_vl_moe"  # proved on packed rows with images too, on these meshes (its job: PACKED_JOB)
-PACKED_JOB = f"{PACKED} packed"
+SP_EP = {"sp2_ep2": {"sp": 2, "ep": 2}}  # the split must keep each document's tokens, images and positions
+# Proved on packed rows with images too, on these meshes (a job each: "<arch> packed"); qwen3_vl_moe also on ep=2.
+PACKED_MESHES = {"qwen3_vl_moe": {"ep2": {"ep": 2}, **SP_EP}, "qwen3_5_moe": SP_EP, "gemma4": SP_EP}
+PACKED_JOBS = {f"{arch} packed": arch for arch in PACKED_MESHES}
+VL = "qwen3_vl_moe"
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # LoRA's target_parameters: the fused experts
-LORA_JOB = f"{PACKED} lora on the vision tower"
-PACKED_MESHES = {"ep2": {"ep": 2}, "sp2_ep2": {"sp": 2, "ep": 2}}
+LORA_JOB = f"{VL} lora on the vision tower"
 REFUSED = {"aria": "without multimodal RoPE"}  # a family not proved with images
 
 
@@ -81,8 +83,11 @@ def _encoded_rows():
 
 
 def _packed_job(arch: str) -> dict:
-    """Packed rows (:data:`~xpar_zoo.testing.modality.PACKED_ROWS`), their multimodal RoPE positions computed per
-    document as the training data makes them, on :data:`PACKED_MESHES`."""
+    """Packed rows (:data:`~xpar_zoo.testing.modality.PACKED_ROWS`), their positions computed per document as the
+    training data makes them (multimodal RoPE's 3-D ones where the model uses them, else 1-D), on
+    :data:`PACKED_MESHES`. qwen3_5_moe's gated delta nets do not see the documents, in one process as under sp.
+    gemma4 without its images seen both ways: single-process transformers reads that overlay at positions within
+    each document on packed rows (:func:`test_transformers_gemma4_reads_its_image_overlay_at_document_positions`)."""
     import torch.distributed as dist
 
     from xpar_zoo.styles.encoders import document_positions
@@ -99,10 +104,10 @@ def _packed_job(arch: str) -> dict:
     before = host.state_dict() if rank == 0 else None
     ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
     out = {}
-    for name, mesh in PACKED_MESHES.items():
+    for name, mesh in PACKED_MESHES[arch].items():
         rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
         if rank == 0:
-            out[PACKED_JOB, name] = {"loss": (rec.losses[0], ref.losses[0]),
+            out[f"{arch} packed", name] = {"loss": (rec.losses[0], ref.losses[0]),
                                      "errors": parity.param_errors(rec.params, ref.params, before)}
     return out
 
@@ -122,7 +127,7 @@ def _lora_vision_job(base: str) -> dict:
     from xpar_zoo.train.multimodal import vision_linears
 
     rank = dist.get_rank()
-    cfg = parity.tiny_config(PACKED)
+    cfg = parity.tiny_config(VL)
     ids, images = modality.mixed_batches("image", cfg, PROOF_WORLD)
     labels = parity.make_labels(ids[None])[0]
     lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_parameters=EXPERTS,
@@ -157,8 +162,8 @@ def zoo_jobs(tmp_path_factory) -> dict:
     """This module's part of the zoo's 4-rank run: a job per architecture, one of packed rows, one of LoRA on the
     vision tower (on a saved base)."""
     base = tmp_path_factory.mktemp("vl_lora") / "base"
-    parity.build_model(parity.tiny_config(PACKED)).save_pretrained(base)
-    return {**{arch: (_job, (arch,)) for arch in ARCHS}, PACKED_JOB: (_packed_job, (PACKED,)),
+    parity.build_model(parity.tiny_config(VL)).save_pretrained(base)
+    return {**{arch: (_job, (arch,)) for arch in ARCHS}, **{job: (_packed_job, (a,)) for job, a in PACKED_JOBS.items()},
             LORA_JOB: (_lora_vision_job, (str(base),))}
 
 
@@ -180,7 +185,7 @@ def test_each_sequence_group_encodes_each_image_once(results, arch, mesh):
     assert max(row["encoded"]) <= row["one image"], row["encoded"]
 
 
-@pytest.mark.parametrize("job,mesh", [(PACKED_JOB, m) for m in PACKED_MESHES])
+@pytest.mark.parametrize("job,mesh", [(job, m) for job, a in PACKED_JOBS.items() for m in PACKED_MESHES[a]])
 def test_packed_rows_with_images_match_single_process(results, job, mesh):
     row = results[job, mesh]
     parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{job} rows on {mesh}")
@@ -211,3 +216,24 @@ def test_families_not_proved_with_images_are_refused_under_long_context_with_the
 
     message = long_context_refusal(parity.build_model(parity.tiny_config(arch)))
     assert message is not None and REFUSED[arch] in message and "\n" not in message, message
+
+
+def test_transformers_gemma4_reads_its_image_overlay_at_document_positions():
+    """Why gemma4's packed proof leaves ``use_bidirectional_attention`` unset: on packed rows single-process
+    transformers looks the image blocks up at each token's position within its document, so in a row whose first
+    document holds an image at positions 1-4, the second document's text at those document positions sees its own
+    future. xpar_zoo's sp/cp mask reads them on the row. When this fails, transformers has changed: prove the packed
+    rows with the overlay."""
+    import torch
+    from transformers.models.gemma4 import modeling_gemma4
+
+    cfg = parity.tiny_config("gemma4").get_text_config()
+    cfg.use_bidirectional_attention, cfg._attn_implementation = "vision", "eager"
+    _, images = modality.mixed_batches("patches", parity.tiny_config("gemma4"), PROOF_WORLD, rows=modality.PACKED_ROWS)
+    types, positions = images[2]["mm_token_type_ids"], images[2]["position_ids"]  # rank 2: ((1, 0), (0, 0))
+    assert types[0, 1:5].tolist() == [1] * 4 and positions[0, 10] == 0 and not types[0, 10:].any()
+    masks = modeling_gemma4.create_masks_for_vision_model(
+        config=cfg, inputs_embeds=torch.zeros(*types.shape, 1), attention_mask=None, cache=None,
+        position_ids=positions, block_sequence_ids=modeling_gemma4.get_block_sequence_ids_for_mask(types, "cpu"))
+    sees = masks["sliding_attention"][0, 0] == 0  # eager: 0 where attended
+    assert sees[1, 4] and sees[11, 12], sees  # the image both ways; the second document's text too
