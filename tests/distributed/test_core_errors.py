@@ -23,28 +23,19 @@ def _options_of_rank(model):
     return xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=2), options=options)
 
 
-def _environment_of_rank(model):
-    """Without options parallelize reads the environment's defaults: rank 1's differs."""
-    import os
+def _rank_1_environment(value: str):
+    """A setup in which parallelize reads the environment's defaults (no options) and rank 1's
+    XPAR_ZOO_MIXER_RECOMPUTE is ``value``."""
+    def attempt(model):
+        import os
 
-    if torch.distributed.get_rank() == 1:
-        os.environ["XPAR_ZOO_MIXER_RECOMPUTE"] = "0"
-    try:
-        return xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=2))
-    finally:
-        os.environ.pop("XPAR_ZOO_MIXER_RECOMPUTE", None)
-
-
-def _bad_environment_on_rank_1(model):
-    """Rank 1's environment holds a value no option parses: every rank raises it (none waits in a collective)."""
-    import os
-
-    if torch.distributed.get_rank() == 1:
-        os.environ["XPAR_ZOO_MIXER_RECOMPUTE"] = "maybe"
-    try:
-        return xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=2))
-    finally:
-        os.environ.pop("XPAR_ZOO_MIXER_RECOMPUTE", None)
+        if torch.distributed.get_rank() == 1:
+            os.environ["XPAR_ZOO_MIXER_RECOMPUTE"] = value
+        try:
+            return xpar_zoo.parallelize(model, xpar_zoo.Mesh(ep=2))
+        finally:
+            os.environ.pop("XPAR_ZOO_MIXER_RECOMPUTE", None)
+    return attempt
 
 
 def _options_on_ranks_but_1(model):
@@ -68,8 +59,8 @@ ATTEMPTS = {
     "ranks_disagree_on_model": lambda model: xpar_zoo.parallelize(_other_model_on_rank_1(model), xpar_zoo.Mesh(ep=2)),
     "from_lists_mismatch": lambda model: xpar_zoo.Mesh.from_lists(sizes=[2, 2], names=["ep"]),
     "ranks_disagree_on_options": _options_of_rank,
-    "ranks_disagree_on_the_environment": _environment_of_rank,
-    "bad_environment_on_one_rank": _bad_environment_on_rank_1,
+    "ranks_disagree_on_the_environment": _rank_1_environment("0"),  # another default than the other ranks'
+    "bad_environment_on_one_rank": _rank_1_environment("maybe"),  # no option parses it: every rank raises it
     "options_on_some_ranks_only": _options_on_ranks_but_1,
 }
 

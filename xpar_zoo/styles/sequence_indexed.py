@@ -282,18 +282,6 @@ def _visible_rows(module: nn.Module, state, original, signature: inspect.Signatu
     return forward
 
 
-def _selection_indexer_forward(module: nn.Module, state, original, signature: inspect.Signature):
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("cache") is not None:
-            raise ModelStateError("sp/cp: a KV cache reached the indexer; generate on a mesh without sp/cp")
-        bound.arguments["cache"] = _RowKeys(state, current_forward(state, f"{type(module).__name__} (sp/cp)"))
-        return original(*bound.args, **bound.kwargs)
-
-    return forward
-
-
 class _RowIndexKeys:
     """The cache a block indexer is handed: ``layers[i].update_index(k)`` gathers this rank's indexer keys
     (``[b, 1, s, d]``) over the sequence group and returns the whole row's, in row order."""
@@ -308,13 +296,15 @@ class _RowIndexKeys:
         return gather_rows_in_order(k.transpose(1, 2), self.state, self.batch).transpose(1, 2)
 
 
-def _block_indexer_forward(module: nn.Module, state, original, signature: inspect.Signature):
+def _row_cache_forward(module: nn.Module, state, original, signature: inspect.Signature, cache_class: type):
+    """The indexer's forward handed ``cache_class(state, this forward's state)`` as its ``cache`` (none may be
+    given: a KV cache means generation, refused under sp/cp)."""
     @functools.wraps(original)
     def forward(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         if bound.arguments.get("cache") is not None:
             raise ModelStateError("sp/cp: a KV cache reached the indexer; generate on a mesh without sp/cp")
-        bound.arguments["cache"] = _RowIndexKeys(state, current_forward(state, f"{type(module).__name__} (sp/cp)"))
+        bound.arguments["cache"] = cache_class(state, current_forward(state, f"{type(module).__name__} (sp/cp)"))
         return original(*bound.args, **bound.kwargs)
 
     return forward
@@ -338,11 +328,11 @@ def install_indexers(model: nn.Module, state) -> list[str]:
         original = module.forward
         module.forward = _visible_rows(module, state, original, inspect.signature(original))
         inner = module.indexer.forward
-        module.indexer.forward = _selection_indexer_forward(module.indexer, state, inner, inspect.signature(inner))
+        module.indexer.forward = _row_cache_forward(module.indexer, state, inner, inspect.signature(inner), _RowKeys)
     blocks = block_attention_modules(model)
     for module in blocks.values():
         inner = module.indexer.forward
-        module.indexer.forward = _block_indexer_forward(module.indexer, state, inner, inspect.signature(inner))
+        module.indexer.forward = _row_cache_forward(module.indexer, state, inner, inspect.signature(inner), _RowIndexKeys)
     return [*found, *selection, *blocks]
 
 
