@@ -7,7 +7,9 @@ multimodal RoPE positions on the whole rows and keeps each rank's features (:mod
 qwen3_5_moe's gated delta nets run on the whole rows, gemma4's images are seen both ways on its sliding layers (as
 its published configs set); the families sp/cp cannot split are refused with the reason. Packed rows with images
 (:data:`xpar_zoo.testing.modality.PACKED_ROWS`, positions per document) train on every mesh of the mixed rows too,
-as a second step of the same run where the config allows. The jobs run in the zoo's one 4-rank run
+as a second step of the same run where the config allows. qwen3_vl_moe's mixed rows hold a two-frame video too, on
+a rank without images (:data:`xpar_zoo.testing.modality.VIDEO_ROWS`): the ranks without it encode a dummy video, and
+a sequence group deals it as it deals images. The jobs run in the zoo's one 4-rank run
 (``zoo_proofs`` in tests/conftest.py)"""
 
 import contextlib
@@ -66,7 +68,8 @@ def _job(arch: str) -> dict:
     else:
         for config in (cfg, cfg.get_text_config()):
             config.use_cache = False
-    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD)
+    videos = modality.VIDEO_ROWS if arch == VL else ()
+    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD, videos=videos)
     steps = [(ids, images)]
     host = parity.build_model(cfg)
     if PACKED_JOB[arch] == arch:
@@ -79,11 +82,12 @@ def _job(arch: str) -> dict:
         with _encoded_rows() as encoded:
             rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
         rows = [None] * PROOF_WORLD
-        dist.all_gather_object(rows, encoded[0])  # the first embed of the first step: its images
+        dist.all_gather_object(rows, encoded[:1 + bool(videos)])  # the first step's embeds: images, videos
         if rank == 0:
             out[arch, name] = {"losses": dict(zip(("mixed", "packed"), zip(rec.losses, ref.losses))),
                                "errors": parity.param_errors(rec.params, ref.params, before), "encoded": rows,
-                               "one image": images[0]["pixel_values"].shape[0] // 2}  # rank 0's row 0: two images
+                               "one image": images[0]["pixel_values"].shape[0] // 2,  # rank 0's row 0: two images
+                               "one video": sum(len(e.get("pixel_values_videos", ())) for e in images)}
     return out
 
 
@@ -203,8 +207,13 @@ def test_images_in_some_rows_only_match_single_process(results, arch, mesh):
 @pytest.mark.parametrize("arch,mesh", [(a, m) for a in ARCHS for m in long_context_meshes(a)])
 def test_each_sequence_group_encodes_each_image_once(results, arch, mesh):
     row = results[arch, mesh]  # a group's two images: one on each of its ranks, not both on both
-    assert max(row["encoded"]) <= row["one image"], row["encoded"]
+    assert max(rows[0] for rows in row["encoded"]) <= row["one image"], row["encoded"]
 
+
+@pytest.mark.parametrize("arch,mesh", [(VL, m) for m in long_context_meshes(VL)])
+def test_each_sequence_group_encodes_each_video_once(results, arch, mesh):
+    row = results[arch, mesh]  # one rank of the video's group encodes it, the others a dummy
+    assert row["one video"] and [rows[1] >= row["one video"] for rows in row["encoded"]].count(True) == 1, row
 
 @pytest.mark.parametrize("job,mesh", [(PACKED_JOB[a], m) for a, m in CASES])
 def test_packed_rows_with_images_match_single_process(results, job, mesh):
