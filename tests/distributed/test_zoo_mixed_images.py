@@ -5,8 +5,12 @@ image rows (4 gloo ranks, fp32, one SGD step): two ranks hold no image at all, o
 Under long context (``sp=2, ep=2`` and ``cp=2``) each sequence group encodes its whole rows' images, computes their
 multimodal RoPE positions on the whole rows and keeps each rank's features (:mod:`xpar_zoo.styles.sequence_media`):
 qwen3_5_moe's gated delta nets run on the whole rows, gemma4's images are seen both ways on its sliding layers (as
-its published configs set); the families sp/cp cannot split are refused with the reason. The jobs run in the zoo's one 4-rank run
-(``zoo_proofs`` in tests/conftest.py)."""
+its published configs set); the families sp/cp cannot split are refused with the reason. Packed rows with images
+(:data:`xpar_zoo.testing.modality.PACKED_ROWS`, positions per document) train on every mesh of the mixed rows too,
+as a second step of the same run where the config allows. qwen3_vl_moe's mixed rows hold a two-frame video too, on
+a rank without images (:data:`xpar_zoo.testing.modality.VIDEO_ROWS`): the ranks without it encode a dummy video, and
+a sequence group deals it as it deals images. The jobs run in the zoo's one 4-rank run
+(``zoo_proofs`` in tests/conftest.py)"""
 
 import contextlib
 
@@ -22,10 +26,6 @@ from xpar_zoo.testing.proofs import (
 
 ARCHS = ("qwen3_vl_moe", "qwen3_5_moe", "gemma4")
 BIDIRECTIONAL_IMAGES = ("gemma4",)
-SP_EP = {"sp2_ep2": {"sp": 2, "ep": 2}}  # the split must keep each document's tokens, images and positions
-# Proved on packed rows with images too, on these meshes (a job each: "<arch> packed"); qwen3_vl_moe also on ep=2.
-PACKED_MESHES = {"qwen3_vl_moe": {"ep2": {"ep": 2}, **SP_EP}, "qwen3_5_moe": SP_EP, "gemma4": SP_EP}
-PACKED_JOBS = {f"{arch} packed": arch for arch in PACKED_MESHES}
 VL = "qwen3_vl_moe"
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # LoRA's target_parameters: the fused experts
 LORA_JOB = f"{VL} lora on the vision tower"
@@ -38,35 +38,63 @@ def _meshes(arch: str) -> dict[str, dict]:
 
 
 CASES = [(a, m) for a in ARCHS for m in _meshes(a)]
+# The job whose results hold an architecture's packed rows, on every mesh of its mixed rows: the mixed rows' job
+# trains them as its second step; gemma4's run in a job of their own, without its image overlay (:func:`_packed_job`).
+PACKED_JOB = {arch: f"{arch} packed" if arch in BIDIRECTIONAL_IMAGES else arch for arch in ARCHS}
+
+
+def _packed_rows(arch: str, cfg, host) -> tuple:
+    """Token ids and each rank's inputs of :data:`~xpar_zoo.testing.modality.PACKED_ROWS`, their positions computed
+    per document as the training data makes them (multimodal RoPE's 3-D ones where the model uses them, else 1-D)
+    by ``host`` (a model of ``cfg``)."""
+    from xpar_zoo.styles.encoders import document_positions
+
+    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD, rows=modality.PACKED_ROWS)
+    return ids, [{**images[r], "position_ids": document_positions(host, {"input_ids": ids[r], **images[r]})[
+        "position_ids"]} for r in range(PROOF_WORLD)]
 
 
 def _job(arch: str) -> dict:
+    """One SGD step on the mixed rows on every mesh of :func:`_meshes`, and where the same config serves them a
+    second on packed rows (:func:`_packed_rows`; transformers masks packed documents only without a cache, which
+    changes nothing on the mixed rows), against single-process transformers' same steps."""
+    import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
     cfg = parity.tiny_config(arch)
     if arch in BIDIRECTIONAL_IMAGES:  # its published configs' image blocks, seen both ways on sliding layers
         cfg.get_text_config().use_bidirectional_attention = "vision"
-    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD)
-    data, extra = ids[None], [images]
-    before = parity.build_model(cfg).state_dict() if rank == 0 else None
+    else:
+        for config in (cfg, cfg.get_text_config()):
+            config.use_cache = False
+    videos = modality.VIDEO_ROWS if arch == VL else ()
+    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD, videos=videos)
+    steps = [(ids, images)]
+    host = parity.build_model(cfg)
+    if PACKED_JOB[arch] == arch:
+        steps.append(_packed_rows(arch, cfg, host))
+    data, extra = torch.stack([s[0] for s in steps]), [s[1] for s in steps]
+    before = host.state_dict() if rank == 0 else None
     ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
     out = {}
     for name, mesh in _meshes(arch).items():
         with _encoded_rows() as encoded:
             rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
         rows = [None] * PROOF_WORLD
-        dist.all_gather_object(rows, sum(encoded))
+        dist.all_gather_object(rows, encoded[:1 + bool(videos)])  # the first step's embeds: images, videos
         if rank == 0:
-            out[arch, name] = {"loss": (rec.losses[0], ref.losses[0]),
+            out[arch, name] = {"losses": dict(zip(("mixed", "packed"), zip(rec.losses, ref.losses))),
                                "errors": parity.param_errors(rec.params, ref.params, before), "encoded": rows,
-                               "one image": images[0]["pixel_values"].shape[0] // 2}  # rank 0's row 0: two images
+                               "one image": images[0]["pixel_values"].shape[0] // 2,  # rank 0's row 0: two images
+                               "one video": sum(len(e.get("pixel_values_videos", ())) for e in images)}
     return out
 
 
 @contextlib.contextmanager
 def _encoded_rows():
-    """The pixel rows (patches, or whole images) that this rank's vision tower embeds while inside."""
+    """The pixel rows (patches, or whole images) that each call of this rank's vision tower embeds while inside, in
+    order (per step: images, then videos; :mod:`xpar_zoo.styles.encoders`)."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     rows: list[int] = []
@@ -83,32 +111,27 @@ def _encoded_rows():
 
 
 def _packed_job(arch: str) -> dict:
-    """Packed rows (:data:`~xpar_zoo.testing.modality.PACKED_ROWS`), their positions computed per document as the
-    training data makes them (multimodal RoPE's 3-D ones where the model uses them, else 1-D), on
-    :data:`PACKED_MESHES`. qwen3_5_moe's gated delta nets do not see the documents, in one process as under sp.
-    gemma4 without its images seen both ways: single-process transformers reads that overlay at positions within
-    each document on packed rows (:func:`test_transformers_gemma4_reads_its_image_overlay_at_document_positions`)."""
+    """One SGD step on packed rows (:func:`_packed_rows`) on every mesh of :func:`_meshes`, for a family whose mixed
+    rows' config cannot serve them: gemma4 without its images seen both ways, since single-process transformers reads
+    that overlay at positions within each document on packed rows
+    (:func:`test_transformers_gemma4_reads_its_image_overlay_at_document_positions`)."""
     import torch.distributed as dist
-
-    from xpar_zoo.styles.encoders import document_positions
 
     rank = dist.get_rank()
     cfg = parity.tiny_config(arch)
     for config in (cfg, cfg.get_text_config()):  # transformers masks packed documents only without a cache
         config.use_cache = False
-    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD, rows=modality.PACKED_ROWS)
     host = parity.build_model(cfg)
-    images = [{**images[r], "position_ids": document_positions(host, {"input_ids": ids[r], **images[r]})["position_ids"]}
-              for r in range(PROOF_WORLD)]
+    ids, images = _packed_rows(arch, cfg, host)
     data, extra = ids[None], [images]
     before = host.state_dict() if rank == 0 else None
     ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
     out = {}
-    for name, mesh in PACKED_MESHES[arch].items():
+    for name, mesh in _meshes(arch).items():
         rec = parity.train_parallel(cfg, data, mesh, "sgd", None, extra=extra)
         if rank == 0:
-            out[f"{arch} packed", name] = {"loss": (rec.losses[0], ref.losses[0]),
-                                     "errors": parity.param_errors(rec.params, ref.params, before)}
+            out[PACKED_JOB[arch], name] = {"losses": {"packed": (rec.losses[0], ref.losses[0])},
+                                           "errors": parity.param_errors(rec.params, ref.params, before)}
     return out
 
 
@@ -163,7 +186,8 @@ def zoo_jobs(tmp_path_factory) -> dict:
     vision tower (on a saved base)."""
     base = tmp_path_factory.mktemp("vl_lora") / "base"
     parity.build_model(parity.tiny_config(VL)).save_pretrained(base)
-    return {**{arch: (_job, (arch,)) for arch in ARCHS}, **{job: (_packed_job, (a,)) for job, a in PACKED_JOBS.items()},
+    return {**{arch: (_job, (arch,)) for arch in ARCHS},
+            **{job: (_packed_job, (arch,)) for arch, job in PACKED_JOB.items() if job != arch},
             LORA_JOB: (_lora_vision_job, (str(base),))}
 
 
@@ -175,21 +199,28 @@ def results(zoo_proofs):
 @pytest.mark.parametrize("arch,mesh", CASES)
 def test_images_in_some_rows_only_match_single_process(results, arch, mesh):
     row = results[arch, mesh]
-    parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{arch} on {mesh}, mixed rows")
-    parity.assert_params_match(row["errors"], what=f"{arch} on {mesh}, mixed rows:")
+    par, ref = row["losses"]["mixed"]
+    parity.assert_losses_match([par], [ref], what=f"{arch} on {mesh}, mixed rows")
+    parity.assert_params_match(row["errors"], what=f"{arch} on {mesh}, mixed rows (and packed rows after them):")
 
 
 @pytest.mark.parametrize("arch,mesh", [(a, m) for a in ARCHS for m in long_context_meshes(a)])
 def test_each_sequence_group_encodes_each_image_once(results, arch, mesh):
     row = results[arch, mesh]  # a group's two images: one on each of its ranks, not both on both
-    assert max(row["encoded"]) <= row["one image"], row["encoded"]
+    assert max(rows[0] for rows in row["encoded"]) <= row["one image"], row["encoded"]
 
 
-@pytest.mark.parametrize("job,mesh", [(job, m) for job, a in PACKED_JOBS.items() for m in PACKED_MESHES[a]])
+@pytest.mark.parametrize("arch,mesh", [(VL, m) for m in long_context_meshes(VL)])
+def test_each_sequence_group_encodes_each_video_once(results, arch, mesh):
+    row = results[arch, mesh]  # one rank of the video's group encodes it, the others a dummy
+    assert row["one video"] and [rows[1] >= row["one video"] for rows in row["encoded"]].count(True) == 1, row
+
+@pytest.mark.parametrize("job,mesh", [(PACKED_JOB[a], m) for a, m in CASES])
 def test_packed_rows_with_images_match_single_process(results, job, mesh):
     row = results[job, mesh]
-    parity.assert_losses_match([row["loss"][0]], [row["loss"][1]], what=f"{job} rows on {mesh}")
-    parity.assert_params_match(row["errors"], what=f"{job} rows on {mesh}:")
+    par, ref = row["losses"]["packed"]
+    parity.assert_losses_match([par], [ref], what=f"{job}: packed rows on {mesh}")
+    parity.assert_params_match(row["errors"], what=f"{job}: packed rows on {mesh}:")
 
 
 @pytest.mark.parametrize("job", [LORA_JOB])

@@ -114,6 +114,56 @@ def test_a_video_part_without_torchvision_is_one_line(tmp_path):
         check_images(examples, tmp_path, allow_absolute=False, videos=False)
 
 
+def test_train_with_a_video_part_without_torchvision_is_one_line_before_any_work(processor, model_dir, tmp_path,
+                                                                                 capsys):
+    from xpar_zoo.commands import cli
+
+    if processor.video_processor is not None:
+        pytest.skip("torchvision loads here: the processor renders videos")
+    text = {"type": "text", "text": "What moves?"}
+    path, _ = _examples([_chat(text), _chat({"type": "video", "video": "clip.mp4"}, text)], tmp_path)
+    argv = ["train", "--model", str(model_dir), "--data", str(path), "--output", str(tmp_path / "out"),
+            "--steps", "1", "--seq-len", "128", "--mesh", "none", "--dry-run"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{path}:2: a video part (clip.mp4): " in err and "torchvision" in err, err
+
+
+def test_the_proofs_video_rows_are_laid_out_as_the_processor_expands_a_video(processor):
+    """:func:`xpar_zoo.testing.modality.mixed_batches`' video (two frames of 4×4 patches) against the tokens
+    ``Qwen3VLProcessor`` makes of the chat template's video part (its frame timestamps as text; no torchvision
+    needed for the text side): the same sequence of vision start / end, video placeholders and text runs."""
+    import copy
+    from types import SimpleNamespace
+
+    from xpar_zoo.testing import modality, parity
+
+    cfg = parity.tiny_config("qwen3_vl_moe")
+    ids, inputs = modality.mixed_batches("image", cfg, 4, videos=((1, 1),))
+    video = copy.copy(processor)
+    video.video_processor = SimpleNamespace(merge_size=2, temporal_patch_size=2)
+    grid = inputs[1]["video_grid_thw"]
+    metadata = SimpleNamespace(fps=2.0, frames_indices=list(range(int(grid[0, 0]) * 2)))
+    expanded = video.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
+    text = video.apply_chat_template([{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}],
+                                     tokenize=False)
+    [text], _ = video.get_text_with_replacements([text], videos_replacements=[expanded])
+    tokenizer = processor.tokenizer
+    names = {tokenizer.convert_tokens_to_ids(t): t for t in ("<|vision_start|>", "<|vision_end|>", "<|video_pad|>")}
+    ours = {cfg.vision_start_token_id: "<|vision_start|>", cfg.vision_end_token_id: "<|vision_end|>",
+            cfg.video_token_id: "<|video_pad|>"}
+
+    def layout(tokens, special):  # first vision start to last vision end: each run of other tokens as one "text"
+        out = [special.get(t, "text") for t in tokens]
+        out = out[out.index("<|vision_start|>"):len(out) - out[::-1].index("<|vision_end|>")]
+        return [x for i, x in enumerate(out) if x != "text" or out[i - 1] != "text"]
+
+    row = ids[1, 1].tolist()
+    assert layout(row, ours) == layout(tokenizer(text)["input_ids"], names), text
+    assert inputs[1]["mm_token_type_ids"][1].tolist() == [2 * (t == cfg.video_token_id) for t in row]
+    assert inputs[1]["pixel_values_videos"].shape[0] == int(grid.prod())
+
+
 def test_a_bad_part_is_one_line():
     from xpar_zoo.train.chat import to_example
 

@@ -7,7 +7,8 @@ Two layouts: the Qwen-VL one that most of transformers' multimodal MoE models sh
 the text one image placeholder per ``spatial_merge_size²`` patches, which ``mm_token_type_ids`` marks), and the
 LLaVA one (:func:`pixel_batches`: ``pixel_values`` of ``[images, 3, H, W]`` and a fixed number of placeholders per
 image), and Gemma4's flattened, positioned patches (:func:`patch_batches`). The proofs' data names the variant:
-:data:`INPUTS`.
+:data:`INPUTS`. :func:`mixed_batches` lays out rows with any number of images (or none), packed documents, and
+Qwen3-VL videos.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def patch_batches(config, world: int, side: int = 6, batch: int = 2, seq: int = 
 # Images per row of each rank (4 ranks × 2 rows): two images in one row, a rank with images in its second row only,
 # two ranks without any (the global batch mixes text-only and image rows, as SFT data does).
 MIXED_ROWS = ((2, 0), (0, 0), (0, 1), (0, 0))
+# The rows (rank, row) of the mixed rows that hold a video after their images, where the model takes videos: rank 1's
+# second row (a rank without images; its targets are not all ignored, :func:`xpar_zoo.testing.parity.make_labels`).
+VIDEO_ROWS = ((1, 1),)
+_VIDEO_GRID = (2, 4, 4)  # two frames (temporal patches) of 4×4 patches
+_TIMESTAMP = (27, 48)  # the text tokens of a frame's timestamp ("<0.5 seconds>")
 # Packed rows: two documents per row, each with its images (an image in a row's second document only, ranks with and
 # without images).
 PACKED_ROWS = (((1, 1), (0, 0)), ((0, 0), (0, 1)), ((1, 0), (0, 0)), ((0, 0), (0, 0)))
@@ -112,13 +118,36 @@ def _one_image(inputs: str, config, g: torch.Generator) -> tuple[list[int], dict
                                                     "image_grid_thw": torch.tensor([_GRID])}
 
 
+def _one_video(config, g: torch.Generator) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """The tokens and the pixel inputs of one video in the Qwen3-VL layout, as ``Qwen3VLProcessor`` renders the chat
+    template's ``<|vision_start|><|video_pad|><|vision_end|>``: per frame its timestamp's text, then vision start, the
+    frame's placeholders (``h·w / spatial_merge_size²``) and vision end, all inside the template's vision start and
+    end; ``pixel_values_videos`` ``[t·h·w, channels · temporal_patch · patch²]`` and a ``video_grid_thw`` row."""
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    t, h, w = _VIDEO_GRID
+    frame = [*_TIMESTAMP, config.vision_start_token_id, *[config.video_token_id] * (h * w // merge**2),
+             config.vision_end_token_id]
+    pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return ([config.vision_start_token_id, *frame * t, config.vision_end_token_id],
+            {"pixel_values_videos": torch.randn(t * h * w, pixels, generator=g),
+             "video_grid_thw": torch.tensor([_VIDEO_GRID])})
+
+
+def _media(inputs: str, config, g: torch.Generator, images: int, video: bool) -> list[tuple[list[int], dict]]:
+    """The tokens and pixel inputs of a document's ``images`` images, then of its video where ``video``."""
+    return [_one_image(inputs, config, g) for _ in range(images)] + ([_one_video(config, g)] if video else [])
+
+
 def mixed_batches(inputs: str, config, world: int, rows: tuple[tuple, ...] = MIXED_ROWS, seq: int = 20,
-                  seed: int = 5) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+                  seed: int = 5, videos: tuple[tuple[int, int], ...] = ()
+                  ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
     """Token ids ``[world, batch, seq]`` whose row ``b`` of rank ``r`` holds ``rows[r][b]`` images (none: text
     only) and, per rank, the pixel inputs of its images (none where it has none) and ``mm_token_type_ids`` (on every
     rank, as the processors give them). A tuple ``rows[r][b]`` packs the row: one document of ``seq / len`` tokens
     per entry, holding that many images; then ``position_ids`` ``[batch, seq]`` restart at every document (one
-    document per row elsewhere)."""
+    document per row elsewhere). Each ``(r, b)`` of ``videos`` holds a video after its images (in its first
+    document; :func:`_one_video`: ``pixel_values_videos``, ``video_grid_thw``, type 2 in ``mm_token_type_ids``)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(20, TEXT_VOCAB, (world, len(rows[0]), seq), generator=g)
     extra = []
@@ -130,13 +159,13 @@ def mixed_batches(inputs: str, config, world: int, rows: tuple[tuple, ...] = MIX
             positions.append(torch.arange(seq) % length if isinstance(counts, tuple) else torch.arange(seq))
             for d, count in enumerate(documents):
                 at = d * length + 1
-                for _ in range(count):
-                    tokens, pixels = _one_image(inputs, config, g)
+                for tokens, pixels in _media(inputs, config, g, count, d == 0 and (r, b) in videos):
                     ids[r, b, at:at + len(tokens)] = torch.tensor(tokens)
                     at += len(tokens) + 1
                     parts.append(pixels)
-        mine = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
-        mine["mm_token_type_ids"] = (ids[r] == config.image_token_id).long()
+        mine = {k: torch.cat([p[k] for p in parts if k in p]) for k in dict.fromkeys(k for p in parts for k in p)}
+        mine["mm_token_type_ids"] = ((ids[r] == config.image_token_id).long()
+                                     + 2 * (ids[r] == getattr(config, "video_token_id", -1)).long())
         if any(isinstance(c, tuple) for row in rows for c in row):
             mine["position_ids"] = torch.stack(positions)
         extra.append(mine)
