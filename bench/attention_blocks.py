@@ -1,7 +1,8 @@
 """The time cost of the blocked sp/cp attention (issue 30, not a test): the masked attention of ``--layers`` layers of
 cp rank 1 (b=1, 4 query / 2 key-value heads of 32, fp32, one thread), forward+backward, under the whole
 ``[1, 1, S/cp, S]`` mask against :func:`xpar_zoo.styles.sequence_inner.blocked_attention` at the default block budget,
-and the blocks without their checkpoint (masks kept for backward: what the recompute costs); min of ``--reps``
+and the blocks without their checkpoint (masks kept for backward: what the recompute costs), and for sdpa cp's
+lower-right path (:func:`xpar_zoo.styles.sequence_inner.lower_right_attention`, no dense mask); min of ``--reps``
 interleaved repeats.
 
     python bench/attention_blocks.py [--inner sdpa] [--seq 8192] [--cp 4]
@@ -59,9 +60,15 @@ def main() -> None:
         return torch.cat([sequence_inner._attention_block(call, batch, True, None, s, keys, q[:, :, s:s + n], k, v)
                           for s, n, keys in batch.blocks(rows, True, None)], dim=1)
 
-    times = {"whole mask": [], "blocked": [], "blocked, no checkpoint": []}
+    def lower_right(batch, q, k, v):
+        return sequence_inner.lower_right_attention(q, k, v, batch, 0.0, 0.3)
+
+    paths = {"whole mask": whole, "blocked": blocked, "blocked, no checkpoint": unchecked}
+    if args.inner == "sdpa":
+        paths["lower-right"] = lower_right
+    times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.reps):
-        for name, attend in zip(times, (whole, blocked, unchecked)):
+        for name, attend in paths.items():
             batch = sequence_masks.SequenceForward(layout.queries, layout.keys, None, None)
             t0 = time.perf_counter()
             sum(attend(batch, *t).sum() for t in tensors).backward()

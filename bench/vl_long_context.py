@@ -8,7 +8,8 @@ not run), the difference being what the images add.
 
 Measured as bench/long_context.py measures (its :func:`cpu_model`, ``WORLD``, ``MB``;
 :func:`xpar_zoo.testing.parity.live_peak_bytes`): the peak of live CPU tensor bytes during the step above those live
-when it starts, worst rank, after a warm-up step on a short row. Every rank of a sequence group passes the same
+when it starts, worst rank, after a warm-up step on a short row; the step time is rank 0's of one more step with
+images, unprofiled. Every rank of a sequence group passes the same
 whole rows with their pixels (as the API asks); FSDP alone gives every rank its own row of the same layout. An image
 is one frame of ``grid × grid`` patches (synthetic pixels, ``image_grid_thw`` and ``mm_token_type_ids`` as the
 processor makes them: ``grid² / 4`` placeholders between vision start and end tokens). fp32, sdpa, one row per
@@ -28,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from long_context import MB, WORLD, run_line, worst_peak, write_results  # noqa: E402  (the measuring bench's helpers: one source)
+from long_context import MB, WORLD, peak_and_time, run_line, worst_peak, write_results  # noqa: E402  (the measuring bench's helpers: one source)
 
 MESHES = {"fsdp": {}, "sp4": {"sp": 4}, "cp4": {"cp": 4}}
 LABELS = {"fsdp": "FSDP alone `Mesh()`", "sp4": "`Mesh(sp=4)`", "cp4": "`Mesh(cp=4)`"}
@@ -104,13 +105,10 @@ def _runs(seq: int, images: int, grid: int, meshes: list[str], trace_dir: str) -
         model.train()
         seed = 0 if mesh else rank  # a sequence group's ranks pass the same rows
         _step(model, vl_row(config, WARMUP_SEQ, 1, grid, seed))()
-        r = {}
-        for kind, with_images in (("images", True), ("text", False)):
-            row = vl_row(config, seq, images, grid, seed, with_images)
-            t0 = time.perf_counter()
-            r[kind] = worst_peak(_step(model, row), f"{trace_dir}/{name}-{kind}-{rank}.json")
-            r.setdefault("seconds", time.perf_counter() - t0)
-        out[name] = r
+        images_row, text_row = (vl_row(config, seq, images, grid, seed, shown) for shown in (True, False))
+        timed = peak_and_time(_step(model, images_row), f"{trace_dir}/{name}-images-{rank}.json")
+        text = worst_peak(_step(model, text_row), f"{trace_dir}/{name}-text-{rank}.json")
+        out[name] = {"images": timed["peak"], "text": text, "seconds": timed["seconds"]}
         del model
         gc.collect()
     return out if rank == 0 else None
@@ -119,7 +117,7 @@ def _runs(seq: int, images: int, grid: int, meshes: list[str], trace_dir: str) -
 def _table(res: dict, args) -> list[str]:
     base = res["fsdp"]["images"]
     lines = [f"| mesh | peak with {args.images} images (MiB) | × FSDP alone | same rows, text only (MiB) | × FSDP alone "
-             "| images add (MiB) | images' share of the peak | step, profiled (s) |", "|---|---|---|---|---|---|---|---|"]
+             "| images add (MiB) | images' share of the peak | step (s) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
         add = r["images"] - r["text"]
         lines.append(f"| {LABELS[name]} | {r['images'] / MB:.1f} | {r['images'] / base:.2f}× | {r['text'] / MB:.1f} | "

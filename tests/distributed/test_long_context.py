@@ -136,8 +136,8 @@ CASES = {
     "blocks_minimax_m3_sp2_cp2": (("minimax_m3_vl_text", {}), {"sp": 2, "cp": 2}, False),
     "packed_blocks_minimax_m3_sp2_ep2": (("minimax_m3_vl_text", {}), {"sp": 2, "ep": 2}, True),
 }
-# cp on plain rows with sdpa, forced onto the lower-right path (no mask: each query chunk against the key prefix
-# that ends where it ends; CUDA's default, dense mask on CPU otherwise), name -> case as in CASES
+# cp on plain rows with sdpa, on the lower-right path (no dense mask: each query chunk against the key prefix that
+# ends where it ends; the default on CUDA and the CPU, told here), name -> case as in CASES
 SDPA = {"attn_implementation": "sdpa"}
 LOWER_RIGHT = {
     "lower_right_qwen3_moe_cp2_ep2_sdpa": (("qwen3_moe", SDPA), {"cp": 2, "ep": 2}, False),
@@ -145,7 +145,8 @@ LOWER_RIGHT = {
     "lower_right_qwen3_cp4_sdpa": (("qwen3", SDPA), {"cp": 4}, False),
 }
 # The blocked masked attention (a block of queries at a time, each block's mask rebuilt in backward), forced onto
-# these tiny rows by a block budget of 512 bytes (1-2 queries per block): name -> case as in CASES
+# these tiny rows by a block budget of 512 bytes (1-2 queries per block) and cp_attention="dense" (cp's plain rows
+# on sdpa take the mask): name -> case as in CASES
 BLOCK_MIB = 0.0005
 BLOCKED = {
     "blocked_qwen3_moe_cp2_ep2_sdpa": (("qwen3_moe", SDPA), {"cp": 2, "ep": 2}, False),
@@ -270,7 +271,8 @@ def _cases(world: int) -> dict:
     runs = {name: (case, {}) for name, case in CASES.items()}
     runs.update({name: (CASES[base], options) for name, (base, options) in VARIANTS.items()})
     runs.update({name: (case, {"cp_attention": "lower_right"}) for name, case in LOWER_RIGHT.items()})
-    runs.update({name: (case, {"attention_block_mib": BLOCK_MIB}) for name, case in BLOCKED.items()})
+    runs.update({name: (case, {"attention_block_mib": BLOCK_MIB, "cp_attention": "dense"})
+                 for name, case in BLOCKED.items()})
     runs.update({name: (case, {"inner": "flash_attention_2"}) for name, case in FLASH_CASES.items()})
     for name, (((model_type, overrides), mesh, packed), options) in runs.items():
         options = dict(options)
@@ -472,8 +474,8 @@ def test_flex_attention_inner_matches_single_process_flex_on_the_whole_rows(resu
 
 @pytest.mark.parametrize("case", [*LOWER_RIGHT])
 def test_cp_on_plain_rows_runs_sdpa_without_a_mask_on_the_lower_right_path(results, case):
-    """The forced lower-right cases above ran every attention layer through it (CUDA's default), and the others
-    (CPU's default: the shared dense mask; eager; packed or padded rows) never did: the paths the wrapper chose."""
+    """The lower-right cases above ran every attention layer through it, and the others (eager; packed or padded
+    rows; sdpa told ``cp_attention="dense"``) never did: the paths the wrapper chose."""
     assert set(results["cases"][case]["paths"]) == {"lower_right"}, results["cases"][case]["paths"]
     assert not any("lower_right" in row["paths"] for name, row in results["cases"].items() if name not in LOWER_RIGHT)
 

@@ -36,7 +36,7 @@ from xpar_zoo.styles.sequence_layout import (
     kv_repeat,
     token_layout,
 )
-from xpar_zoo.styles.sequence_masks import SequenceForward
+from xpar_zoo.styles.sequence_masks import SequenceForward, lower_right_mask
 from xpar_zoo.styles.sequence_mixers import sequence_mixers
 from xpar_zoo.styles.sequence_paths import attention_block_rows
 from xpar_zoo.styles.sequence_positioned import is_depth_attention, positioned_attention_modules
@@ -153,9 +153,51 @@ def test_cp_lower_right_attention_equals_sdpa_under_the_dense_mask(cp):
             torch.testing.assert_close(a, w, atol=1e-6, rtol=1e-5)
 
 
-def test_cp_runs_without_a_mask_on_cuda_and_with_the_dense_one_elsewhere_unless_told():
+def test_the_lower_right_mask_is_one_row_seen_through_strides():
+    """The causal mask of the last 3 of 7 positions, queries reversed, is one row of 3 + 7 - 1 entries: reversed
+    query ``i`` sees keys ``j < 7 - i``, the dtype's min elsewhere (as the dense mask's)."""
+    mask = lower_right_mask(3, 7, torch.float32, torch.device("cpu"))
+    dense = SequenceForward(torch.arange(4, 7), torch.arange(7), None, None).mask(True, None, torch.float32)
+    assert mask.shape == (1, 1, 3, 7) and mask.untyped_storage().nbytes() == (3 + 7 - 1) * 4
+    assert torch.equal(mask, dense.flip(2))
+
+
+def test_cp_lower_right_on_cpu_gives_sdpa_the_strided_mask_and_grouped_heads(monkeypatch):
+    """On the CPU each run's sdpa call gets the reversed queries, the key/value heads as they are (``enable_gqa``)
+    and :func:`lower_right_mask`: ``n + end - 1`` entries, not a dense ``[n, end]`` mask nor a ``CausalBias``."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((q.shape[2], k.shape, attn_mask.untyped_storage().nbytes(), kwargs.get("enable_gqa")))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    layout = token_layout(16, 1, 2, 0, 0)  # cp rank 0 of 2: positions 0-3 and 12-15
+    q, k, v = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    lower_right_attention(q, k, v, SequenceForward(layout.queries, layout.keys, None, None), 0.0, 0.3)
+    assert calls == [(4, (1, 2, 4, 8), (4 + 4 - 1) * 4, True), (4, (1, 2, 16, 8), (4 + 16 - 1) * 4, True)]
+
+
+def test_cpu_sdpa_reads_the_lower_right_mask_in_place(tmp_path):
+    """torch's CPU sdpa takes the strided mask on its flash kernel without a dense copy: a forward and backward of a
+    cp rank's two query runs (1024 queries against 1024 and 4096 keys) peaks below a quarter of one run's dense fp32
+    mask (16 MiB), let alone the math path's scores."""
+    layout = token_layout(4096, 1, 2, 0, 0)
+    forward = SequenceForward(layout.queries, layout.keys, None, None)
+    q, k, v = (torch.randn(1, h, n, 8).requires_grad_() for h, n in ((2, 2048), (1, 4096), (1, 4096)))
+
+    def step():
+        lower_right_attention(q, k, v, forward, 0.0, 0.3).sum().backward()
+
+    step()
+    assert parity.live_peak_bytes(step, str(tmp_path / "trace.json")) < 4 * 2 ** 20
+
+
+def test_cp_runs_without_a_dense_mask_on_cuda_and_the_cpu_and_with_it_elsewhere_unless_told():
     default = ParallelOptions()
-    assert default.cp_lower_right("cuda") and not default.cp_lower_right("cpu")
+    assert default.cp_lower_right("cuda") and default.cp_lower_right("cpu") and not default.cp_lower_right("mps")
+    assert not ParallelOptions(cp_attention="dense").cp_lower_right("cpu")
     assert ParallelOptions(cp_attention="lower_right").cp_lower_right("cpu")
     assert not ParallelOptions(cp_attention="dense").cp_lower_right("cuda")
     with pytest.raises(PlanError, match="cp_attention must be one of lower_right, dense, got 'ring'"):

@@ -33,11 +33,13 @@ IN_ORDER, CAUSAL, MASKED = MaskKind.CAUSAL_IN_ORDER, MaskKind.CAUSAL, MaskKind.M
     ("flash_attention_3", "cpu", MASKED, LARGE, DEFAULT, InnerPath.FLASH),
     # sdpa on plain causal rows in row order: its own causal kernel, no mask
     ("sdpa", "cpu", IN_ORDER, LARGE, DEFAULT, InnerPath.SDPA_CAUSAL),
-    # cp's plain causal rows: lower-right on CUDA, the mask elsewhere, unless the options say otherwise
+    # cp's plain causal rows: lower-right on CUDA and the CPU, the mask elsewhere, unless the options say otherwise
     ("sdpa", "cuda", CAUSAL, LARGE, DEFAULT, InnerPath.LOWER_RIGHT),
-    ("sdpa", "cpu", CAUSAL, SMALL, DEFAULT, InnerPath.WHOLE_MASK),
-    ("sdpa", "cpu", CAUSAL, LARGE, DEFAULT, InnerPath.BLOCKED),
-    ("sdpa", "cpu", CAUSAL, SMALL, ParallelOptions(cp_attention="lower_right"), InnerPath.LOWER_RIGHT),
+    ("sdpa", "cpu", CAUSAL, SMALL, DEFAULT, InnerPath.LOWER_RIGHT),
+    ("sdpa", "cpu", CAUSAL, LARGE, DEFAULT, InnerPath.LOWER_RIGHT),
+    ("sdpa", "mps", CAUSAL, SMALL, DEFAULT, InnerPath.WHOLE_MASK),
+    ("sdpa", "cpu", CAUSAL, SMALL, ParallelOptions(cp_attention="dense"), InnerPath.WHOLE_MASK),
+    ("sdpa", "cpu", CAUSAL, LARGE, ParallelOptions(cp_attention="dense"), InnerPath.BLOCKED),
     ("sdpa", "cuda", CAUSAL, SMALL, ParallelOptions(cp_attention="dense"), InnerPath.WHOLE_MASK),
     # packed documents, padding or a short window: the mask, whole where it fits the device's budget
     ("sdpa", "cuda", MASKED, LARGE, DEFAULT, InnerPath.WHOLE_MASK),  # 96 MiB within a GPU's 256

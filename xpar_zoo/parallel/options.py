@@ -19,6 +19,9 @@ from typing import Any
 from ..errors import PlanError
 
 CP_ATTENTION = ("lower_right", "dense")
+# Where cp's plain causal rows on sdpa run lower-right unless the options say otherwise: the devices whose sdpa keeps
+# no dense mask on that path (CUDA's flash kernels; the CPU's flash kernel with a strided mask).
+LOWER_RIGHT_DEVICES = ("cuda", "cpu")
 CPU_COLLECTIVES = ("in_place", "gloo")
 # The environment variable that gives each field its default (read by ParallelOptions.from_env only).
 ENV = {
@@ -68,9 +71,9 @@ class ParallelOptions:
     - ``attention_block_mib``: the bytes (MiB) one block of queries of the sp/cp masked attention may hold for its
       mask and eager's scores; where the whole mask fits, it is built once per forward and shared by the layers.
       ``None``: 256 MiB on an accelerator, 16 MiB on the CPU.
-    - ``cp_attention``: cp's plain causal rows on sdpa: ``"lower_right"`` (no mask: each query chunk against the key
-      prefix that ends where it ends) or ``"dense"`` (the masked attention). ``None``: lower-right on CUDA, dense
-      elsewhere.
+    - ``cp_attention``: cp's plain causal rows on sdpa: ``"lower_right"`` (no dense mask: each query chunk against
+      the key prefix that ends where it ends) or ``"dense"`` (the masked attention). ``None``: lower-right on CUDA
+      and the CPU, dense elsewhere.
     - ``mixer_recompute``: a hybrid model's sequence mixers (run on the group's whole rows under sp/cp) recompute
       their whole-row forward in backward, keeping only this rank's input; ``False`` keeps their whole rows.
     - ``cpu_collectives``: on a CPU mesh, ``"in_place"`` gives every FSDP unit the in-place gloo collectives of
@@ -129,7 +132,7 @@ class ParallelOptions:
 
     def cp_lower_right(self, device_type: str) -> bool:
         """Whether cp's plain causal rows on sdpa run without a mask on ``device_type``."""
-        return self.cp_attention == "lower_right" if self.cp_attention else device_type == "cuda"
+        return self.cp_attention == "lower_right" if self.cp_attention else device_type in LOWER_RIGHT_DEVICES
 
     def agreement(self) -> dict[str, object]:
         """The fields by name, for the check that every rank was given the same."""

@@ -1,13 +1,14 @@
 """The inner attention paths of the sp/cp attention (:mod:`xpar_zoo.styles.sequence`), each called on the
-queries of a cp chunk against the gathered keys and values: cp's plain causal rows on sdpa without a mask
+queries of a cp chunk against the gathered keys and values: cp's plain causal rows on sdpa without a dense mask
 (:func:`lower_right_attention`), the masked attention a block of queries at a time (:func:`blocked_attention`), and
 the inner implementations that take no dense mask (:data:`OWN_MASK_INNER`):
 :func:`flex_inner` (a ``BlockMask`` from the global indices) and :func:`flash_inner` (one call per run of query
 positions against its key prefix, bottom-right causal; varlen for packed documents and padding); see
 docs/long_context.md. Where it would be the plain causal mask of a whole row (no cp, packing, padding or window)
 ``sdpa`` gets none and runs causal itself (its flash kernels on a GPU). With cp on plain causal rows, ``sdpa`` on
-CUDA gets none either (:func:`lower_right_attention`: each query chunk against the key prefix that ends where it
-ends, aligned lower-right; :meth:`~xpar_zoo.parallel.options.ParallelOptions.cp_lower_right` chooses).
+CUDA and the CPU gets no dense one either (:func:`lower_right_attention`: each query chunk against the key prefix
+that ends where it ends, aligned lower-right; :meth:`~xpar_zoo.parallel.options.ParallelOptions.cp_lower_right`
+chooses).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from ..compat import attn_implementation, efficient_attention, is_fake, view_target
 from ..errors import PlanError
-from .sequence_masks import SequenceForward
+from .sequence_masks import SequenceForward, lower_right_mask
 
 # ---- sdpa without a mask: cp's plain causal rows ----------------------------------------------------------------
 
@@ -25,27 +26,44 @@ def lower_right_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           dropout: float, scaling: float | None) -> torch.Tensor:
     """Causal sdpa of the queries of a cp chunk (``[b, h, S/cp, d]``, runs of consecutive global positions: the
     head and tail chunks) against the cp-gathered keys and values of the whole row (``[b, kv, S, d]``), with no
-    mask: the keys are put in row order once, and each run of queries attends to the prefix of the row that ends
-    where the run ends, aligned lower-right (``torch.nn.attention.bias.causal_lower_right``). Key/value heads are
-    repeated to the query heads (sdpa's ``enable_gqa`` does not reach its lower-right kernels). Returns
-    ``[b, S/cp, h, dv]`` as transformers' sdpa does."""
-    from torch.nn.attention.bias import causal_lower_right
-
+    dense mask: the keys are put in row order once, and each run of queries attends to the prefix of the row that
+    ends where the run ends, aligned lower-right. On CUDA with ``torch.nn.attention.bias.causal_lower_right``, the
+    key/value heads repeated to the query heads (sdpa's ``enable_gqa`` does not reach its lower-right kernels); on
+    the CPU with :func:`lower_right_mask` (torch's CPU sdpa runs a ``causal_lower_right`` bias on its math path,
+    whose scores it keeps), key/value heads grouped. Returns ``[b, S/cp, h, dv]`` as transformers' sdpa does."""
     key, value = batch.keys_in_row_order(key, value)
     groups = query.shape[1] // key.shape[1]
-    if groups > 1:
+    fake = is_fake(query)
+    cpu = query.device.type == "cpu" and not fake
+    if groups > 1 and not cpu:
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     outs = []
     for start, n, end in batch.query_runs():
-        q = query[:, :, start:start + n]
-        if is_fake(q):  # a simulated world: a GPU's lower-right kernel keeps what its causal one keeps
-            o = efficient_attention(q, key[:, :, :end], value[:, :, :end], True, scaling)
+        q, k, v = query[:, :, start:start + n], key[:, :, :end], value[:, :, :end]
+        if fake:  # a simulated world: a GPU's lower-right kernel keeps what its causal one keeps
+            o = efficient_attention(q, k, v, True, scaling)
+        elif cpu:
+            o = _lower_right_on_cpu(q, k, v, dropout, scaling)
         else:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, key[:, :, :end], value[:, :, :end], attn_mask=causal_lower_right(n, end), dropout_p=dropout,
-                scale=scaling)
+            from torch.nn.attention.bias import causal_lower_right
+
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, end),
+                                                                 dropout_p=dropout, scale=scaling)
         outs.append(o.transpose(1, 2))
     return torch.cat(outs, dim=1)
+
+
+def _lower_right_on_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+                        scaling: float | None) -> torch.Tensor:
+    """sdpa of the ``n`` queries ``q`` (``[b, h, n, d]``: the last ``n`` of the ``end`` positions of ``k`` / ``v``,
+    ``[b, kv, end, d]`` in row order), causal aligned lower-right, on torch's CPU flash kernel: the queries reversed
+    against :func:`lower_right_mask` (``n + end - 1`` entries, not ``n × end``), the output put back in order. The
+    values and the queries' gradients are those of the dense mask; the keys' and values' gradients sum the same
+    terms in another order."""
+    mask = lower_right_mask(q.shape[2], k.shape[2], q.dtype, q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(q.flip(2), k, v, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    return out.flip(2)
 
 
 # ---- the masked attention, a block of queries at a time ---------------------------------------------------------

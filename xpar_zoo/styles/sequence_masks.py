@@ -255,6 +255,17 @@ class SequenceForward:
         return self.cache.segments[key]
 
 
+def lower_right_mask(queries: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive causal mask of the last ``queries`` of ``keys`` positions, aligned lower-right, for the queries
+    in *reverse* order: reversed query ``i`` may see key ``j`` where ``i + j < keys``, so the ``[1, 1, queries, keys]``
+    mask is a view with strides ``(0, 0, 1, 1)`` of one row of ``queries + keys - 1`` entries (0 for the first
+    ``keys``, the dtype's min after, as :meth:`SequenceForward.block_mask`'s). torch's CPU flash attention reads it
+    in place; an op that needs it dense makes a ``[queries, keys]`` copy."""
+    row = torch.full((queries + keys - 1,), torch.finfo(dtype).min, dtype=dtype, device=device)
+    row[:keys] = 0
+    return row.as_strided((1, 1, queries, keys), (0, 0, 1, 1))
+
+
 def _with_image_blocks(mask_mod, blocks: torch.Tensor, docs: torch.Tensor | None, query_at, key_at, window: int):
     """``mask_mod`` or the same image within the window (and document): the tokens of one image see each other both
     ways (:meth:`SequenceForward.bidirectional`). A separate function, so that the plain ``mask_mod`` flex compiles

@@ -7,8 +7,8 @@ rows it sizes, so the two cannot drift; and the block budget's arithmetic (:func
   :data:`FLASH`.
 - ``sdpa`` on rows whose mask is plain causality: queries and keys both in row order (no cp) run sdpa's own causal
   kernel without a mask (:data:`SDPA_CAUSAL`); cp's chunks against the gathered row run each query run against its
-  key prefix, aligned lower-right (:data:`LOWER_RIGHT`), where the options' ``cp_attention`` says so (on CUDA by
-  default) and the attention has no sinks.
+  key prefix, aligned lower-right (:data:`LOWER_RIGHT`), where the options' ``cp_attention`` says so (on CUDA and
+  the CPU by default) and the attention has no sinks.
 - A DSA indexer's top-k (``selected``, :mod:`xpar_zoo.styles.sequence_indexed`: eager and sdpa only) masks every key
   a query did not select on top of the mask below, so it always takes the mask.
 - Otherwise the dense mask of the global positions: built once per forward and shared by the layers where it (and
@@ -32,7 +32,7 @@ class InnerPath(str, enum.Enum):
     FLEX = "flex"  # transformers' flex_attention with a BlockMask from the global indices
     FLASH = "flash"  # transformers' flash forward per query run against its key prefix (varlen when packed / padded)
     SDPA_CAUSAL = "sdpa_causal"  # sdpa's own causal kernel over whole rows, no mask
-    LOWER_RIGHT = "lower_right"  # sdpa per cp query run against its key prefix, causal aligned lower-right, no mask
+    LOWER_RIGHT = "lower_right"  # sdpa per cp query run against its key prefix, causal lower-right, no dense mask
     WHOLE_MASK = "whole_mask"  # the [b, 1, S/cp, S] mask, once per forward, shared by the layers
     BLOCKED = "blocked"  # the mask a block of queries at a time, each block checkpointed
 

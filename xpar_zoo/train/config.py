@@ -386,7 +386,8 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
     a("--attention-block-mib", type=float, default=S,
       help="sp/cp masked attention: MiB one block of queries may hold (default 256 on a GPU, 16 on the CPU)")
     a("--cp-attention", choices=CP_ATTENTION, default=S,
-      help="cp's plain causal rows on sdpa: lower_right (no mask) or dense (default: lower_right on CUDA)")
+      help="cp's plain causal rows on sdpa: lower_right (no dense mask) or dense (default: lower_right on CUDA "
+           "and the CPU)")
     a("--mixer-recompute", action=argparse.BooleanOptionalAction, default=S,
       help="sp/cp hybrid mixers: recompute their whole rows in backward (default on)")
     a("--cpu-collectives", choices=CPU_COLLECTIVES, default=S,
