@@ -55,6 +55,7 @@ def test_mesh_naming_no_plan_of_the_model_names_the_plan(files, tmp_path, capsys
     monkeypatch.setattr("xpar_zoo.from_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
     assert cli.main(_common(files, tmp_path / "o", "--steps", "2", "--mesh", "foo=2")) == 2
     _one_line(capsys, "mesh uses plan(s) ['foo'] that the 'qwen3_moe' plan does not define; its plans: ep, emb, head")
+    assert not (tmp_path / "o").exists()
 
 
 def test_mesh_needing_more_ranks_on_one_process_says_how_to_start_them(files, tmp_path, capsys, monkeypatch):
@@ -68,10 +69,13 @@ def test_bad_data_is_one_line_before_the_model_loads(files, tmp_path, capsys, mo
     monkeypatch.setattr("xpar_zoo.from_pretrained", lambda *a, **k: pytest.fail("the model loaded"))
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
-    argv = _common(files, tmp_path / "o", "--steps", "2")
+    (tmp_path / "runs").mkdir()
+    argv = _common(files, tmp_path / "runs" / "new" / "o", "--steps", "2", "--export-hf", str(tmp_path / "out" / "hf"))
     argv[argv.index("--data") + 1] = str(bad)
     assert cli.main(argv) == 2
     _one_line(capsys, f"{bad}:2: invalid UTF-8 at byte offset 25")
+    # the directories it made for --output and the export are gone again; what was there before stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "runs"] and not any((tmp_path / "runs").iterdir())
 
 
 def test_readme_one_process_line_with_a_yaml_mesh(files, tmp_path, capsys):

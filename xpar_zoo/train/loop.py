@@ -50,6 +50,7 @@ from .export import export_outputs
 from .inputs import Inputs, read_inputs
 from .load import Run, build_run
 from .metrics import MetricsLog, peak_memory_bytes
+from .outputs import removed_if_refused
 from .reporting import Reporter
 from .stop import StopAtOnce, StopOnSignal, Stopped
 
@@ -231,7 +232,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     quiet_other_ranks(rank)
     check_same_settings(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    with StopAtOnce(rank, "before step 1 (reading the data, loading the model)", cfg.output):
+    with (StopAtOnce(rank, "before step 1 (reading the data, loading the model)", cfg.output),
+          removed_if_refused(cfg, active=rank == 0)):
         inputs = read_inputs(cfg, world=world)
         cfg, output = inputs.cfg, Path(inputs.cfg.output)
         run, mesh, step, position = build_run(inputs, device=device, rank=rank, world=world)

@@ -16,11 +16,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,6 +341,33 @@ def check_outputs(cfg: TrainConfig) -> OutputPlan:
         _writable(path.parent, flag)
     check_metrics(output)
     return plan
+
+
+@contextlib.contextmanager
+def removed_if_refused(cfg: TrainConfig, active: bool) -> Iterator[None]:
+    """Rank 0 (``active``): the directories the run is about to create for ``--output`` and the exports' parents
+    (those that do not exist yet, with any missing parents), removed again if what runs inside raises while they
+    are still empty: a run refused before step 1 (bad data, a mesh that does not fit, a model that does not load)
+    leaves no empty output behind."""
+    created = _missing(Path(cfg.output), *(path.parent for _, path in exports(cfg))) if active else []
+    try:
+        yield
+    except BaseException:
+        for directory in created:  # deepest first; a directory with anything in it stays
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+
+
+def _missing(*paths: Path) -> list[Path]:
+    """``paths`` and their parents that do not exist, deepest first."""
+    out: set[Path] = set()
+    for path in paths:
+        path = path.absolute()
+        while not path.exists() and path != path.parent:
+            out.add(path)
+            path = path.parent
+    return sorted(out, key=lambda p: len(p.parts), reverse=True)
 
 
 def check_metrics(output: Path) -> None:
