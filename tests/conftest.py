@@ -1,4 +1,6 @@
 import os
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,16 @@ def pytest_collection_modifyitems(config, items):
     if outside:
         raise pytest.UsageError(f"test files belong in a tier folder ({', '.join(f'tests/{t}/' for t in TIERS)}): "
                                 + ", ".join(sorted(outside)))
+    # The zoo's tests go last: they only read the results of the zoo's one launched run, which runs in the
+    # background from the session's first test (_zoo_started) beside every other test.
+    zoo = [item for item in items if _uses_zoo(item)]
+    if zoo:
+        others = [item for item in items if not _uses_zoo(item)]
+        items[:] = others + zoo
+
+
+def _uses_zoo(item) -> bool:
+    return "zoo_proofs" in getattr(item, "fixturenames", ())
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +62,16 @@ def _unit_tests_launch_nothing(request, monkeypatch):
         raise AssertionError(f"{request.node.nodeid}: a unit test launches no ranks: move it to tests/distributed/")
 
     for name in ("run", "run_together", "run_each", "start"):
-        monkeypatch.setattr(launch, name, refuse)
+        monkeypatch.setattr(launch, name, _main_thread_only(getattr(launch, name), refuse))
+
+
+def _main_thread_only(original, refuse):
+    """``refuse`` in the main thread (the unit test's), ``original`` elsewhere (the zoo's run in the background,
+    :func:`_zoo_started`)."""
+    def guarded(*args, **kwargs):
+        return (refuse if threading.current_thread() is threading.main_thread() else original)(*args, **kwargs)
+
+    return guarded
 
 
 def _module_jobs(module, items, tmp_path_factory) -> tuple[dict, object]:
@@ -67,21 +88,44 @@ def _module_jobs(module, items, tmp_path_factory) -> tuple[dict, object]:
     return jobs, None
 
 
-@pytest.fixture(scope="session")
-def zoo_proofs(request, tmp_path_factory) -> dict:
-    """The zoo's 4-rank run: every collected test module that uses this fixture contributes its jobs,
-    ``zoo_jobs(tmp_path_factory) -> {name: (fn, args)}`` (one per architecture in tests/distributed/test_zoo.py and
-    tests/distributed/test_zoo_placement.py), and all of them run in one launched run (one start, one import of every
-    architecture per rank). ``{module name: JobResults}``: a job that fails fails only the tests that read its
-    results (``results[arch, …]``); the run starts again after it (xpar_zoo.testing.launch.run_each)."""
+@pytest.fixture(scope="session", autouse=True)
+def _zoo_started(request, tmp_path_factory):
+    """The zoo's 4-rank run, started at the session's first test in a background thread, so that it shares the
+    cores with every other test (a launched run alone leaves part of the cores idle: ranks waiting for rank 0's
+    reference and checks); its tests run last (the collection puts them there) and
+    :func:`zoo_proofs` waits for it. Every collected test module that uses ``zoo_proofs`` contributes its jobs,
+    ``zoo_jobs(tmp_path_factory) -> {name: (fn, args)}`` (built here, in the main thread, before any test changes
+    the environment the fork server compares against), and all of them run in one launched run (one start, one
+    import of every architecture per rank). A daemon thread: an interrupted session does not wait for it."""
     from xpar_zoo.testing import launch
     from xpar_zoo.testing.proofs import PROOF_WORLD
 
-    items = [item for item in request.session.items if "zoo_proofs" in getattr(item, "fixturenames", ())]
+    items = [item for item in request.session.items if _uses_zoo(item)]
+    future: Future = Future()
+    if not items:
+        future.set_result({})
+        return future
     jobs, job_of = {}, {}
     for m in sorted({item.module for item in items}, key=lambda m: m.__name__):
         module_jobs, job_of[m.__name__] = _module_jobs(m, [i for i in items if i.module is m], tmp_path_factory)
         jobs.update({(m.__name__, name): job for name, job in module_jobs.items()})
-    outcomes = launch.run_each(jobs, PROOF_WORLD, timeout_s=1800)
-    return {m: launch.JobResults({name: o for (module, name), o in outcomes.items() if module == m}, job_of[m])
-            for m in job_of}
+    run_each = launch.run_each  # the unguarded one, whatever a unit test patches meanwhile
+
+    def zoo() -> None:
+        try:
+            outcomes = run_each(jobs, PROOF_WORLD, timeout_s=1800)
+            future.set_result({m: launch.JobResults({name: o for (module, name), o in outcomes.items()
+                                                     if module == m}, job_of[m]) for m in job_of})
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=zoo, name="zoo proofs", daemon=True).start()
+    return future
+
+
+@pytest.fixture(scope="session")
+def zoo_proofs(_zoo_started) -> dict:
+    """The zoo's 4-rank run's results (:func:`_zoo_started`): ``{module name: JobResults}``; a job that fails fails
+    only the tests that read its results (``results[arch, …]``); the run starts again after it
+    (xpar_zoo.testing.launch.run_each)."""
+    return _zoo_started.result()

@@ -121,7 +121,6 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     every rank of a sequence group, passed whole)."""
     from ..parallel.clip import clip_grad_norm_
     from ..parallel.mesh import Mesh
-    from ..parallel.state import full_state_dict
     from ..parallelize import parallelize
     from ..styles.experts import set_experts_kernels
     from ..styles.sequence import data_shard, sequence_state, set_inner_attention
@@ -155,7 +154,56 @@ def train_parallel(config, data: torch.Tensor, mesh_kwargs: dict, optimizer: str
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if hasattr(p, "to_local")}
     sequence = sequence_state(model)
     paths = dict(sequence.paths) if sequence is not None else {}
-    return RunRecord(losses, norms, full_state_dict(model), local, paths)
+    return RunRecord(losses, norms, gathered_state(model), local, paths)
+
+
+def gathered_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0: ``{name: full CPU tensor}`` of ``model``'s state, the names and values
+    :func:`xpar_zoo.full_state_dict` gives, gathered in one collective (every rank's local shards with the global
+    indices they hold, :func:`~xpar_zoo.parallel.state.held_indices`) instead of one per tensor: what the parity
+    proofs compare, for hundreds of tiny models. Other ranks: ``{}``. A position no rank holds raises."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from ..parallel.state import held_indices
+
+    rank = dist.get_rank()
+    mine = {}
+    for name, value in get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)).items():
+        if isinstance(value, DTensor):
+            mine[name] = (value.to_local().detach().cpu(), held_indices(value)[1], tuple(value.shape))
+        elif rank == 0:
+            mine[name] = (value.detach().cpu(), {}, tuple(value.shape))
+    parts: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return {}
+    full: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for part in parts:
+        for name, (local, held, shape) in part.items():
+            if name not in full:
+                full[name] = (local.new_empty(shape), torch.zeros(shape, dtype=torch.bool))
+            flat = _global_flat_index(local.shape, held, shape)
+            full[name][0].view(-1)[flat] = local.reshape(-1)
+            full[name][1].view(-1)[flat] = True
+    for name, (_, seen) in full.items():
+        if not seen.all():
+            raise AssertionError(f"{name}: {int((~seen).sum())} positions held by no rank")
+    return {name: tensor for name, (tensor, _) in full.items()}
+
+
+def _global_flat_index(local_shape, held: dict[int, torch.Tensor], shape) -> torch.Tensor:
+    """The flat index into a tensor of ``shape`` of each element of a local shard of ``local_shape`` that holds the
+    global indices ``held[d]`` of each sharded dim ``d`` (all of an unsharded one), flattened in the shard's order."""
+    flat = torch.zeros((), dtype=torch.long)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        index = held[d] if d in held else torch.arange(local_shape[d])
+        view = [1] * len(shape)
+        view[d] = -1
+        flat = flat + index.reshape(view).long() * stride
+        stride *= shape[d]
+    return flat.expand(tuple(local_shape)).reshape(-1)
 
 
 def forward_reference(config, data: torch.Tensor, seed: int = 0, labels: torch.Tensor | None = None,
