@@ -191,19 +191,43 @@ def _runs(types: torch.Tensor, value: int) -> int:
     return int(((hit[1:] - hit[:-1]) == 1).sum()) + int(hit[:1].sum()) if len(hit) else 0
 
 
-def _take_videos(grids: list[torch.Tensor], frames: int) -> list[torch.Tensor]:
+def _take_videos(grids: list[torch.Tensor], runs: int, per_frame: bool) -> list[torch.Tensor]:
+    """The first video grids of ``grids`` (taken off it) that ``runs`` runs of video tokens hold: a run per frame
+    (temporal patch) where ``per_frame``, else a run per video."""
     taken = []
-    while frames > 0 and grids:
+    while runs > 0 and grids:
         taken.append(grids.pop(0))
-        frames -= int(taken[-1][0])
+        runs -= int(taken[-1][0]) if per_frame else 1
     return taken
+
+
+def _runs_are_frames(runs: int, grids: list[torch.Tensor]) -> bool:
+    """Whether a batch's ``runs`` runs of video tokens are one per frame of its video ``grids`` (frames separated
+    by their timestamps' text: Qwen3-VL, GLM-4V) rather than one per video (ERNIE-VL, HY-V4-VL); ``ValueError``
+    naming both counts when they are neither."""
+    frames = sum(int(g[0]) for g in grids)
+    if runs not in (frames, len(grids)):
+        raise ValueError(f"the rows hold {runs} runs of video tokens, neither one per video ({len(grids)} in "
+                         f"video_grid_thw) nor one per frame ({frames})")
+    return runs == frames
+
+
+def _documents(text: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of every document of ``text`` positions ``[batch, seq]`` (a document starts where its
+    positions restart at 0)."""
+    out = []
+    for b in range(text.shape[0]):
+        starts = (text[b] == 0).nonzero().flatten().tolist() + [text.shape[1]]
+        out += [(b, s, e) for s, e in zip(starts[:-1], starts[1:])]
+    return out
 
 
 def document_positions(model: nn.Module, batch: dict) -> dict:
     """``batch`` with multimodal RoPE positions where the model uses them (a module with ``get_rope_index``, and
     ``mm_token_type_ids`` in the batch): ``position_ids`` ``[4, batch, seq]``, the text positions (which restart at
     every packed document: transformers' packed-document mask reads them) over the model's own 3-D positions, each
-    document's computed alone by ``get_rope_index`` from its tokens and its images' grids. Otherwise unchanged."""
+    document's computed alone by ``get_rope_index`` from its tokens and its images' and videos' grids. Otherwise
+    unchanged."""
     host = next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
     types = batch.get("mm_token_type_ids")
     text = batch.get("position_ids")
@@ -212,15 +236,15 @@ def document_positions(model: nn.Module, batch: dict) -> dict:
     ids = batch["input_ids"]
     images = list(batch.get("image_grid_thw", ()))
     videos = list(batch.get("video_grid_thw", ()))
+    documents = _documents(text)
+    per_frame = _runs_are_frames(sum(_runs(types[b, s:e], 2) for b, s, e in documents), videos) if videos else True
     rope = torch.zeros(3, *ids.shape, dtype=torch.int64, device=ids.device)
-    for b in range(ids.shape[0]):
-        starts = (text[b] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
-        for s, e in zip(starts[:-1], starts[1:]):
-            kinds = types[b, s:e]
-            mine = [images.pop(0) for _ in range(_runs(kinds, 1))]
-            clips = _take_videos(videos, _runs(kinds, 2))
-            pos, _ = host.get_rope_index(ids[b:b + 1, s:e], kinds[None],
-                                         image_grid_thw=torch.stack(mine) if mine else None,
-                                         video_grid_thw=torch.stack(clips) if clips else None)
-            rope[:, b, s:e] = pos[:, 0]
+    for b, s, e in documents:
+        kinds = types[b, s:e]
+        mine = [images.pop(0) for _ in range(_runs(kinds, 1))]
+        clips = _take_videos(videos, _runs(kinds, 2), per_frame)
+        pos, _ = host.get_rope_index(ids[b:b + 1, s:e], kinds[None],
+                                     image_grid_thw=torch.stack(mine) if mine else None,
+                                     video_grid_thw=torch.stack(clips) if clips else None)
+        rope[:, b, s:e] = pos[:, 0]
     return {**batch, "position_ids": torch.cat([text[None].to(rope.device), rope])}
