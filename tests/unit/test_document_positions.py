@@ -41,6 +41,26 @@ def _document(cfg, parts, per_frame: bool) -> dict:
     return {"ids": tokens, "types": types, **grids}
 
 
+def _packed(rows: list[list[dict]]) -> dict:
+    """Rows of packed documents (``_document``'s) padded with text to the longest: ids, token types, text positions
+    restarting at each document, the documents' grids in order."""
+    seq = max(sum(len(d["ids"]) for d in row) for row in rows)
+    batch = {"input_ids": torch.full((len(rows), seq), TEXT),
+             "mm_token_type_ids": torch.zeros(len(rows), seq, dtype=torch.long),
+             "position_ids": torch.zeros(len(rows), seq, dtype=torch.long)}
+    for b, row in enumerate(rows):
+        at = 0
+        for d in row + [{"ids": [TEXT] * (seq - sum(len(d["ids"]) for d in row)), "types": []}]:
+            n = len(d["ids"])
+            batch["input_ids"][b, at:at + n] = torch.tensor(d["ids"], dtype=torch.long)
+            batch["mm_token_type_ids"][b, at:at + len(d["types"])] = torch.tensor(d["types"], dtype=torch.long)
+            batch["position_ids"][b, at:at + n] = torch.arange(n)
+            at += n
+    for kind in ("image", "video"):
+        batch[f"{kind}_grid_thw"] = torch.tensor([g for row in rows for d in row for g in d[kind]])
+    return batch
+
+
 # Two rows of two documents: two videos and an image in one, a text-only one, a video and an image.
 VIDEO, IMAGE = (4, 4, 4), (1, 4, 4)
 ROWS = ([[("video", VIDEO), ("image", IMAGE), ("video", (2, 4, 4))], [("image", IMAGE)]],
@@ -52,19 +72,8 @@ def test_each_packed_documents_positions_are_its_own_with_its_videos(arch, per_f
     cfg = parity.tiny_config(arch)
     model = build_meta(cfg, torch.float32)
     rows = [[_document(cfg, parts, per_frame) for parts in row] for row in ROWS]
-    seq = max(sum(len(d["ids"]) for d in row) for row in rows)
-    batch = {"input_ids": torch.full((2, seq), TEXT), "mm_token_type_ids": torch.zeros(2, seq, dtype=torch.long),
-             "position_ids": torch.zeros(2, seq, dtype=torch.long)}
-    for b, row in enumerate(rows):
-        at = 0
-        for d in row + [{"ids": [TEXT] * (seq - sum(len(d["ids"]) for d in row)), "types": []}]:
-            n = len(d["ids"])
-            batch["input_ids"][b, at:at + n] = torch.tensor(d["ids"], dtype=torch.long)
-            batch["mm_token_type_ids"][b, at:at + len(d["types"])] = torch.tensor(d["types"], dtype=torch.long)
-            batch["position_ids"][b, at:at + n] = torch.arange(n)
-            at += n
-    for kind in ("image", "video"):
-        batch[f"{kind}_grid_thw"] = torch.tensor([g for row in rows for d in row for g in d[kind]])
+    batch = _packed(rows)
+    seq = batch["input_ids"].shape[1]
     out = document_positions(model, batch)["position_ids"]
     assert out.shape == (4, 2, seq) and torch.equal(out[0], batch["position_ids"])
     host = model.model
@@ -85,3 +94,58 @@ def test_video_grids_that_match_no_run_of_video_tokens_are_one_line():
              "position_ids": torch.arange(len(doc["ids"]))[None], "video_grid_thw": torch.tensor([VIDEO, VIDEO])}
     with pytest.raises(ValueError, match=r"^the rows hold 4 runs of video tokens, neither one per video \(2 .*\(8\)$"):
         document_positions(build_meta(cfg, torch.float32), batch)
+
+
+@pytest.mark.parametrize("with_types", [False, True])
+def test_qwen3_omni_thinkers_packed_documents_are_at_its_own_positions(with_types):
+    """Qwen3-Omni's thinker finds images by their tokens (its ``get_rope_index`` takes no ``mm_token_type_ids``, and
+    its processor gives none): each document's positions are those its ``get_rope_index`` gives it alone."""
+    cfg = parity.tiny_config("qwen3_omni_moe_thinker")
+    model = build_meta(cfg, torch.float32)
+    rows = [[_document(cfg, [("image", IMAGE), ("image", (1, 2, 4))], False), _document(cfg, [("image", IMAGE)], False)],
+            [_document(cfg, [], False), _document(cfg, [("image", (1, 4, 2))], False)]]
+    batch = _packed(rows)
+    if not with_types:
+        del batch["mm_token_type_ids"]
+    out = document_positions(model, batch)["position_ids"]
+    assert out.shape == (4, *batch["input_ids"].shape) and torch.equal(out[0], batch["position_ids"])
+    assert not torch.equal(out[1], out[2])  # 3-D positions at the images
+    for b, row in enumerate(rows):
+        at = 0
+        for d in row:
+            n = len(d["ids"])
+            alone, _ = model.get_rope_index(torch.tensor([d["ids"]]), torch.tensor(d["image"]) if d["image"] else None,
+                                            attention_mask=torch.ones(1, n, dtype=torch.long))
+            assert torch.equal(out[1:, b, at:at + n], alone[:, 0].long()), (b, at)
+            at += n
+
+
+@pytest.mark.parametrize("kind", ["video", "audio"])
+def test_qwen3_omni_thinkers_video_or_audio_rows_are_one_line(kind):
+    cfg = parity.tiny_config("qwen3_omni_moe_thinker")
+    doc = _document(cfg, [("image", IMAGE)], False)
+    ids = torch.tensor([doc["ids"] + [getattr(cfg, f"{kind}_token_id"), TEXT]])
+    batch = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None], "image_grid_thw": torch.tensor([IMAGE])}
+    with pytest.raises(ValueError, match=rf"^qwen3_omni_moe_thinker: rows with {kind} are not trained .*image–text "
+                                         "records$"):
+        document_positions(build_meta(cfg, torch.float32), batch)
+
+
+def test_qwen3_omni_thinkers_loss_at_these_positions_is_its_own():
+    """A row of one document with images: the thinker's loss at :func:`document_positions`' positions is the loss at
+    the positions it computes itself (and not the loss at plain 1-D positions)."""
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from xpar_zoo.testing import modality
+
+    cfg = parity.tiny_config("qwen3_omni_moe_thinker")
+    torch.manual_seed(0)
+    model = Qwen3OmniMoeThinkerForConditionalGeneration(cfg).float().eval()
+    ids, inputs = modality.mixed_batches("image", cfg, 2)
+    ids, images = ids[0], {k: v for k, v in inputs[0].items() if k != "mm_token_type_ids"}
+    plain = torch.arange(ids.shape[1]).expand_as(ids)
+    ours = document_positions(model, {"input_ids": ids, "position_ids": plain, **images})["position_ids"]
+    with torch.no_grad():
+        own, at_ours, at_plain = (model(input_ids=ids, labels=ids, **images, **kw).loss for kw in (
+            {"attention_mask": torch.ones_like(ids)}, {"position_ids": ours}, {"position_ids": plain}))
+    assert own == at_ours and own != at_plain

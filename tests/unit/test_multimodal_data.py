@@ -217,6 +217,21 @@ def test_packed_rows_hold_whole_conversations_their_images_and_each_documents_ow
     assert np.isclose(corpus.fill, corpus.num_tokens / (corpus.rows_per_epoch * 160))
 
 
+
+def test_qwen3_omni_thinkers_video_records_are_one_line_before_any_work(tmp_path):
+    """Qwen3-Omni's thinker trains image–text records (its multimodal RoPE positions of a video need the clip's
+    timing, which packed rows do not carry): a video part is refused before the processor loads."""
+    from types import SimpleNamespace
+
+    from xpar_zoo.testing import parity
+    from xpar_zoo.train.inputs import load_corpus
+
+    path, _ = _examples([_chat(_image("a.png")), _chat({"type": "video", "video": "clip.mp4"})], tmp_path)
+    with pytest.raises(DataError, match=r"^\S+data.jsonl: qwen3_omni_moe_thinker: rows with video are not trained "
+                                        r"\(.*\); train it on image–text records$"):
+        load_corpus(SimpleNamespace(tokenizer=None, model="none"), 128, str(path),
+                    parity.tiny_config("qwen3_omni_moe_thinker"))
+
 def test_media_parts_keep_their_order():
     from xpar_zoo.train.chat import to_example
 
