@@ -9,8 +9,9 @@ its published configs set); the families sp/cp cannot split are refused with the
 (:data:`xpar_zoo.testing.modality.PACKED_ROWS`, positions per document) train on every mesh of the mixed rows too,
 as a second step of the same run where the config allows. qwen3_vl_moe's mixed rows hold a two-frame video too, on
 a rank without images (:data:`xpar_zoo.testing.modality.VIDEO_ROWS`): the ranks without it encode a dummy video, and
-a sequence group deals it as it deals images. The jobs run in the zoo's one 4-rank run
-(``zoo_proofs`` in tests/conftest.py)"""
+a sequence group deals it as it deals images; its packed rows hold that video in a document of its own beside a
+document with an image (positions per document, each video frame a run of its own). The jobs run in the zoo's one
+4-rank run (``zoo_proofs`` in tests/conftest.py)"""
 
 import contextlib
 
@@ -43,13 +44,15 @@ CASES = [(a, m) for a in ARCHS for m in _meshes(a)]
 PACKED_JOB = {arch: f"{arch} packed" if arch in BIDIRECTIONAL_IMAGES else arch for arch in ARCHS}
 
 
-def _packed_rows(arch: str, cfg, host) -> tuple:
-    """Token ids and each rank's inputs of :data:`~xpar_zoo.testing.modality.PACKED_ROWS`, their positions computed
-    per document as the training data makes them (multimodal RoPE's 3-D ones where the model uses them, else 1-D)
-    by ``host`` (a model of ``cfg``)."""
+def _packed_rows(arch: str, cfg, host, **video) -> tuple:
+    """Token ids and each rank's inputs of :data:`~xpar_zoo.testing.modality.PACKED_ROWS` (``video``: the videos
+    and row length of :func:`~xpar_zoo.testing.modality.mixed_batches`), their positions computed per document as
+    the training data makes them (multimodal RoPE's 3-D ones where the model uses them, else 1-D) by ``host`` (a
+    model of ``cfg``)."""
     from xpar_zoo.styles.encoders import document_positions
 
-    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD, rows=modality.PACKED_ROWS)
+    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD, rows=modality.PACKED_ROWS,
+                                         **video)
     return ids, [{**images[r], "position_ids": document_positions(host, {"input_ids": ids[r], **images[r]})[
         "position_ids"]} for r in range(PROOF_WORLD)]
 
@@ -57,7 +60,8 @@ def _packed_rows(arch: str, cfg, host) -> tuple:
 def _job(arch: str) -> dict:
     """One SGD step on the mixed rows on every mesh of :func:`_meshes`, and where the same config serves them a
     second on packed rows (:func:`_packed_rows`; transformers masks packed documents only without a cache, which
-    changes nothing on the mixed rows), against single-process transformers' same steps."""
+    changes nothing on the mixed rows), against single-process transformers' same steps. qwen3_vl_moe's rows of
+    both steps hold a video (in a packed row, a document of its own beside one with an image)."""
     import torch
     import torch.distributed as dist
 
@@ -68,12 +72,13 @@ def _job(arch: str) -> dict:
     else:
         for config in (cfg, cfg.get_text_config()):
             config.use_cache = False
-    videos = modality.VIDEO_ROWS if arch == VL else ()
-    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD, videos=videos)
+    video = {"videos": modality.VIDEO_ROWS, "seq": modality.VIDEO_SEQ} if arch == VL else {}
+    ids, images = modality.mixed_batches(AUTO_PROVED[arch].inputs, cfg, PROOF_WORLD, **video)
+    videos = video.get("videos", ())
     steps = [(ids, images)]
     host = parity.build_model(cfg)
     if PACKED_JOB[arch] == arch:
-        steps.append(_packed_rows(arch, cfg, host))
+        steps.append(_packed_rows(arch, cfg, host, **video))
     data, extra = torch.stack([s[0] for s in steps]), [s[1] for s in steps]
     before = host.state_dict() if rank == 0 else None
     ref = parity.train_reference(cfg, data, "sgd", None, extra=extra) if rank == 0 else None
@@ -239,6 +244,17 @@ def test_the_mixed_rows_leave_ranks_without_images():
     _, images = modality.mixed_batches("image", cfg, PROOF_WORLD)
     assert [("pixel_values" in e) for e in images] == [True, False, True, False]
     assert len(images[0]["image_grid_thw"]) == 2  # two images in one row
+
+
+def test_the_packed_rows_hold_a_video_beside_a_document_with_an_image():
+    cfg = parity.tiny_config(VL)
+    _, inputs = modality.mixed_batches("image", cfg, PROOF_WORLD, rows=modality.PACKED_ROWS,
+                                       videos=modality.VIDEO_ROWS, seq=modality.VIDEO_SEQ)
+    [(r, b)] = modality.VIDEO_ROWS
+    half = modality.VIDEO_SEQ // 2
+    types, positions = inputs[r]["mm_token_type_ids"][b], inputs[r]["position_ids"][b]
+    assert positions[half] == 0 and (types[:half] == 2).any() and (types[half:] == 1).any() and not types[half:].eq(
+        2).any() and not types[:half].eq(1).any(), types
 
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))

@@ -114,6 +114,18 @@ def test_a_video_part_without_torchvision_is_one_line(tmp_path):
         check_images(examples, tmp_path, allow_absolute=False, videos=False)
 
 
+def test_a_video_part_is_checked_as_a_file_where_the_processor_takes_videos(tmp_path):
+    """A video file (not an image PIL reads) passes where the processor has a video processor; a missing one is
+    one line naming the record and the file."""
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    _, (_, examples) = _examples([_chat({"type": "video", "video": "clip.mp4"}, _image("missing.png"))], tmp_path)
+    with pytest.raises(DataError, match=r"data.jsonl:1: image missing.png: no such file"):
+        check_images(examples, tmp_path, allow_absolute=False, videos=True)  # the video passed first
+    path, (_, examples) = _examples([_chat({"type": "video", "video": "gone.mp4"})], tmp_path)
+    with pytest.raises(DataError, match=r"data.jsonl:1: video gone.mp4: no such file"):
+        check_images(examples, tmp_path, allow_absolute=False, videos=True)
+
+
 def test_train_with_a_video_part_without_torchvision_is_one_line_before_any_work(processor, model_dir, tmp_path,
                                                                                  capsys):
     from xpar_zoo.commands import cli
@@ -205,6 +217,21 @@ def test_packed_rows_hold_whole_conversations_their_images_and_each_documents_ow
     assert np.isclose(corpus.fill, corpus.num_tokens / (corpus.rows_per_epoch * 160))
 
 
+
+def test_qwen3_omni_thinkers_video_records_are_one_line_before_any_work(tmp_path):
+    """Qwen3-Omni's thinker trains image–text records (its multimodal RoPE positions of a video need the clip's
+    timing, which packed rows do not carry): a video part is refused before the processor loads."""
+    from types import SimpleNamespace
+
+    from xpar_zoo.testing import parity
+    from xpar_zoo.train.inputs import load_corpus
+
+    path, _ = _examples([_chat(_image("a.png")), _chat({"type": "video", "video": "clip.mp4"})], tmp_path)
+    with pytest.raises(DataError, match=r"^\S+data.jsonl: qwen3_omni_moe_thinker: rows with video are not trained "
+                                        r"\(.*\); train it on image–text records$"):
+        load_corpus(SimpleNamespace(tokenizer=None, model="none"), 128, str(path),
+                    parity.tiny_config("qwen3_omni_moe_thinker"))
+
 def test_media_parts_keep_their_order():
     from xpar_zoo.train.chat import to_example
 
@@ -220,3 +247,67 @@ def test_image_parts_on_a_text_only_model_are_one_line(tmp_path):
     with pytest.raises(DataError, match=r"data.jsonl:1: message content as a list of parts .* text-only"):
         conversation_corpus(path, kind, examples, tiny_tokenizer(), loss_on=None, seq_len=64, seed=0,
                             truncate=None, vocab_size=300)
+
+
+def _conversation(cfg, first: int, images: int = 0, videos: tuple = ()) -> tuple[np.ndarray, dict]:
+    """A rendered conversation's token ids and processor inputs, as Qwen3VLProcessor makes them, built by hand (no
+    torchvision): ``images`` images of 4×4 patches, then videos of the grids ``videos`` (each frame its timestamp's
+    text and its placeholders inside vision start / end), between text tokens from ``first``; pixels filled with
+    ``first``."""
+    start, end, merge = cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.vision_config.spatial_merge_size
+    ids, media = [first, first + 1], {}
+    for _ in range(images):
+        ids += [start, *[cfg.image_token_id] * (16 // merge**2), end, first + 2]
+    for t, h, w in videos:
+        frame = [first + 3, first + 4, start, *[cfg.video_token_id] * (h * w // merge**2), end]
+        ids += [start, *frame * t, end, first + 5]
+    if images:
+        media.update(pixel_values=torch.full((16 * images, 4), float(first)),
+                     image_grid_thw=torch.tensor([[1, 4, 4]] * images))
+    if videos:
+        media.update(pixel_values_videos=torch.full((sum(t * h * w for t, h, w in videos), 4), float(first)),
+                     video_grid_thw=torch.tensor(videos))
+    x = np.asarray(ids, dtype=np.int64)
+    media["mm_token_type_ids"] = torch.from_numpy((x == cfg.image_token_id) + 2 * (x == cfg.video_token_id))
+    return x, media
+
+
+def test_packed_video_conversations_hold_their_videos_and_each_documents_own_positions(model_dir):
+    """Conversations with videos (one or two, beside images) packed whole by the training data's corpus: each row's
+    video inputs are its conversations' in order, and every packed document's multimodal RoPE positions are those
+    transformers' ``get_rope_index`` gives that conversation alone."""
+    from transformers import AutoConfig
+
+    from xpar_zoo.styles.encoders import document_positions
+    from xpar_zoo.train.multimodal import MediaCorpus
+    from xpar_zoo.zoo.registry import build_meta
+
+    config = AutoConfig.from_pretrained(model_dir)
+    model = build_meta(config, torch.float32)
+    convs = [_conversation(config, 10, videos=((2, 4, 4),)),
+             _conversation(config, 20, images=1, videos=((2, 4, 4), (1, 4, 4))),  # two videos, beside a text one
+             _conversation(config, 30),
+             _conversation(config, 40, images=2),  # beside the first video
+             _conversation(config, 50, videos=((1, 4, 4),))]
+    corpus = MediaCorpus([x for x, _ in convs], [np.ones(len(x), bool) for x, _ in convs], [m for _, m in convs],
+                         seq_len=48, seed=0, pad_id=0, source="videos", digest="")
+    assert corpus.rows_per_epoch < len(convs)  # packed
+    rows = corpus.rows(0, corpus.rows_per_epoch)
+    batch = document_positions(model, rows)
+    held = []
+    for r in range(corpus.rows_per_epoch):
+        starts = (rows["position_ids"][r] == 0).nonzero().flatten().tolist() + [48]
+        for s, e in zip(starts[:-1], starts[1:]):
+            ids = rows["input_ids"][r, s:e]
+            if not ids.any():
+                continue  # the row's padding
+            x, media = convs[int(ids[0]) // 10 - 1]
+            assert ids.tolist() == x.tolist()
+            held.append(media)
+            own, _ = model.model.get_rope_index(ids[None], media["mm_token_type_ids"][None],
+                                                image_grid_thw=media.get("image_grid_thw"),
+                                                video_grid_thw=media.get("video_grid_thw"))
+            assert torch.equal(batch["position_ids"][1:, r, s:e], own[:, 0]), (r, s)
+    assert len(held) == len(convs)
+    for key in ("pixel_values_videos", "video_grid_thw", "pixel_values", "image_grid_thw"):
+        assert torch.equal(rows[key], torch.cat([m[key] for m in held if key in m])), key

@@ -191,36 +191,99 @@ def _runs(types: torch.Tensor, value: int) -> int:
     return int(((hit[1:] - hit[:-1]) == 1).sum()) + int(hit[:1].sum()) if len(hit) else 0
 
 
-def _take_videos(grids: list[torch.Tensor], frames: int) -> list[torch.Tensor]:
+def _take_videos(grids: list[torch.Tensor], runs: int, per_frame: bool) -> list[torch.Tensor]:
+    """The first video grids of ``grids`` (taken off it) that ``runs`` runs of video tokens hold: a run per frame
+    (temporal patch) where ``per_frame``, else a run per video."""
     taken = []
-    while frames > 0 and grids:
+    while runs > 0 and grids:
         taken.append(grids.pop(0))
-        frames -= int(taken[-1][0])
+        runs -= int(taken[-1][0]) if per_frame else 1
     return taken
+
+
+def _runs_are_frames(runs: int, grids: list[torch.Tensor]) -> bool:
+    """Whether a batch's ``runs`` runs of video tokens are one per frame of its video ``grids`` (frames separated
+    by their timestamps' text: Qwen3-VL, GLM-4V) rather than one per video (ERNIE-VL, HY-V4-VL); ``ValueError``
+    naming both counts when they are neither."""
+    frames = sum(int(g[0]) for g in grids)
+    if runs not in (frames, len(grids)):
+        raise ValueError(f"the rows hold {runs} runs of video tokens, neither one per video ({len(grids)} in "
+                         f"video_grid_thw) nor one per frame ({frames})")
+    return runs == frames
+
+
+def _documents(text: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of every document of ``text`` positions ``[batch, seq]`` (a document starts where its
+    positions restart at 0)."""
+    out = []
+    for b in range(text.shape[0]):
+        starts = (text[b] == 0).nonzero().flatten().tolist() + [text.shape[1]]
+        out += [(b, s, e) for s, e in zip(starts[:-1], starts[1:])]
+    return out
+
+
+# Families whose ``get_rope_index`` finds images by their tokens (it takes no ``mm_token_type_ids``) and needs the
+# clips' timing for video and audio, which packed training rows do not carry: their rows are image–text only.
+TOKEN_FOUND_IMAGES = frozenset({"qwen3_omni_moe_thinker"})
+
+
+def media_refusal(config, kinds: set[str]) -> str | None:
+    """Why ``config``'s model cannot train rows holding media ``kinds`` (``"image"``, ``"video"``, ``"audio"``)
+    at its own positions; ``None`` where it can."""
+    other = sorted(kinds - {"image"})
+    if getattr(config, "model_type", None) in TOKEN_FOUND_IMAGES and other:
+        return (f"{config.model_type}: rows with {' or '.join(other)} are not trained (its multimodal RoPE positions "
+                "need the clips' timing, which packed rows do not carry); train it on image–text records")
+    return None
+
+
+def _token_types(host: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``mm_token_type_ids`` of ``ids`` (1 at image placeholders) for a ``host`` whose ``get_rope_index`` finds
+    images by their tokens; ``ValueError`` (:func:`media_refusal`) where the rows hold video or audio placeholders."""
+    config = host.config
+    found = {kind: getattr(config, f"{kind}_token_id", None) for kind in ("image", "video", "audio")}
+    refused = media_refusal(config, {k for k, t in found.items() if t is not None and bool((ids == t).any())})
+    if refused:
+        raise ValueError(refused)
+    return (ids == found["image"]).to(torch.int64) if found["image"] is not None else torch.zeros_like(ids)
+
+
+def _rope_index(host: nn.Module, ids: torch.Tensor, kinds: torch.Tensor, images: list, clips: list) -> torch.Tensor:
+    """``host.get_rope_index``'s 3-D positions ``[3, 1, len]`` of one document ``ids`` ``[1, len]``, called with the
+    arguments its signature takes (token types, or an all-ones attention mask where it finds images by tokens)."""
+    grids = {"image_grid_thw": torch.stack(images) if images else None,
+             "video_grid_thw": torch.stack(clips) if clips else None}
+    if "mm_token_type_ids" in inspect.signature(host.get_rope_index).parameters:
+        return host.get_rope_index(ids, kinds[None], **grids)[0]
+    return host.get_rope_index(ids, **grids, attention_mask=torch.ones_like(ids))[0]
 
 
 def document_positions(model: nn.Module, batch: dict) -> dict:
     """``batch`` with multimodal RoPE positions where the model uses them (a module with ``get_rope_index``, and
-    ``mm_token_type_ids`` in the batch): ``position_ids`` ``[4, batch, seq]``, the text positions (which restart at
-    every packed document: transformers' packed-document mask reads them) over the model's own 3-D positions, each
-    document's computed alone by ``get_rope_index`` from its tokens and its images' grids. Otherwise unchanged."""
+    ``mm_token_type_ids`` in the batch, or image placeholders where it finds images by their tokens: Qwen3-Omni's
+    thinker, whose video and audio are refused, :func:`media_refusal`): ``position_ids`` ``[4, batch, seq]``, the
+    text positions (which restart at every packed document: transformers' packed-document mask reads them) over the
+    model's own 3-D positions, each document's computed alone by ``get_rope_index`` from its tokens and its images'
+    and videos' grids. Otherwise unchanged."""
     host = next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
-    types = batch.get("mm_token_type_ids")
     text = batch.get("position_ids")
-    if host is None or types is None or text is None or text.dim() != 2:
+    if host is None or text is None or text.dim() != 2:
         return batch
     ids = batch["input_ids"]
+    types = batch.get("mm_token_type_ids")
+    if "mm_token_type_ids" not in inspect.signature(host.get_rope_index).parameters:
+        types = _token_types(host, ids)
+        types = types if bool(types.any()) else None
+    if types is None:
+        return batch
     images = list(batch.get("image_grid_thw", ()))
     videos = list(batch.get("video_grid_thw", ()))
+    documents = _documents(text)
+    per_frame = _runs_are_frames(sum(_runs(types[b, s:e], 2) for b, s, e in documents), videos) if videos else True
     rope = torch.zeros(3, *ids.shape, dtype=torch.int64, device=ids.device)
-    for b in range(ids.shape[0]):
-        starts = (text[b] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
-        for s, e in zip(starts[:-1], starts[1:]):
-            kinds = types[b, s:e]
-            mine = [images.pop(0) for _ in range(_runs(kinds, 1))]
-            clips = _take_videos(videos, _runs(kinds, 2))
-            pos, _ = host.get_rope_index(ids[b:b + 1, s:e], kinds[None],
-                                         image_grid_thw=torch.stack(mine) if mine else None,
-                                         video_grid_thw=torch.stack(clips) if clips else None)
-            rope[:, b, s:e] = pos[:, 0]
+    for b, s, e in documents:
+        kinds = types[b, s:e]
+        mine = [images.pop(0) for _ in range(_runs(kinds, 1))]
+        clips = _take_videos(videos, _runs(kinds, 2), per_frame)
+        rope[:, b, s:e] = _rope_index(host, ids[b:b + 1, s:e], kinds, mine, clips)[:, 0]
     return {**batch, "position_ids": torch.cat([text[None].to(rope.device), rope])}

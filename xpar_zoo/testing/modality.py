@@ -90,10 +90,11 @@ MIXED_ROWS = ((2, 0), (0, 0), (0, 1), (0, 0))
 # The rows (rank, row) of the mixed rows that hold a video after their images, where the model takes videos: rank 1's
 # second row (a rank without images; its targets are not all ignored, :func:`xpar_zoo.testing.parity.make_labels`).
 VIDEO_ROWS = ((1, 1),)
+VIDEO_SEQ = 40  # the rows' length where they hold a video: a packed row's first document (half a row) holds it
 _VIDEO_GRID = (2, 4, 4)  # two frames (temporal patches) of 4×4 patches
 _TIMESTAMP = (27, 48)  # the text tokens of a frame's timestamp ("<0.5 seconds>")
 # Packed rows: two documents per row, each with its images (an image in a row's second document only, ranks with and
-# without images).
+# without images); with :data:`VIDEO_ROWS`, rank 1's second row holds the video in its first document.
 PACKED_ROWS = (((1, 1), (0, 0)), ((0, 0), (0, 1)), ((1, 0), (0, 0)), ((0, 0), (0, 0)))
 
 

@@ -12,8 +12,9 @@ from typing import Any
 from ..compat import attn_implementation
 from ..errors import DataError, TrainConfigError
 from ..parallel.distributed import run_everywhere
+from ..styles.encoders import media_refusal
 from .agreement import check_same_settings, resume_changes
-from .chat import conversation_corpus, has_parts, load_examples, pad_token_id
+from .chat import conversation_corpus, has_parts, load_examples, media_parts, pad_token_id
 from .checkpointer import check_resumable
 from .config import TrainConfig, validate
 from .data import (
@@ -101,6 +102,9 @@ def load_corpus(cfg: TrainConfig, vocab_size: int, path: str | None = None, mode
     path = path or cfg.data
     conversations = load_examples(path)
     if conversations is not None and is_multimodal(model_config) and any(map(has_parts, conversations[1])):
+        refused = media_refusal(model_config, {p["type"] for ex in conversations[1] for p in media_parts(ex)})
+        if refused:
+            raise DataError(f"{path}: {refused}")
         processor = load_processor(cfg.tokenizer or cfg.model, model_config)
         corpus = media_corpus(Path(path), *conversations, processor, loss_on=cfg.loss_on, seq_len=cfg.seq_len,
                               seed=cfg.seed, vocab_size=vocab_size, allow_absolute=cfg.allow_absolute_paths,

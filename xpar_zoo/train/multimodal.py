@@ -62,19 +62,22 @@ def _open_image(path: Path):
         return image.convert("RGB")
 
 
-def resolve_image(where: str, value: str, base: Path, allow_absolute: bool) -> Path:
+def resolve_image(where: str, value: str, base: Path, allow_absolute: bool, kind: str = "image") -> Path:
     """The file an image part names (relative to ``base``, the data file's folder), checked: inside ``base``'s tree
     unless ``allow_absolute``, present, not empty, readable as an image, not of zero size. :class:`DataError`
-    naming the record and the file otherwise."""
+    naming the record and the file otherwise. ``kind="video"``: a video part's file, checked up to "not empty"
+    (the processor's video processor decodes it)."""
     given = Path(value).expanduser()
     path = (given if given.is_absolute() else base / given).resolve()
     if not allow_absolute and not path.is_relative_to(base.resolve()):
-        raise DataError(f"{where}: image {value}: outside the data folder {base} (an absolute path or '..'); pass "
+        raise DataError(f"{where}: {kind} {value}: outside the data folder {base} (an absolute path or '..'); pass "
                         "--allow-absolute-paths to read it")
     if not path.is_file():
-        raise DataError(f"{where}: image {value}: no such file ({path})")
+        raise DataError(f"{where}: {kind} {value}: no such file ({path})")
     if path.stat().st_size == 0:
-        raise DataError(f"{where}: image {value}: an empty file (0 bytes)")
+        raise DataError(f"{where}: {kind} {value}: an empty file (0 bytes)")
+    if kind == "video":
+        return path
     try:
         image = _open_image(path)
     except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, SyntaxError, …)
@@ -86,8 +89,8 @@ def resolve_image(where: str, value: str, base: Path, allow_absolute: bool) -> P
 
 
 def check_images(examples: list[Example], base: Path, allow_absolute: bool, videos: bool) -> list[Example]:
-    """Every example with its image parts' paths resolved and checked (:func:`resolve_image`); video parts refused
-    with one line where the processor has no video processor (``videos`` false)."""
+    """Every example with its image and video parts' paths resolved and checked (:func:`resolve_image`); video
+    parts refused with one line where the processor has no video processor (``videos`` false)."""
     if importlib.util.find_spec("PIL") is None and any(media_parts(ex) for ex in examples):
         raise DataError("image parts need Pillow to open the images: pip install 'xpar_zoo[vision]'")
     for ex in examples:
@@ -96,7 +99,7 @@ def check_images(examples: list[Example], base: Path, allow_absolute: bool, vide
                 raise DataError(f"{ex.where}: a video part ({part['video']}): this processor's video processor "
                                 "needs torchvision, which does not load here; install a torchvision built for this "
                                 "torch, or train on images")
-            part["path"] = resolve_image(ex.where, part[part["type"]], base, allow_absolute)
+            part["path"] = resolve_image(ex.where, part[part["type"]], base, allow_absolute, part["type"])
     return examples
 
 
