@@ -126,9 +126,15 @@ def _regions() -> list:
     return gathered
 
 
+def zoo_job(tmp_path_factory) -> tuple:
+    """This module's job in the zoo's one 4-rank run (``zoo_proofs`` in tests/conftest.py), which runs beside the
+    other tests."""
+    return _train_job, (str(tmp_path_factory.mktemp("hub")),)
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return launch.run(_train_job, WORLD, str(tmp_path_factory.mktemp("hub")), timeout_s=600)
+def trained(zoo_proofs):
+    return zoo_proofs[__name__]
 
 
 CASES = [("qwen3_moe", "ep2"), ("qwen3_moe", "ep2_emb2_head2"), ("gpt_oss", "ep2"), ("lowrank", "ep2_lowrank2")]

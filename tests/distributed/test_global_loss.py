@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from xpar_zoo.testing import launch, parity
+from xpar_zoo.testing import parity
 
 WORLD = 4
 MICRO = 2  # micro-batches per rank and optimizer step
@@ -244,9 +244,15 @@ def _job(root: str) -> dict:
             "save_pretrained": _save_pretrained(cfg, data, root)}
 
 
+def zoo_job(tmp_path_factory) -> tuple:
+    """This module's job in the zoo's one 4-rank run (``zoo_proofs`` in tests/conftest.py), which runs beside the
+    other tests."""
+    return _job, (str(tmp_path_factory.mktemp("meta_ckpt")),)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch.run(_job, WORLD, str(tmp_path_factory.mktemp("meta_ckpt")))
+def results(zoo_proofs):
+    return zoo_proofs[__name__]
 
 
 @pytest.mark.parametrize("mesh", list(ACCUMULATION_MESHES))

@@ -7,7 +7,7 @@ and user-named ``gathered`` plans. One spawned 4-rank job runs them all."""
 
 import pytest
 
-from xpar_zoo.testing import launch, parity
+from xpar_zoo.testing import parity
 
 WORLD = 4
 MESHES = {
@@ -46,9 +46,15 @@ def _job() -> dict:
                                  plans={"user_plans": _user_plan()})
 
 
+def zoo_job(tmp_path_factory) -> tuple:
+    """This module's job in the zoo's one 4-rank run (``zoo_proofs`` in tests/conftest.py), which runs beside the
+    other tests."""
+    return _job, ()
+
+
 @pytest.fixture(scope="module")
-def results():
-    return launch.run(_job, WORLD)
+def results(zoo_proofs):
+    return zoo_proofs[__name__]
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from xpar_zoo.testing import launch, parity
+from xpar_zoo.testing import parity
 
 WORLD = 4
 EMB, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -167,9 +167,15 @@ def _job() -> dict:
     return results
 
 
+def zoo_job(tmp_path_factory) -> tuple:
+    """This module's job in the zoo's one 4-rank run (``zoo_proofs`` in tests/conftest.py), which runs beside the
+    other tests."""
+    return _job, ()
+
+
 @pytest.fixture(scope="module")
-def results():
-    return launch.run(_job, WORLD)
+def results(zoo_proofs):
+    return zoo_proofs[__name__]
 
 
 def test_head_plan_never_allocates_full_vocab_logits(results):
