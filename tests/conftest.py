@@ -119,8 +119,31 @@ def _zoo_started(request, tmp_path_factory):
         except BaseException as e:
             future.set_exception(e)
 
-    threading.Thread(target=zoo, name="zoo proofs", daemon=True).start()
+    thread = threading.Thread(target=zoo, name="zoo proofs", daemon=True)
+    request.config.stash[_ZOO_THREAD] = thread
+    thread.start()
     return future
+
+
+_ZOO_THREAD = pytest.StashKey[threading.Thread]()
+
+
+def pytest_sessionfinish(session):
+    """A session that ends before the zoo's run did (interrupted, ``-x``) ends the run's ranks with it rather than
+    leave them training to the end of their jobs."""
+    thread = session.config.stash.get(_ZOO_THREAD, None)
+    if thread is None or not thread.is_alive():
+        return
+    try:
+        import psutil
+    except ImportError:
+        return
+    for child in psutil.Process().children(recursive=True):  # the fork server and the zoo's ranks, forked from it
+        try:
+            if any("forkserver" in part for part in child.cmdline()):
+                child.kill()
+        except psutil.Error:
+            pass
 
 
 @pytest.fixture(scope="session")

@@ -184,7 +184,9 @@ FLASH_CASES = {
 # refuses inputs that require grad there); the backward of the sp/cp collectives around it is the one the eager and
 # sdpa cases prove. Each case compiles flex (transformers torch.compiles it, a mask of another form compiles again)
 # on every rank: 20-50 s each on 2 cores with a cold compile cache, so two cases cover every part of the mask:
-# packed documents on cp+ep, and a sliding window over left-padded rows on sp+cp.
+# packed documents on cp+ep, and a sliding window over left-padded rows on sp+cp. The single-process reference runs
+# flex unfused (torch.compiler.set_stance("force_eager"): the same attention, without compiling transformers' mask
+# as well); the sp/cp side compiles, as it runs in training.
 FLEX = {"attn_implementation": "flex_attention"}
 FLEX_CASES = {
     "flex_packed_qwen3_moe_cp2_ep2": (("qwen3_moe", FLEX), {"cp": 2, "ep": 2}, True),
@@ -301,6 +303,7 @@ def _cases(world: int) -> dict:
 
 def _flex_cases(world: int) -> dict:
     """FLEX_CASES: one forward without gradients, sp/cp on flex against single-process flex on the whole rows."""
+    import torch
     import torch.distributed as dist
 
     out = {}
@@ -309,7 +312,10 @@ def _flex_cases(world: int) -> dict:
         data = parity.make_batches(config.vocab_size, 1, world, batch=2, seq=SEQ, seed=1)
         extra = _rows(kind, world, 1)
         labels = _labels(kind, data, extra)
-        ref = parity.forward_reference(config, data, labels=labels, extra=extra) if dist.get_rank() == 0 else None
+        ref = None
+        if dist.get_rank() == 0:
+            with torch.compiler.set_stance("force_eager"):
+                ref = parity.forward_reference(config, data, labels=labels, extra=extra)
         ours = parity.forward_parallel(config, data, mesh, labels=labels, extra=extra)
         out[name] = {"loss": (ours[0], ref and ref[0]), "logits": (ours[1], ref and ref[1])}
     return out
