@@ -248,12 +248,14 @@ def _token_types(host: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return (ids == found["image"]).to(torch.int64) if found["image"] is not None else torch.zeros_like(ids)
 
 
-def _rope_index(host: nn.Module, ids: torch.Tensor, kinds: torch.Tensor, images: list, clips: list) -> torch.Tensor:
+def _rope_index(host: nn.Module, ids: torch.Tensor, kinds: torch.Tensor, images: list, clips: list,
+                typed: bool) -> torch.Tensor:
     """``host.get_rope_index``'s 3-D positions ``[3, 1, len]`` of one document ``ids`` ``[1, len]``, called with the
-    arguments its signature takes (token types, or an all-ones attention mask where it finds images by tokens)."""
+    arguments its signature takes (``typed``: token types, else an all-ones attention mask where it finds images
+    by tokens)."""
     grids = {"image_grid_thw": torch.stack(images) if images else None,
              "video_grid_thw": torch.stack(clips) if clips else None}
-    if "mm_token_type_ids" in inspect.signature(host.get_rope_index).parameters:
+    if typed:
         return host.get_rope_index(ids, kinds[None], **grids)[0]
     return host.get_rope_index(ids, **grids, attention_mask=torch.ones_like(ids))[0]
 
@@ -271,7 +273,8 @@ def document_positions(model: nn.Module, batch: dict) -> dict:
         return batch
     ids = batch["input_ids"]
     types = batch.get("mm_token_type_ids")
-    if "mm_token_type_ids" not in inspect.signature(host.get_rope_index).parameters:
+    typed = "mm_token_type_ids" in inspect.signature(host.get_rope_index).parameters
+    if not typed:
         types = _token_types(host, ids)
         types = types if bool(types.any()) else None
     if types is None:
@@ -285,5 +288,5 @@ def document_positions(model: nn.Module, batch: dict) -> dict:
         kinds = types[b, s:e]
         mine = [images.pop(0) for _ in range(_runs(kinds, 1))]
         clips = _take_videos(videos, _runs(kinds, 2), per_frame)
-        rope[:, b, s:e] = _rope_index(host, ids[b:b + 1, s:e], kinds, mine, clips)[:, 0]
+        rope[:, b, s:e] = _rope_index(host, ids[b:b + 1, s:e], kinds, mine, clips, typed)[:, 0]
     return {**batch, "position_ids": torch.cat([text[None].to(rope.device), rope])}
